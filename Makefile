@@ -1,0 +1,26 @@
+# The two commands: `make demo` and `make test`. Each creates .venv when missing and installs what it needs.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first: 2.13.0 (CPU build) comes from the local cache; nixl's unpinned torch would pull a CUDA build.
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m kvbridge.cli demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,11 @@
+"""kvbridge: the KV-cache transfer layer for disaggregated LLM serving.
+
+Packages, lowest first (imports only go up this list, never down):
+    agents       byte movers (TransferAgent and its implementations), knowing nothing of KV
+    formatter    KV geometry: layouts, the ctx<->gen rank mapping, the fragment planner
+    transceiver  the control plane: wire messages over ZeroMQ, sender, receiver, CacheTransceiver
+    executor     a reference engine (paged KV cache manager, Llama-family model) to test on real KV
+    serving      worker processes, router, launcher and the `kvbridge` CLI
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,194 @@
+"""NixlAgent: one-sided READ/WRITE through NIXL's UCX backend (host DRAM and CUDA VRAM).
+
+UCX picks the transport per peer pair: shared memory / CMA between processes of one host, cuda_ipc between
+GPUs of one host, RDMA or TCP across hosts. NIXL runs its own progress thread; this class only posts and
+polls. `nixl-cu13` is a hard dependency of kvbridge, but it is imported lazily so that a machine where the
+native library cannot load still imports kvbridge and gets a clear error when it asks for this agent.
+
+Why NIXL and not UCX directly: ucx-py cannot be installed from PyPI and ucxx exposes no RMA to Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from ..errors import AgentError, PeerError
+from .base import DescriptorList, MemoryKind, MemoryRegion, TransferAgent, TransferHandle, XferState
+from .envelope import field, open_envelope, seal
+
+log = logging.getLogger(__name__)
+
+_nixl = None
+_nixl_lock = threading.Lock()
+
+
+def _load_nixl():
+    global _nixl
+    with _nixl_lock:
+        if _nixl is None:
+            # NIXL logs every agent and backend creation at INFO; keep that out of users' terminals.
+            os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+            try:
+                import nixl_cu13 as mod  # type: ignore[import-not-found]
+            except ImportError:
+                try:
+                    from nixl import _api as mod  # type: ignore[import-not-found,no-redef]
+                except ImportError as e:
+                    raise AgentError(
+                        "NixlAgent needs the `nixl-cu13` package (pip install nixl-cu13); "
+                        f"importing it failed: {e}"
+                    ) from e
+            _nixl = mod
+        return _nixl
+
+
+class NixlTransfer(TransferHandle):
+    """A NIXL transfer request; state polled from NIXL, cancel releases (aborts) the request."""
+
+    def __init__(self, agent: "NixlAgent", xfer, ndesc: int, nbytes: int, first: str) -> None:
+        super().__init__(ndesc, nbytes)
+        self._agent = agent
+        self._xfer = xfer
+        self._final: XferState | None = None
+        if first == "DONE":
+            self._final = XferState.DONE
+        elif first == "ERR":
+            self._final = XferState.FAILED
+            self.error = "NIXL refused to post the transfer"
+
+    def state(self) -> XferState:
+        if self._final is not None:
+            return self._final
+        try:
+            s = self._agent._nx.check_xfer_state(self._xfer)
+        except Exception as e:  # noqa: BLE001 - the binding raises its own types
+            self.error = f"NIXL status check failed: {e}"
+            s = "ERR"
+        if s == "DONE":
+            self._final = XferState.DONE
+        elif s == "ERR":
+            self._final = XferState.FAILED
+            self.error = self.error or "NIXL reported a transfer error (peer gone or memory invalid)"
+        return self._final or XferState.PENDING
+
+    def _cancel(self) -> None:
+        self._final = XferState.FAILED
+        self._drop()
+
+    def _do_release(self) -> None:
+        self._drop()
+
+    def _drop(self) -> None:
+        x, self._xfer = self._xfer, None
+        if x is not None:
+            try:
+                self._agent._nx.release_xfer_handle(x)
+            except Exception as e:  # noqa: BLE001
+                log.warning("NIXL could not release a transfer handle: %s", e)
+
+
+class NixlAgent(TransferAgent):
+    """TransferAgent over NIXL (UCX backend).
+
+    Args:
+        name: unique among the peers this agent talks to (NIXL keys remote agents by name).
+        backends: NIXL backends to create; UCX by default.
+        num_threads: UCX worker threads (0: NIXL's default).
+    """
+
+    agent_kind = "nixl"
+    memory_kinds = frozenset({MemoryKind.DRAM, MemoryKind.VRAM})
+
+    def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",), num_threads: int = 0) -> None:
+        super().__init__(name)
+        mod = _load_nixl()
+        cfg = mod.nixl_agent_config(
+            enable_prog_thread=True,
+            backends=list(backends),
+            num_threads=num_threads,
+            sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        try:
+            self._nx = mod.nixl_agent(name, cfg)
+        except Exception as e:  # noqa: BLE001
+            raise AgentError(f"could not create NIXL agent {name!r}: {e}") from e
+        missing = [b for b in backends if b not in self._nx.backends]
+        if missing:
+            raise AgentError(f"NIXL backends {missing} are not available (plugins: {self._nx.plugin_list})")
+        self._reg_descs: dict[int, object] = {}
+
+    def _register(self, region: MemoryRegion, key: int) -> None:
+        try:
+            self._reg_descs[key] = self._nx.register_memory(
+                [(region.addr, region.length, region.device, "")], region.kind.value)
+        except Exception as e:  # noqa: BLE001
+            raise AgentError(f"NIXL could not register {region}: {e}") from e
+
+    def _unregister(self, region: MemoryRegion, key: int) -> None:
+        descs = self._reg_descs.pop(key, None)
+        if descs is not None:
+            self._nx.deregister_memory(descs)
+
+    def _metadata(self) -> bytes:
+        return seal(self.agent_kind, self.name, {"nixl": self._nx.get_agent_metadata()})
+
+    def _connect(self, peer_metadata: bytes) -> str:
+        name, payload = open_envelope(peer_metadata, self.agent_kind)
+        blob = field(payload, "nixl", bytes)
+        if name == self.name:
+            raise PeerError(f"peer metadata carries this agent's own name {name!r}; names must be unique")
+        if name in self.peers:
+            self._nx.remove_remote_agent(name)  # the peer restarted: forget its old registrations
+        try:
+            got = self._nx.add_remote_agent(blob)
+        except Exception as e:  # noqa: BLE001
+            raise PeerError(f"NIXL rejected the metadata of peer {name!r}: {e}") from e
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        if got != name:
+            self._nx.remove_remote_agent(got)
+            raise PeerError(f"peer metadata names {name!r} in its envelope but {got!r} inside")
+        return name
+
+    def _disconnect(self, peer: str) -> None:
+        try:
+            self._nx.remove_remote_agent(peer)
+        except Exception as e:  # noqa: BLE001
+            log.warning("NIXL could not remove peer %s: %s", peer, e)
+
+    def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
+        if not len(local):
+            return NixlTransfer(self, None, 0, 0, "DONE")
+        nx = self._nx
+        try:
+            xfer = nx.initialize_xfer(op, nx.get_xfer_descs(local.as_nixl(), local.kind.value),
+                                      nx.get_xfer_descs(remote.as_nixl(), remote.kind.value), peer)
+        except Exception as e:  # noqa: BLE001
+            raise AgentError(f"NIXL refused a {op} of {len(local)} descriptors from {peer!r} "
+                             f"(are the remote ranges inside memory the peer registered?): {e}") from e
+        try:
+            first = nx.transfer(xfer)
+        except Exception as e:  # noqa: BLE001
+            nx.release_xfer_handle(xfer)
+            raise AgentError(f"NIXL could not post a {op} to {peer!r}: {e}") from e
+        return NixlTransfer(self, xfer, len(local), local.nbytes, first)
+
+    def _close(self) -> None:
+        for key in list(self._reg_descs):
+            try:
+                self._nx.deregister_memory(self._reg_descs.pop(key))
+            except Exception:  # noqa: BLE001
+                pass
+        self._nx = _ClosedNixl()
+
+
+class _ClosedNixl:
+    """Stands in for the native agent after close(), so late handle releases are harmless no-ops."""
+
+    def release_xfer_handle(self, _x) -> None:
+        pass
+
+    def check_xfer_state(self, _x) -> str:
+        return "ERR"

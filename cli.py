@@ -1,0 +1,41 @@
+"""The `kvbridge` command: a thin dispatcher to subcommands that live beside the code they run.
+
+Each subcommand is "module:function"; the function takes the remaining argv and returns an exit code.
+Modules are imported only when their subcommand runs, so `kvbridge --help` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    # name: (module:function, one-line help)
+    "demo": ("kvbridge.demo:main", "run the end-to-end demo (what `make demo` runs)"),
+    "bench": ("kvbridge.bench.__main__:main", "benchmarks: `kvbridge bench transfer|plan ...` (JSON with --json)"),
+}
+
+
+def usage() -> str:
+    w = max(map(len, SUBCOMMANDS))
+    lines = ["usage: kvbridge <command> [args]", "", "commands:"]
+    lines += [f"  {name:<{w}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"kvbridge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    target = SUBCOMMANDS[name][0]
+    mod, _, fn = target.partition(":")
+    return int(getattr(importlib.import_module(mod), fn)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

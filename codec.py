@@ -1,0 +1,78 @@
+"""Strict msgpack: the only way kvbridge turns bytes from a peer (or a file) into Python values.
+
+No ext types, no pickle, bounded sizes and nesting, string map keys only. Anything else raises
+`ProtocolError` naming what was wrong. Used by agents' metadata and by the transceiver's wire messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+
+__all__ = ["pack", "unpack", "MAX_FRAME_BYTES", "MAX_DEPTH"]
+
+MAX_FRAME_BYTES = 64 << 20  # one control-plane frame; block-id lists of 1M blocks fit with room to spare
+MAX_DEPTH = 8
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack ext type {code} is not accepted")
+
+
+def pack(obj: Any) -> bytes:
+    """Serialize plain data (dict/list/str/bytes/int/float/bool/None) to msgpack."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES, max_depth: int = MAX_DEPTH,
+           what: str = "frame") -> Any:
+    """Decode msgpack from an untrusted source.
+
+    Args:
+        data: the bytes received.
+        max_bytes: refuse larger inputs before decoding.
+        max_depth: refuse containers nested deeper than this.
+        what: a name for the input, used in error messages.
+    Raises:
+        ProtocolError: naming what was wrong (size, truncation, ext type, nesting, trailing bytes).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
+    n = len(data)
+    if n == 0:
+        raise ProtocolError(f"{what}: empty")
+    if n > max_bytes:
+        raise ProtocolError(f"{what}: {n} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
+            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except msgpack.ExtraData:
+        raise ProtocolError(f"{what}: trailing bytes after the message") from None
+    except (ValueError, msgpack.UnpackException, TypeError) as e:
+        kind = "truncated" if "incomplete" in str(e).lower() or isinstance(e, msgpack.OutOfData) else "malformed"
+        raise ProtocolError(f"{what}: {kind} msgpack ({e})") from None
+    except RecursionError:
+        raise ProtocolError(f"{what}: nested too deeply") from None
+    _check_depth(obj, max_depth, what)
+    return obj
+
+
+def _check_depth(obj: Any, max_depth: int, what: str) -> None:
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            if d > max_depth:
+                raise ProtocolError(f"{what}: containers nested deeper than {max_depth}")
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            if d > max_depth:
+                raise ProtocolError(f"{what}: containers nested deeper than {max_depth}")
+            stack.extend((v, d + 1) for v in o)

@@ -1,0 +1,67 @@
+"""The error hierarchy shared by every kvbridge package.
+
+Every error a user or a peer can cause is a `KvBridgeError` with a message that says what was wrong and,
+where it helps, what to do. Errors caused by input from the network are `ProtocolError`s (or a subclass)
+and never `AssertionError`s.
+"""
+
+from __future__ import annotations
+
+
+class KvBridgeError(Exception):
+    """Base of every kvbridge error."""
+
+
+# --- agents -------------------------------------------------------------------------------------------
+class AgentError(KvBridgeError):
+    """A transfer agent could not do what was asked (bad descriptors, unknown peer, backend failure)."""
+
+
+class RegistrationError(AgentError):
+    """Memory could not be registered, or a descriptor lies outside every registered region."""
+
+
+class PeerError(AgentError):
+    """A peer is unknown, its metadata is malformed or of another agent kind, or it is unreachable."""
+
+
+class TransferFailed(AgentError):
+    """A transfer ended in failure (the backend reported an error, or it was cancelled)."""
+
+
+class TransferTimeout(AgentError, TimeoutError):
+    """A wait on a transfer reached its deadline before the transfer finished."""
+
+
+# --- formatter ----------------------------------------------------------------------------------------
+class LayoutError(KvBridgeError):
+    """A KV layout or parallel split is invalid on its own (e.g. TP that does not shard the kv heads)."""
+
+
+class LayoutMismatchError(LayoutError):
+    """Context and generation layouts cannot exchange KV (different head_dim, dtype, layer count, ...)."""
+
+
+# --- transceiver --------------------------------------------------------------------------------------
+class ProtocolError(KvBridgeError):
+    """A wire message was malformed, oversized, of an unknown type or version, or named a bad field."""
+
+
+class TransceiverError(KvBridgeError):
+    """A KV transfer request failed in the control plane (unknown request, expired lease, peer gone)."""
+
+
+class RequestNotFound(TransceiverError):
+    """The peer does not know the request id (never registered, already released, or lease expired)."""
+
+
+class LeaseExpired(TransceiverError):
+    """The context side released the request's blocks because its lease ran out."""
+
+
+class DeadlineExceeded(TransceiverError, TimeoutError):
+    """A request did not complete before its deadline."""
+
+
+class PeerGone(TransceiverError):
+    """The peer stopped answering (no heartbeat within the deadline) or closed the connection."""
