@@ -42,6 +42,10 @@ class LayoutMismatchError(LayoutError):
     """Context and generation layouts cannot exchange KV (different head_dim, dtype, layer count, ...)."""
 
 
+class PlanError(KvBridgeError):
+    """Block ids or token counts cannot be planned (too few block ids, an id outside the pool, ...)."""
+
+
 # --- transceiver --------------------------------------------------------------------------------------
 class ProtocolError(KvBridgeError):
     """A wire message was malformed, oversized, of an unknown type or version, or named a bad field."""
@@ -65,3 +69,16 @@ class DeadlineExceeded(TransceiverError, TimeoutError):
 
 class PeerGone(TransceiverError):
     """The peer stopped answering (no heartbeat within the deadline) or closed the connection."""
+
+
+# --- executor -----------------------------------------------------------------------------------------
+class KVCacheError(KvBridgeError):
+    """A KV cache manager call named an unknown request, freed one twice, or unpinned one not pinned."""
+
+
+class KVCacheExhausted(KVCacheError):
+    """The pool has too few free blocks for a request; the request was refused and nothing changed."""
+
+
+class ExecutorError(KvBridgeError):
+    """The reference executor failed: a rank died, a step timed out, a model could not be loaded."""
