@@ -33,6 +33,18 @@ class TransferTimeout(AgentError, TimeoutError):
     """A wait on a transfer reached its deadline before the transfer finished."""
 
 
+class ConnectionFailed(AgentError):
+    """A two-sided connection (agents/connection.py) broke: I/O error, aborted, or a peer's bad frame."""
+
+
+class ConnectionClosed(ConnectionFailed):
+    """The peer closed the connection (or the process behind it died) before all bytes moved."""
+
+
+class ConnectionDeadline(ConnectionFailed, TimeoutError):
+    """A send, recv or connection set-up did not finish before its deadline; the connection is unusable."""
+
+
 # --- formatter ----------------------------------------------------------------------------------------
 class LayoutError(KvBridgeError):
     """A KV layout or parallel split is invalid on its own (e.g. TP that does not shard the kv heads)."""

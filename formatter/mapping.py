@@ -1,0 +1,135 @@
+"""Which context ranks hold what a generation rank needs: the ctx<->gen rank mapping for any TP/PP split.
+
+Pure functions over layouts, cached per (context layout, generation layout) pair. The answer for one
+generation rank is a tuple of `Piece`s: (context rank, global layer range, global kv-head range). Every
+(layer, head) the generation rank holds is covered by exactly one piece — for heads duplicated across context
+ranks (tp > kv_heads, or MLA) exactly one source is chosen, spread over the duplicates so that generation
+ranks do not all read from the same context rank.
+
+What overlaps is decided here; how to copy it (addresses, fragments) is the planner's job.
+
+Strategies (small objects, named for logs and `verify-layout`):
+    identity         same layout: generation rank r reads everything from context rank r
+    same_heads       same head sharding per TP rank, only PP (layer split) differs
+    regrouped_heads  head ranges differ (TP sizes differ, replication, MLA): pieces cut at head boundaries
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..errors import LayoutError, LayoutMismatchError
+from .layout import KVLayout
+
+__all__ = ["Piece", "RankMapping", "check_compatible", "mapping_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A rectangle of KV a generation rank reads from one context rank (global layer and head ids)."""
+
+    ctx_rank: int
+    layers: range
+    heads: range
+
+    def __repr__(self) -> str:
+        return (f"Piece(ctx_rank={self.ctx_rank}, layers={self.layers.start}..{self.layers.stop - 1}, "
+                f"heads={self.heads.start}..{self.heads.stop - 1})")
+
+
+_MUST_MATCH = ("num_layers", "num_kv_heads", "head_dim", "dtype", "mla")
+
+
+def check_compatible(ctx: KVLayout, gen: KVLayout) -> None:
+    """Raise LayoutMismatchError (naming the field, both values and both layouts) unless KV can move ctx->gen.
+
+    tokens_per_block, TP, PP and pool order may differ; the model's KV shape may not.
+    """
+    for f in _MUST_MATCH:
+        a, b = getattr(ctx.shape, f), getattr(gen.shape, f)
+        if a != b:
+            raise LayoutMismatchError(
+                f"context and generation disagree on {f} (context {a}, generation {b});\n"
+                f"    context layout:    {ctx.describe()}\n    generation layout: {gen.describe()}")
+
+
+def _overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+class RankMapping:
+    """The mapping for one (context layout, generation layout) pair. Build with `mapping_for` (cached)."""
+
+    def __init__(self, ctx: KVLayout, gen: KVLayout) -> None:
+        check_compatible(ctx, gen)
+        self.ctx, self.gen = ctx, gen
+        if ctx.to_wire() == gen.to_wire():
+            self.strategy = "identity"
+        elif ctx.split.tp == gen.split.tp:
+            self.strategy = "same_heads"
+        else:
+            self.strategy = "regrouped_heads"
+        self._pieces = tuple(self._compute(r) for r in range(gen.world_size))
+
+    def pieces(self, gen_rank: int) -> tuple[Piece, ...]:
+        """What generation rank `gen_rank` reads, one Piece per (context rank, layer run, head run)."""
+        if not 0 <= gen_rank < self.gen.world_size:
+            raise LayoutError(f"generation rank {gen_rank} outside 0..{self.gen.world_size - 1}")
+        return self._pieces[gen_rank]
+
+    def ctx_ranks(self, gen_rank: int) -> tuple[int, ...]:
+        """Context ranks `gen_rank` reads from, in ascending order."""
+        return tuple(sorted({p.ctx_rank for p in self.pieces(gen_rank)}))
+
+    def readers_of(self, ctx_rank: int) -> tuple[int, ...]:
+        """Generation ranks that read from `ctx_rank` (the context side waits for all of them)."""
+        return tuple(g for g in range(self.gen.world_size) if ctx_rank in self.ctx_ranks(g))
+
+    def _compute(self, gen_rank: int) -> tuple[Piece, ...]:
+        ctx, gen = self.ctx, self.gen
+        g_tp, g_pp = gen.coords(gen_rank)
+        if self.strategy == "identity":
+            return (Piece(gen_rank, gen.stage_layers(g_pp), gen.head_range(g_tp)),)
+        need_layers, need_heads = gen.stage_layers(g_pp), gen.head_range(g_tp)
+        out: list[Piece] = []
+        for c_pp in range(ctx.split.pp):
+            layers = _overlap(need_layers, ctx.stage_layers(c_pp))
+            if not layers:
+                continue
+            for heads, c_tp in self._head_sources(need_heads, g_tp):
+                out.append(Piece(ctx.rank_of(c_tp, c_pp), layers, heads))
+        return tuple(out)
+
+    def _head_sources(self, need: range, g_tp: int) -> list[tuple[range, int]]:
+        """(head run, context tp rank) covering `need`, one source per head, duplicates spread by g_tp."""
+        ctx = self.ctx
+        tp, kvh = ctx.split.tp, ctx.shape.num_kv_heads
+        if ctx.shape.mla:
+            return [(need, g_tp % tp)]
+        if tp >= kvh:  # each head on tp // kvh context ranks: pick one, rotating with the reader's tp rank
+            dup = tp // kvh
+            return [(range(h, h + 1), h * dup + g_tp % dup) for h in need]
+        per = kvh // tp
+        out = []
+        for c_tp in range(need.start // per, (need.stop - 1) // per + 1):
+            heads = _overlap(need, range(c_tp * per, c_tp * per + per))
+            if heads:
+                out.append((heads, c_tp))
+        return out
+
+    def describe(self) -> str:
+        lines = [f"strategy {self.strategy}: {self.ctx.describe()}  ->  {self.gen.describe()}"]
+        for g in range(self.gen.world_size):
+            lines.append(f"  gen rank {g}: " + ", ".join(map(repr, self.pieces(g))))
+        return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(ctx: KVLayout, gen: KVLayout) -> RankMapping:
+    return RankMapping(ctx, gen)
+
+
+def mapping_for(ctx: KVLayout, gen: KVLayout) -> RankMapping:
+    """The (cached) RankMapping of a context/generation layout pair; LayoutMismatchError if incompatible."""
+    return _cached(ctx, gen)

@@ -1,0 +1,152 @@
+"""In-process, byte-exact check of a context/generation split: "will this P/D split work?".
+
+Builds every rank's pool of both executors in one host arena, fills the context pools so that each element
+encodes (layer, kv, head, token, dim), runs the real mapping and planner for every generation rank, executes
+the fragments with a plain (vectorised) memcpy, and compares every byte of every generation pool against
+what it must hold — request tokens in place, everything else untouched. Used by `kvbridge verify-layout`
+and by the split-matrix tests. This is a checking tool, not a data path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layout import KVLayout
+from .mapping import mapping_for
+from .planner import Fragments, RankPool, plan_pieces
+
+__all__ = ["element_codes", "Arena", "VerifyResult", "verify_split"]
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def element_codes(layer, kv, head, token, dim, itemsize: int, salt: int = 0) -> np.ndarray:
+    """Bytes (uint8, last axis = itemsize) encoding each element's identity; broadcasts its arguments."""
+    x = ((((layer.astype(np.int64) * 2 + kv) * 4096 + head) * (1 << 24) + token) * 4096 + dim + salt * 7919)
+    with np.errstate(over="ignore"):
+        x = (x.astype(np.uint64) * _MIX) >> np.uint64(24)
+    return x.astype("<u8")[..., None].view(np.uint8)[..., :itemsize]
+
+
+class Arena:
+    """One host buffer holding many pools, so a fragment list executes as one vectorised gather."""
+
+    def __init__(self, sizes: list[int], align: int = 256) -> None:
+        offs, total = [], 0
+        for s in sizes:
+            offs.append(total)
+            total += -(-s // align) * align
+        self.buf = np.zeros(max(total, 1), dtype=np.uint8)
+        self.base = int(self.buf.ctypes.data)
+        self.offsets = offs
+
+    def addr(self, i: int) -> int:
+        return self.base + self.offsets[i]
+
+    def view(self, i: int, nbytes: int) -> np.ndarray:
+        return self.buf[self.offsets[i]:self.offsets[i] + nbytes]
+
+    def execute(self, f: Fragments) -> None:
+        """Copy every fragment (src -> dst, addresses inside this arena)."""
+        if not len(f):
+            return
+        total = f.nbytes
+        starts = np.cumsum(f.length) - f.length
+        within = np.arange(total, dtype=np.int64) - np.repeat(starts, f.length)
+        src = np.repeat(f.src - self.base, f.length) + within
+        dst = np.repeat(f.dst - self.base, f.length) + within
+        self.buf[dst] = self.buf[src]
+
+
+def _pool_codes(layout: KVLayout, rank: int, num_blocks: int, block_tokens: np.ndarray, n: int,
+                salt: int) -> np.ndarray:
+    """The bytes a rank's pool must hold: request tokens encoded, everything else a salted background."""
+    s = layout.shape
+    tp_rank, pp_rank = layout.coords(rank)
+    L = np.arange(layout.stage_layers(pp_rank).start, layout.stage_layers(pp_rank).stop)
+    H = np.arange(layout.head_range(tp_rank).start, layout.head_range(tp_rank).stop)
+    K, T, D = np.arange(s.kv_factor), np.arange(s.tokens_per_block), np.arange(s.head_dim)
+    B = np.arange(num_blocks)
+    if layout.order == "block_major":  # [B, L, K, H, T, D]
+        b, l, k, h, t, d = np.ix_(B, L, K, H, T, D)
+    else:  # layer_pools, stacked as [L, B, K, T, H, D]
+        l, b, k, t, h, d = np.ix_(L, B, K, T, H, D)
+    tok = block_tokens[b] + t
+    real = (block_tokens[b] >= 0) & (tok < n)
+    codes = element_codes(l, k, h, np.where(real, tok, 0), d, s.itemsize)
+    background = element_codes(l, k, h, b * s.tokens_per_block + t, d, s.itemsize, salt=salt)
+    return np.where(real[..., None], codes, background).reshape(-1)
+
+
+def _block_tokens(blocks: np.ndarray, num_blocks: int, tpb: int) -> np.ndarray:
+    bt = np.full(num_blocks, -1, dtype=np.int64)
+    bt[blocks] = np.arange(blocks.size, dtype=np.int64) * tpb
+    return bt
+
+
+def _pick_blocks(rng: np.random.Generator, pool: int, need: int) -> np.ndarray:
+    """A run of adjacent ids (exercises coalescing) then scattered ones, never block 0 first."""
+    run = need // 2
+    rest = rng.permutation(np.arange(1 + run, pool))[:need - run]
+    return np.concatenate([np.arange(1, 1 + run), rest]).astype(np.int64)
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    strategy: str
+    fragments: dict[int, int]  # generation rank -> fragment count after coalescing
+    nbytes: int
+    mismatches: dict[int, int]  # generation rank -> mismatching bytes
+
+    def summary(self) -> str:
+        frags = ", ".join(f"gen{r}:{n}" for r, n in self.fragments.items())
+        state = "OK" if self.ok else "MISMATCH " + ", ".join(f"gen{r}:{n} bytes" for r, n in self.mismatches.items() if n)
+        return f"{state}  strategy={self.strategy}  bytes={self.nbytes}  fragments[{frags}]"
+
+
+def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0) -> VerifyResult:
+    """Move one request of `num_tokens` tokens from every context rank to every generation rank; compare."""
+    rng = np.random.default_rng(seed)
+    mapping = mapping_for(ctx, gen)
+    tc, tg = ctx.shape.tokens_per_block, gen.shape.tokens_per_block
+    nbc, nbg = -(-num_tokens // tc), -(-num_tokens // tg)
+    nb_ctx, nb_gen = nbc + 3, nbg + 2  # spare blocks that must stay untouched
+    ctx_blocks = _pick_blocks(rng, nb_ctx, nbc)
+    gen_blocks = _pick_blocks(rng, nb_gen, nbg)
+
+    def pool_bytes(layout: KVLayout, rank: int, nb: int) -> int:
+        return int(np.prod(layout.pool_shape(rank, nb))) * layout.shape.itemsize * (
+            1 if layout.order == "block_major" else layout.local_layers(rank))
+
+    sizes = [pool_bytes(ctx, r, nb_ctx) for r in range(ctx.world_size)]
+    sizes += [pool_bytes(gen, r, nb_gen) for r in range(gen.world_size)]
+    arena = Arena(sizes)
+
+    def bases(layout: KVLayout, rank: int, i: int, nb: int) -> list[int]:
+        if layout.order == "block_major":
+            return [arena.addr(i)]
+        per = int(np.prod(layout.pool_shape(rank, nb))) * layout.shape.itemsize
+        return [arena.addr(i) + j * per for j in range(layout.local_layers(rank))]
+
+    ctx_pools = {}
+    ctx_bt = _block_tokens(ctx_blocks, nb_ctx, tc)
+    for r in range(ctx.world_size):
+        ctx_pools[r] = RankPool.of(ctx, r, bases(ctx, r, r, nb_ctx), nb_ctx)
+        arena.view(r, sizes[r])[:] = _pool_codes(ctx, r, nb_ctx, ctx_bt, num_tokens, salt=1)
+    gen_bt = _block_tokens(gen_blocks, nb_gen, tg)
+    frag_counts, mism, total = {}, {}, 0
+    for g in range(gen.world_size):
+        i = ctx.world_size + g
+        arena.view(i, sizes[i])[:] = _pool_codes(gen, g, nb_gen, np.full(nb_gen, -1), num_tokens, salt=2)
+        gpool = RankPool.of(gen, g, bases(gen, g, i, nb_gen), nb_gen)
+        per_ctx = plan_pieces(mapping.pieces(g), ctx_pools, gpool, ctx_blocks, gen_blocks, num_tokens)
+        for f in per_ctx.values():
+            arena.execute(f)
+            total += f.nbytes
+        frag_counts[g] = sum(len(f) for f in per_ctx.values())
+        want = _pool_codes(gen, g, nb_gen, gen_bt, num_tokens, salt=2)
+        mism[g] = int(np.count_nonzero(arena.view(i, sizes[i]) != want))
+    return VerifyResult(not any(mism.values()), mapping.strategy, frag_counts, total, mism)

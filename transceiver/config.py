@@ -1,0 +1,103 @@
+"""Transceiver settings: endpoints, agent preference, every timeout, in one validated dataclass.
+
+All durations are seconds. Every wait in the transceiver is bounded by one of these.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from ..errors import KvBridgeError
+
+__all__ = ["TransceiverConfig", "ConfigError", "local_host_id"]
+
+
+class ConfigError(KvBridgeError):
+    """A configuration value is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class TransceiverConfig:
+    """Settings of one rank's transceiver.
+
+    agents: transfer agent kinds in preference order; "auto" means cuda_ipc (GPU pools, same host, peer
+        access works) then nixl. The generation side picks the first kind both sides offer that connects.
+    bind_host / advertise_host / port: where the context side's control socket listens (port 0: any free
+        port) and the address peers are told to use.
+    transfer_timeout_s: the deadline of one generation-side pull, from submit to confirmed.
+    pickup_timeout_s: how long a published context request stays pinned waiting for its first Fetch.
+    lease_s: how long a context request stays pinned after the last sign of life from its readers.
+    heartbeat_s: how often a reader renews its leases (must be well under lease_s).
+    peer_timeout_s: silence from a context peer (with requests in flight) after which they fail.
+    handshake_timeout_s: Hello -> Welcome bound.
+    drain_timeout_s: after a failure, how long to wait for cancelled reads to settle before reporting.
+    stream_layers: ask context ranks to push LayersReady and read layer ranges as they become ready.
+    curve_secret_key_file / curve_public_key_file / curve_server_public_key_file /
+    curve_authorized_keys_dir: CurveZMQ authentication and encryption of the control plane (optional).
+    """
+
+    agents: tuple[str, ...] = ("auto",)
+    bind_host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    port: int = 0
+    transfer_timeout_s: float = 60.0
+    pickup_timeout_s: float = 120.0
+    lease_s: float = 10.0
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    handshake_timeout_s: float = 10.0
+    drain_timeout_s: float = 5.0
+    stream_layers: bool = False
+    curve_secret_key_file: str | None = None
+    curve_public_key_file: str | None = None
+    curve_server_public_key_file: str | None = None
+    curve_authorized_keys_dir: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # per-agent constructor options: {kind: {...}}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.agents, str):
+            object.__setattr__(self, "agents", (self.agents,))
+        object.__setattr__(self, "agents", tuple(self.agents))
+        if not self.agents:
+            raise ConfigError("transceiver.agents must name at least one agent kind (or 'auto')")
+        for f in ("transfer_timeout_s", "pickup_timeout_s", "lease_s", "heartbeat_s", "peer_timeout_s",
+                  "handshake_timeout_s", "drain_timeout_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"transceiver.{f} must be a positive number of seconds, got {v!r}")
+        if self.heartbeat_s * 2 > self.lease_s:
+            raise ConfigError(f"transceiver.heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s "
+                              f"({self.lease_s}) so a lease is renewed before it runs out")
+        if not 0 <= int(self.port) < 65536:
+            raise ConfigError(f"transceiver.port {self.port} is not a TCP port")
+
+    @property
+    def host(self) -> str:
+        return self.advertise_host or self.bind_host
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "TransceiverConfig":
+        """Build from a config file's mapping; unknown keys are an error that names them."""
+        d = dict(d or {})
+        if "agent" in d:  # single-agent shorthand: agent: nixl
+            d["agents"] = d.pop("agent")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown transceiver settings {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def with_(self, **kw) -> "TransceiverConfig":
+        return replace(self, **kw)
+
+
+def local_host_id() -> str:
+    """hostname + boot id: equal exactly for processes of one host (used to prefer intra-node agents)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

@@ -1,0 +1,235 @@
+"""Wire messages of the control plane: frozen dataclasses <-> msgpack maps, versioned, strictly validated.
+
+Every frame is one msgpack map {"v": PROTOCOL_VERSION, "t": <type name>, ...fields}. `decode` checks the
+frame size, the version, the type, every field's presence and type, and raises ProtocolError naming what was
+wrong; it never executes anything from the frame. Block ids travel as little-endian int64 bytes (one `bin`
+field), never as per-block objects.
+
+Conversation (generation rank G pulls a request from context rank C):
+
+    G -> C  Hello(gen_instance, gen_rank, gen_layout, agents)         once per peer pair
+    C -> G  Welcome(ctx_instance, ctx_rank, ctx_layout, agents, pool_bases, num_blocks, lease_s)
+    G -> C  Fetch(ctx_request_id, gen_rank)                           per request
+    C -> G  Blocks(ctx_request_id, block_ids, num_tokens, layers_ready, lease_s)
+    C -> G  LayersReady(ctx_request_id, layers_ready)                 streaming: pushed as layers finish
+    G -> C  Heartbeat(ctx_request_ids)                                renews leases while reading
+    C -> G  HeartbeatAck(ctx_request_ids, alive)
+    G -> C  Done(ctx_request_id, gen_rank, ok, error)                 after the READs finished (or failed)
+    C -> G  DoneAck(ctx_request_id, valid)                            valid: blocks were still pinned
+    C -> G  Error(code, message, ctx_request_id, reply_to)            any request that cannot be served
+
+A generation rank counts its KV as received only after DoneAck(valid=True): the context side confirms that
+the blocks were still pinned (lease not expired, not evicted) when the read finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..codec import pack, unpack
+from ..errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20  # 2M block ids fit; a larger frame is refused before decoding
+MAX_BLOCK_IDS = 1 << 21
+
+
+class ErrorCode(str, enum.Enum):
+    MALFORMED = "malformed"          # undecodable frame / bad field
+    VERSION = "version"              # protocol version mismatch
+    NO_SESSION = "no_session"        # Fetch/Done before Hello on this connection
+    LAYOUT_MISMATCH = "layout_mismatch"
+    UNKNOWN_REQUEST = "unknown_request"
+    LEASE_EXPIRED = "lease_expired"
+    CANCELLED = "cancelled"
+    TAKEN = "taken"                  # another generation instance is already pulling this request
+    AGENT = "agent"                  # no common transfer agent
+    INTERNAL = "internal"
+
+
+def _blocks_to_bytes(ids) -> bytes:
+    return np.ascontiguousarray(ids, dtype="<i8").tobytes()
+
+
+def _blocks_from_bytes(b: bytes, what: str) -> np.ndarray:
+    if len(b) % 8:
+        raise ProtocolError(f"{what}: block_ids is {len(b)} bytes, not a multiple of 8")
+    if len(b) // 8 > MAX_BLOCK_IDS:
+        raise ProtocolError(f"{what}: {len(b) // 8} block ids exceeds the limit of {MAX_BLOCK_IDS}")
+    return np.frombuffer(b, dtype="<i8").astype(np.int64)
+
+
+# field kinds: python type to check on decode (bool is not an int here)
+_SCALARS = {int: int, str: str, bool: bool, float: (float, int), bytes: bytes, dict: dict, list: list}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        d: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": self.TYPE}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.metadata.get("blocks"):
+                v = _blocks_to_bytes(v)
+            elif isinstance(v, enum.Enum):
+                v = v.value
+            elif isinstance(v, tuple):
+                v = list(v)
+            d[f.name] = v
+        return pack(d)
+
+
+def _kind(f: dataclasses.Field) -> Any:
+    return f.metadata.get("kind", f.type)
+
+
+def msg(kind: Any = None, **meta) -> Any:
+    """Field declaration helper: msg(int), msg(bytes, blocks=True), msg(str, default="")."""
+    default = meta.pop("default", dataclasses.MISSING)
+    md = {"kind": kind, **meta}
+    if default is dataclasses.MISSING:
+        return field(metadata=md)
+    return field(default=default, metadata=md)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "hello"
+    gen_instance: str = msg(str)
+    gen_rank: int = msg(int)
+    gen_layout: dict = msg(dict)
+    agents: list = msg(list)  # agent kinds the generation rank can use, in preference order
+    host: str = msg(str, default="")
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    TYPE: ClassVar[str] = "welcome"
+    ctx_instance: str = msg(str)
+    ctx_rank: int = msg(int)
+    ctx_layout: dict = msg(dict)
+    agents: dict = msg(dict)  # agent kind -> metadata bytes
+    pool_bases: list = msg(list)
+    num_blocks: int = msg(int)
+    pool_kind: str = msg(str)  # "DRAM" | "VRAM"
+    pool_device: int = msg(int)
+    lease_s: float = msg(float)
+    host: str = msg(str, default="")
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch(Message):
+    TYPE: ClassVar[str] = "fetch"
+    ctx_request_id: int = msg(int)
+    gen_rank: int = msg(int)
+    stream: bool = msg(bool, default=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks(Message):
+    TYPE: ClassVar[str] = "blocks"
+    ctx_request_id: int = msg(int)
+    block_ids: Any = msg(bytes, blocks=True)
+    num_tokens: int = msg(int)
+    layers_ready: int = msg(int)  # layers of this context rank readable now (== its local layers when done)
+    lease_s: float = msg(float)
+
+
+@dataclass(frozen=True, slots=True)
+class LayersReady(Message):
+    TYPE: ClassVar[str] = "layers_ready"
+    ctx_request_id: int = msg(int)
+    layers_ready: int = msg(int)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    ctx_request_ids: list = msg(list)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatAck(Message):
+    TYPE: ClassVar[str] = "heartbeat_ack"
+    ctx_request_ids: list = msg(list)
+    alive: list = msg(list)  # bool per id: still pinned for this reader
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Message):
+    TYPE: ClassVar[str] = "done"
+    ctx_request_id: int = msg(int)
+    gen_rank: int = msg(int)
+    ok: bool = msg(bool)
+    error: str = msg(str, default="")
+
+
+@dataclass(frozen=True, slots=True)
+class DoneAck(Message):
+    TYPE: ClassVar[str] = "done_ack"
+    ctx_request_id: int = msg(int)
+    valid: bool = msg(bool)
+    reason: str = msg(str, default="")
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    code: str = msg(str)
+    message: str = msg(str)
+    ctx_request_id: int = msg(int, default=-1)
+    reply_to: str = msg(str, default="")
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    c.TYPE: c for c in (Hello, Welcome, Fetch, Blocks, LayersReady, Heartbeat, HeartbeatAck, Done, DoneAck, Error)
+}
+
+
+def decode(frame: bytes) -> Message:
+    """Decode and validate one frame; ProtocolError naming the problem (size, version, type, field)."""
+    d = unpack(frame, max_bytes=MAX_FRAME_BYTES, what="control frame")
+    if not isinstance(d, dict):
+        raise ProtocolError("control frame: expected a map")
+    v = d.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"control frame: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}")
+    t = d.get("t")
+    cls = MESSAGE_TYPES.get(t) if isinstance(t, str) else None
+    if cls is None:
+        raise ProtocolError(f"control frame: unknown message type {t!r}")
+    what = f"{t} message"
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            if f.default is not dataclasses.MISSING:
+                continue
+            raise ProtocolError(f"{what}: missing field {f.name!r}")
+        val = d[f.name]
+        want = _SCALARS[_kind(f)]
+        if not isinstance(val, want) or (want is int and isinstance(val, bool)):
+            raise ProtocolError(f"{what}: field {f.name!r} should be {_kind(f).__name__}, got {type(val).__name__}")
+        if isinstance(val, int) and not isinstance(val, bool) and abs(val) >= 1 << 62:
+            raise ProtocolError(f"{what}: field {f.name!r} is out of range")
+        if f.metadata.get("blocks"):
+            val = _blocks_from_bytes(val, what)
+        elif want == (float, int):
+            val = float(val)
+        kwargs[f.name] = val
+    # Unknown fields are ignored (not an error): within one protocol version, fields are only ever added
+    # with defaults, so an older peer keeps working. The frame size bound caps what they can cost.
+    return cls(**kwargs)
+
+
+def int_list(val: list, what: str, limit: int = MAX_BLOCK_IDS) -> list[int]:
+    """Validate a list of ints from a message (e.g. heartbeat ids, pool bases)."""
+    if len(val) > limit or not all(isinstance(x, int) and not isinstance(x, bool) for x in val):
+        raise ProtocolError(f"{what}: expected a list of at most {limit} integers")
+    return val

@@ -1,0 +1,67 @@
+"""Disaggregation parameters: what a context executor hands back so a generation executor can pull the KV.
+
+Travels from the context worker to the router to the generation worker (JSON over HTTP), so `from_dict`
+validates every field and raises ProtocolError naming the bad one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ProtocolError
+from ..formatter.layout import KVLayout
+
+__all__ = ["DisaggParams"]
+
+_MAX_ENDPOINTS = 4096
+
+
+@dataclass(frozen=True)
+class DisaggParams:
+    """Where a finished context request's KV lives.
+
+    ctx_request_id: the context executor's id of the request.
+    ctx_instance: the context executor's instance id (changes when it restarts).
+    endpoints: control endpoint of every context rank, in rank order.
+    ctx_layout: the context executor's KVLayout.
+    """
+
+    ctx_request_id: int
+    ctx_instance: str
+    endpoints: tuple[str, ...]
+    ctx_layout: KVLayout
+
+    def __post_init__(self) -> None:
+        if len(self.endpoints) != self.ctx_layout.world_size:
+            raise ProtocolError(f"disaggregated params: {len(self.endpoints)} endpoints for a context executor of "
+                                f"{self.ctx_layout.world_size} ranks")
+
+    @property
+    def layout_fingerprint(self) -> str:
+        return self.ctx_layout.fingerprint()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ctx_request_id": self.ctx_request_id, "ctx_instance": self.ctx_instance,
+                "endpoints": list(self.endpoints), "ctx_layout": self.ctx_layout.to_wire(),
+                "layout_fingerprint": self.layout_fingerprint}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "DisaggParams":
+        if not isinstance(d, dict):
+            raise ProtocolError("disaggregated params: expected an object")
+        for k, t in (("ctx_request_id", int), ("ctx_instance", str), ("endpoints", list), ("ctx_layout", dict)):
+            if k not in d:
+                raise ProtocolError(f"disaggregated params: missing field {k!r}")
+            if not isinstance(d[k], t) or isinstance(d[k], bool):
+                raise ProtocolError(f"disaggregated params: field {k!r} should be {t.__name__}")
+        eps = d["endpoints"]
+        if not eps or len(eps) > _MAX_ENDPOINTS or not all(
+                isinstance(e, str) and e.startswith("tcp://") and len(e) < 256 for e in eps):
+            raise ProtocolError("disaggregated params: endpoints must be 1..4096 'tcp://host:port' strings")
+        layout = KVLayout.from_wire(d["ctx_layout"])
+        fp = d.get("layout_fingerprint")
+        if fp is not None and fp != layout.fingerprint():
+            raise ProtocolError(f"disaggregated params: layout_fingerprint {fp!r} does not match the layout given "
+                                f"({layout.fingerprint()})")
+        return cls(d["ctx_request_id"], d["ctx_instance"], tuple(eps), layout)

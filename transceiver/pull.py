@@ -1,0 +1,132 @@
+"""One generation-side pull: the state of a request being read from its context ranks (one leg per rank).
+
+Pure state and planning; the receiver's I/O thread drives it and owns the sockets. A pull is terminal once
+it reports a ReceiveResult; before that, failure always passes through draining: reads in flight are
+cancelled and waited for (bounded), so no transfer can still write into blocks the executor then reuses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..agents import DescriptorList, TransferHandle, XferState
+from ..formatter.mapping import Piece
+from ..formatter.planner import Fragments, RankPool, plan_piece
+
+__all__ = ["ReceiveResult", "Leg", "Pull"]
+
+
+@dataclass
+class ReceiveResult:
+    """The outcome of one pull on this generation rank."""
+
+    request_id: int
+    ok: bool
+    error: str = ""
+    error_type: str = ""  # name of the KvBridgeError subclass that describes the failure
+    nbytes: int = 0
+    fragments: int = 0
+    agents: tuple[str, ...] = ()
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Leg:
+    """What this generation rank reads from one context rank for one request."""
+
+    ctx_rank: int
+    endpoint: str
+    piece: Piece
+    fetched: bool = False
+    fetch_sent: bool = False
+    ctx_blocks: np.ndarray | None = None
+    layers_ready: int = 0  # local layers of the context rank that are readable
+    read_upto: int = 0  # global layer id up to which reads were posted
+    handles: list[TransferHandle] = field(default_factory=list)
+    done_sent: bool = False
+    acked: bool = False
+    retried_session: bool = False
+    remote: RankPool | None = None
+    agent_kind: str = ""
+    peer_name: str = ""
+
+    @property
+    def all_posted(self) -> bool:
+        return self.read_upto >= self.piece.layers.stop
+
+    def pending(self) -> bool:
+        return any(h.state() is XferState.PENDING for h in self.handles)
+
+    def failed(self) -> str | None:
+        for h in self.handles:
+            if h.state() is XferState.FAILED:
+                return h.error or "transfer failed"
+        return None
+
+
+@dataclass
+class Pull:
+    request_id: int
+    ctx_request_id: int
+    ctx_instance: str
+    blocks: np.ndarray
+    num_tokens: int
+    deadline: float
+    legs: dict[int, Leg]
+    submitted: float = field(default_factory=time.monotonic)
+    state: str = "handshake"  # handshake | read | confirm | drain | done
+    error: str = ""
+    error_type: str = ""
+    nbytes: int = 0
+    fragments: int = 0
+    drain_deadline: float = 0.0
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, what: str) -> None:
+        self.marks.setdefault(what, time.monotonic())
+
+    def fail(self, error_type: str, error: str, drain_s: float) -> None:
+        """Enter draining (once): cancel reads in flight, remember the first error."""
+        if self.state in ("drain", "done"):
+            return
+        self.state, self.error, self.error_type = "drain", error, error_type
+        self.drain_deadline = time.monotonic() + drain_s
+        for leg in self.legs.values():
+            for h in leg.handles:
+                if h.state() is XferState.PENDING:
+                    h.cancel()
+
+    def post_ready_layers(self, leg: Leg, local: RankPool, agent) -> None:
+        """Plan and post reads for the layers of `leg` that became ready since the last call."""
+        remote = leg.remote
+        stage = remote.layout.stage_layers(remote.layout.coords(leg.ctx_rank)[1])
+        ready_stop = min(leg.piece.layers.stop, stage.start + leg.layers_ready)
+        start = max(leg.read_upto, leg.piece.layers.start)
+        if ready_stop <= start:
+            return
+        sub = Piece(leg.ctx_rank, range(start, ready_stop), leg.piece.heads)
+        t0 = time.monotonic()
+        frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens)
+        self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + time.monotonic() - t0
+        h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
+                       DescriptorList(frags.src, frags.length, remote.kind, remote.device))
+        leg.handles.append(h)
+        leg.read_upto = ready_stop
+        self.nbytes += frags.nbytes
+        self.fragments += len(frags)
+
+    def result(self, agents: tuple[str, ...]) -> ReceiveResult:
+        end = time.monotonic()
+        t = {"total": (end - self.submitted) * 1e3}
+        if "fetched" in self.marks:
+            t["handshake+fetch"] = (self.marks["fetched"] - self.submitted) * 1e3
+        if "plan_s" in self.marks:
+            t["plan"] = self.marks["plan_s"] * 1e3
+        if "read_done" in self.marks and "fetched" in self.marks:
+            t["read"] = (self.marks["read_done"] - self.marks["fetched"]) * 1e3
+            t["confirm"] = (end - self.marks["read_done"]) * 1e3
+        return ReceiveResult(self.request_id, self.state == "done" and not self.error, self.error, self.error_type,
+                             self.nbytes, self.fragments, agents, t)

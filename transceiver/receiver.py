@@ -1,0 +1,422 @@
+"""Generation-side receiver: asks context ranks for a request's KV blocks and pulls them.
+
+Owns the per-request pull state machine (pull.py) and one DEALER socket per context rank; one I/O thread
+owns both, the engine talks to it through a command queue. Never frees or reuses local blocks itself: it
+reports a terminal ReceiveResult and the executor frees or keeps the blocks. Every wait is bounded by the
+request's deadline, the handshake timeout or the peer-silence timeout.
+
+A pull succeeds only when every context rank it read from acknowledged Done with valid=True, i.e. confirmed
+its blocks were still pinned when the reads finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from ..agents import MemoryKind
+from ..errors import (DeadlineExceeded, KvBridgeError, LayoutMismatchError, LeaseExpired, PeerError, PeerGone,
+                      ProtocolError, RequestNotFound, TransceiverError)
+from ..formatter.layout import KVLayout
+from ..formatter.mapping import check_compatible, mapping_for
+from ..formatter.planner import RankPool
+from . import messages as m
+from .config import TransceiverConfig, local_host_id
+from .params import DisaggParams
+from .pool import LocalPool
+from .pull import Leg, Pull, ReceiveResult
+from .sockets import make_dealer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Receiver", "ReceiveResult"]
+
+_ERROR_TYPES = {
+    m.ErrorCode.UNKNOWN_REQUEST.value: RequestNotFound, m.ErrorCode.LEASE_EXPIRED.value: LeaseExpired,
+    m.ErrorCode.LAYOUT_MISMATCH.value: LayoutMismatchError, m.ErrorCode.VERSION.value: ProtocolError,
+    m.ErrorCode.MALFORMED.value: ProtocolError,
+}
+
+
+@dataclass
+class _Peer:
+    endpoint: str
+    sock: zmq.Socket | None = None
+    state: str = "new"  # new | hello | ready | failed
+    error: tuple[str, str] = ("", "")
+    welcome: m.Welcome | None = None
+    remote: RankPool | None = None
+    agent_kind: str = ""
+    peer_name: str = ""
+    hello_at: float = 0.0
+    first_hello: float = 0.0
+    last_heard: float = 0.0
+    legs: set = field(default_factory=set)  # (request_id, ctx_rank) with traffic in flight
+
+
+class Receiver:
+    """Pulls KV into this generation rank's pool.
+
+    Args:
+        pool: this rank's registered pool.
+        config: timeouts and agent preferences.
+        instance: this generation executor's id (same on all its ranks).
+    """
+
+    def __init__(self, pool: LocalPool, config: TransceiverConfig, instance: str | None = None) -> None:
+        self.pool, self.config, self.layout = pool, config, pool.layout
+        self.instance = instance or uuid.uuid4().hex
+        self._zctx = zmq.Context()
+        self._peers: dict[str, _Peer] = {}
+        self._pulls: dict[int, Pull] = {}
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._finished: collections.deque[ReceiveResult] = collections.deque()
+        self._wake_rx = self._zctx.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://rwake-{id(self)}")
+        self._wake_tx = self._zctx.socket(zmq.PAIR)
+        self._wake_tx.connect(f"inproc://rwake-{id(self)}")
+        self._wake_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._host = local_host_id()
+        self._last_beat = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"kvb-receiver-r{pool.rank}", daemon=True)
+        self._thread.start()
+
+    # --- engine-facing API ----------------------------------------------------------------------------
+    def submit(self, request_id: int, params: DisaggParams, block_ids, num_tokens: int,
+               timeout_s: float | None = None) -> None:
+        """Start pulling `params`' request into local `block_ids` (the first num_tokens tokens)."""
+        blocks = np.asarray(block_ids, dtype=np.int64).copy()
+        self._command("submit", int(request_id), params, blocks, int(num_tokens),
+                      float(timeout_s or self.config.transfer_timeout_s))
+
+    def cancel(self, request_id: int) -> None:
+        """Abort a pull; it still reports a (failed) result once its reads have settled."""
+        self._command("cancel", int(request_id))
+
+    def poll_finished(self) -> list[ReceiveResult]:
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pulls)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout)
+        for p in self._peers.values():
+            if p.sock is not None:
+                p.sock.close(0)
+        self._wake_rx.close(0)
+        self._wake_tx.close(0)
+        self._zctx.term()
+
+    def _command(self, *cmd) -> None:
+        if self._stop.is_set():
+            raise KvBridgeError("receiver is closed")
+        self._cmds.put(cmd)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    # --- I/O thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._loop_once()
+            except Exception:  # noqa: BLE001 - the I/O thread must survive anything
+                log.exception("receiver I/O loop error (continuing)")
+
+    def _loop_once(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        socks = {p.sock: p for p in self._peers.values() if p.sock is not None}
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        busy = any(p.state == "read" or p.state == "drain" for p in self._pulls.values())
+        ready = dict(poller.poll(0.5 if busy else 20))
+        if self._wake_rx in ready:
+            while self._wake_rx.poll(0):
+                self._wake_rx.recv()
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            self._do_command(cmd)
+        for s, peer in socks.items():
+            if s in ready:
+                for _ in range(256):
+                    try:
+                        frame = s.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    peer.last_heard = time.monotonic()
+                    self._on_frame(peer, frame)
+        self._advance(time.monotonic())
+
+    def _do_command(self, cmd) -> None:
+        if cmd[0] == "submit":
+            _, rid, params, blocks, n, timeout = cmd
+            now = time.monotonic()
+            try:
+                mapping = mapping_for(params.ctx_layout, self.layout)
+            except LayoutMismatchError as e:
+                self._report_now(rid, "LayoutMismatchError", str(e))
+                return
+            if rid in self._pulls:
+                self._report_now(rid, "TransceiverError", f"request {rid} is already being pulled")
+                return
+            legs = {p.ctx_rank: Leg(p.ctx_rank, params.endpoints[p.ctx_rank], p)
+                    for p in mapping.pieces(self.pool.rank)}
+            self._pulls[rid] = Pull(rid, params.ctx_request_id, params.ctx_instance, blocks, n, now + timeout, legs)
+            for leg in legs.values():
+                self._ensure_session(leg.endpoint, now)
+        elif cmd[0] == "cancel":
+            p = self._pulls.get(cmd[1])
+            if p is not None:
+                p.fail("TransceiverError", f"request {p.request_id} was cancelled", self.config.drain_timeout_s)
+
+    def _report_now(self, rid: int, etype: str, error: str) -> None:
+        self._finished.append(ReceiveResult(rid, False, error, etype))
+
+    # --- sessions -------------------------------------------------------------------------------------
+    def _ensure_session(self, endpoint: str, now: float) -> _Peer:
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            peer = self._peers[endpoint] = _Peer(endpoint)
+        # (Re)send hello when new, when a failure is older than a second, or when a hello went unanswered for a
+        # second (hello is idempotent on the context side).
+        if peer.state == "new" or (peer.state in ("failed", "hello") and now - peer.hello_at > 1.0):
+            if peer.sock is None:
+                ident = f"{self.instance}:{self.pool.rank}:{uuid.uuid4().hex[:6]}".encode()
+                peer.sock = make_dealer(self._zctx, self.config, endpoint, ident)
+            hello = m.Hello(self.instance, self.pool.rank, self.layout.to_wire(), list(self.pool.agents), self._host)
+            self._send(peer, hello.encode())
+            if peer.state != "hello":
+                peer.first_hello = now
+            peer.state, peer.hello_at, peer.last_heard = "hello", now, now
+        return peer
+
+    def _reset(self, peer: _Peer) -> None:
+        """Drop a peer's socket and session (queued stale frames go with it); the next use re-handshakes."""
+        if peer.sock is not None:
+            peer.sock.close(0)
+        peer.sock, peer.state, peer.welcome, peer.remote = None, "new", None, None
+        if peer.peer_name and peer.agent_kind in self.pool.agents:
+            self.pool.agents[peer.agent_kind].disconnect(peer.peer_name)
+        peer.peer_name = peer.agent_kind = ""
+
+    def _send(self, peer: _Peer, frame: bytes) -> None:
+        try:
+            peer.sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # queue full: the deadline covers retries
+            log.debug("send to %s failed: %s", peer.endpoint, e)
+
+    def _on_welcome(self, peer: _Peer, w: m.Welcome) -> None:
+        try:
+            layout = KVLayout.from_wire(w.ctx_layout)
+            check_compatible(layout, self.layout)
+            bases = m.int_list(w.pool_bases, "welcome pool_bases", 100000)
+            kind = MemoryKind(w.pool_kind) if w.pool_kind in ("DRAM", "VRAM") else None
+            if kind is None:
+                raise ProtocolError(f"welcome: pool_kind {w.pool_kind!r} is not DRAM or VRAM")
+            remote = RankPool.of(layout, w.ctx_rank, bases, w.num_blocks, kind, w.pool_device)
+        except (LayoutMismatchError, ProtocolError, KvBridgeError) as e:
+            peer.state, peer.error = "failed", (type(e).__name__, f"context rank at {peer.endpoint}: {e}")
+            return
+        chosen, tried = None, []
+        for kind_name, agent in self.pool.agents.items():
+            blob = w.agents.get(kind_name)
+            if not isinstance(blob, bytes):
+                continue
+            try:
+                peer.peer_name = agent.connect(blob)
+                chosen = kind_name
+                break
+            except (PeerError, KvBridgeError) as e:
+                tried.append(f"{kind_name}: {e}")
+        if chosen is None:
+            peer.state = "failed"
+            peer.error = ("PeerError", f"no transfer agent in common with context rank at {peer.endpoint}: this rank "
+                          f"offers {list(self.pool.agents)}, it offers {sorted(w.agents)}; " + "; ".join(tried))
+            return
+        log.info("gen rank %d <- ctx rank %d (%s): agent %s", self.pool.rank, w.ctx_rank, peer.endpoint, chosen)
+        peer.state, peer.welcome, peer.remote, peer.agent_kind = "ready", w, remote, chosen
+
+    # --- frames from context ranks -------------------------------------------------------------------
+    def _on_frame(self, peer: _Peer, frame: bytes) -> None:
+        try:
+            msg = m.decode(frame)
+        except ProtocolError as e:
+            log.warning("bad frame from %s: %s", peer.endpoint, e)
+            return
+        if isinstance(msg, m.Welcome):
+            self._on_welcome(peer, msg)
+            return
+        if isinstance(msg, m.Error) and msg.ctx_request_id < 0:
+            if msg.code == m.ErrorCode.NO_SESSION.value:
+                self._reset(peer)
+                return
+            etype = _ERROR_TYPES.get(msg.code, TransceiverError).__name__
+            peer.state, peer.error = "failed", (etype, f"context rank at {peer.endpoint}: {msg.message}")
+            return
+        if isinstance(msg, m.HeartbeatAck):
+            for rid, alive in zip(msg.ctx_request_ids, msg.alive):
+                if alive is False:
+                    self._fail_ctx(peer, rid, "LeaseExpired", f"context rank at {peer.endpoint} no longer pins "
+                                   f"request {rid} (lease lost)")
+            return
+        rid = getattr(msg, "ctx_request_id", -1)
+        for pull in self._pulls.values():
+            leg = next((lg for lg in pull.legs.values() if lg.endpoint == peer.endpoint), None)
+            if pull.ctx_request_id == rid and leg is not None:
+                self._on_leg_message(pull, leg, peer, msg)
+
+    def _fail_ctx(self, peer: _Peer, ctx_rid: int, etype: str, error: str) -> None:
+        for pull in self._pulls.values():
+            if pull.ctx_request_id == ctx_rid and any(lg.endpoint == peer.endpoint for lg in pull.legs.values()):
+                pull.fail(etype, error, self.config.drain_timeout_s)
+
+    def _on_leg_message(self, pull: Pull, leg: Leg, peer: _Peer, msg: m.Message) -> None:
+        if isinstance(msg, m.Blocks):
+            if msg.num_tokens != pull.num_tokens:
+                pull.fail("ProtocolError", f"context rank {leg.ctx_rank} holds {msg.num_tokens} tokens of request "
+                          f"{pull.ctx_request_id}, the generation side expects {pull.num_tokens}",
+                          self.config.drain_timeout_s)
+            leg.fetched, leg.ctx_blocks, leg.layers_ready = True, msg.block_ids, msg.layers_ready
+        elif isinstance(msg, m.LayersReady):
+            leg.layers_ready = max(leg.layers_ready, msg.layers_ready)
+        elif isinstance(msg, m.DoneAck):
+            leg.acked = True
+            peer.legs.discard((pull.request_id, leg.ctx_rank))
+            if not msg.valid:
+                pull.fail("LeaseExpired", f"context rank {leg.ctx_rank} released request {pull.ctx_request_id} "
+                          f"before the read was confirmed ({msg.reason})", self.config.drain_timeout_s)
+        elif isinstance(msg, m.Error):
+            if msg.code == m.ErrorCode.NO_SESSION.value and not leg.retried_session:
+                leg.retried_session, leg.fetch_sent = True, False
+                self._reset(peer)
+                return
+            etype = _ERROR_TYPES.get(msg.code, TransceiverError).__name__
+            peer.legs.discard((pull.request_id, leg.ctx_rank))
+            pull.fail(etype, f"context rank {leg.ctx_rank} ({leg.endpoint}): {msg.message}", self.config.drain_timeout_s)
+
+    # --- progress -------------------------------------------------------------------------------------
+    def _advance(self, now: float) -> None:
+        for pull in list(self._pulls.values()):
+            try:
+                self._advance_pull(pull, now)
+            except KvBridgeError as e:
+                pull.fail(type(e).__name__, str(e), self.config.drain_timeout_s)
+        self._watch_peers(now)
+        if now - self._last_beat >= self.config.heartbeat_s:
+            self._last_beat = now
+            self._heartbeat()
+
+    def _advance_pull(self, pull: Pull, now: float) -> None:
+        if pull.state not in ("drain", "done") and now > pull.deadline:
+            pull.fail("DeadlineExceeded", f"request {pull.request_id} (context request {pull.ctx_request_id}) not "
+                      f"received within its deadline (stage: {pull.state})", self.config.drain_timeout_s)
+        if pull.state == "handshake":
+            for leg in pull.legs.values():
+                peer = self._ensure_session(leg.endpoint, now)
+                if peer.state == "failed":
+                    pull.fail(*peer.error, self.config.drain_timeout_s)
+                    return
+                if peer.state == "hello" and now - peer.first_hello > self.config.handshake_timeout_s:
+                    pull.fail("PeerGone", f"context rank at {leg.endpoint} did not answer hello within "
+                              f"{self.config.handshake_timeout_s:g} s", self.config.drain_timeout_s)
+                    return
+                if peer.state == "ready" and not leg.fetch_sent:
+                    if peer.welcome.ctx_instance != pull.ctx_instance:
+                        pull.fail("RequestNotFound", f"context executor at {leg.endpoint} restarted (instance "
+                                  f"{peer.welcome.ctx_instance}, request issued by {pull.ctx_instance})",
+                                  self.config.drain_timeout_s)
+                        return
+                    leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
+                    self._send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers).encode())
+                    leg.fetch_sent = True
+                    peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
+            if all(leg.fetched for leg in pull.legs.values()):
+                pull.mark("fetched")
+                pull.state = "read"
+        if pull.state == "read":
+            for leg in pull.legs.values():
+                if not leg.all_posted:
+                    pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
+                err = leg.failed()
+                if err:
+                    pull.fail("TransferFailed", f"read from context rank {leg.ctx_rank} failed: {err}",
+                              self.config.drain_timeout_s)
+                    return
+            if all(leg.all_posted and not leg.pending() for leg in pull.legs.values()):
+                pull.mark("read_done")
+                for leg in pull.legs.values():
+                    self._send(self._peers[leg.endpoint], m.Done(pull.ctx_request_id, self.pool.rank, True).encode())
+                    leg.done_sent = True
+                pull.state = "confirm"
+        if pull.state == "confirm" and all(leg.acked for leg in pull.legs.values()):
+            pull.state = "done"
+            self._complete(pull)
+        if pull.state == "drain":
+            settled = not any(leg.pending() for leg in pull.legs.values())
+            if settled or now > pull.drain_deadline:
+                if not settled:
+                    log.error("request %d: reads still pending %.1f s after cancel; reporting failure anyway",
+                              pull.request_id, self.config.drain_timeout_s)
+                for leg in pull.legs.values():
+                    if leg.fetched and not leg.done_sent and leg.endpoint in self._peers:
+                        self._send(self._peers[leg.endpoint],
+                                   m.Done(pull.ctx_request_id, self.pool.rank, False, pull.error[:500]).encode())
+                        leg.done_sent = True
+                pull.state = "done"
+                self._complete(pull)
+
+    def _complete(self, pull: Pull) -> None:
+        self._pulls.pop(pull.request_id, None)
+        for leg in pull.legs.values():
+            for h in leg.handles:
+                h.release()
+            peer = self._peers.get(leg.endpoint)
+            if peer is not None:
+                peer.legs.discard((pull.request_id, leg.ctx_rank))
+        agents = tuple(sorted({leg.agent_kind for leg in pull.legs.values() if leg.agent_kind}))
+        self._finished.append(pull.result(agents))
+
+    def _watch_peers(self, now: float) -> None:
+        for peer in self._peers.values():
+            if peer.legs and now - peer.last_heard > self.config.peer_timeout_s:
+                err = f"context rank at {peer.endpoint} silent for {now - peer.last_heard:.1f} s"
+                for rid, _ in list(peer.legs):
+                    p = self._pulls.get(rid)
+                    if p is not None:
+                        p.fail("PeerGone", err, self.config.drain_timeout_s)
+                peer.legs.clear()
+                self._reset(peer)
+
+    def _heartbeat(self) -> None:
+        for peer in self._peers.values():
+            if peer.legs and peer.sock is not None:
+                ids = sorted({self._pulls[r].ctx_request_id for r, _ in peer.legs if r in self._pulls})
+                if ids:
+                    self._send(peer, m.Heartbeat(ids).encode())

@@ -1,0 +1,360 @@
+"""Context-side sender: publishes a request's pinned blocks and serves generation ranks that pull them.
+
+Owns the per-request state on this context rank and the ROUTER socket (one I/O thread owns the socket and
+all state; the engine talks to it through a command queue). Never frees blocks itself: when a request is
+finished here — every expected reader confirmed, or its lease ran out, or it was cancelled and no read is in
+flight — it is reported by `poll_finished()` and the executor frees the blocks (after all its ranks agree).
+
+Per request:
+    PUBLISHED --Fetch--> READING --all expected readers Done--> COMPLETE
+        |                   |--lease runs out (no heartbeat)----> EXPIRED
+        |--pickup timeout--> EXPIRED
+        |--cancel----------> CANCELLED (at once when no reader is active; else after readers finish/expire)
+A request's expected readers are the generation ranks the mapping assigns to this rank, for the generation
+layout announced in the first reader's Hello. One generation instance per request.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError
+from ..formatter.layout import KVLayout
+from ..formatter.mapping import check_compatible, mapping_for
+from . import messages as m
+from .config import TransceiverConfig, local_host_id
+from .pool import LocalPool
+from .sockets import make_router, stop_authenticator
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Sender", "SendResult"]
+
+_TOMBSTONES = 10000
+
+
+@dataclass
+class SendResult:
+    """A request that is finished on this context rank; its blocks may be freed once all ranks agree."""
+
+    ctx_request_id: int
+    status: str  # "complete" | "failed" | "expired" | "cancelled"
+    detail: str = ""
+    readers: int = 0
+
+
+@dataclass
+class _Entry:
+    rid: int
+    blocks: np.ndarray
+    num_tokens: int
+    layers_ready: int
+    deadline: float
+    instance: str | None = None
+    expected: frozenset[int] = frozenset()
+    fetched: dict[int, bytes] = field(default_factory=dict)  # gen rank -> ROUTER identity
+    done: dict[int, bool] = field(default_factory=dict)  # gen rank -> ok
+    cancel_requested: bool = False
+    published_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def active_readers(self) -> int:
+        return len(set(self.fetched) - set(self.done))
+
+
+@dataclass
+class _Session:
+    instance: str
+    gen_rank: int
+    layout: KVLayout
+
+
+class Sender:
+    """Serves this context rank's KV blocks to generation ranks.
+
+    Args:
+        pool: this rank's registered pool.
+        config: timeouts, endpoint, agents.
+        instance: this context executor's id (same on all its ranks); a random one by default.
+    """
+
+    def __init__(self, pool: LocalPool, config: TransceiverConfig, instance: str | None = None) -> None:
+        self.pool, self.config = pool, config
+        self.instance = instance or uuid.uuid4().hex
+        self.layout = pool.layout
+        self._zctx = zmq.Context()
+        self._router, self.endpoint = make_router(self._zctx, config)
+        self._wake_rx = self._zctx.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://wake-{id(self)}")
+        self._wake_tx = self._zctx.socket(zmq.PAIR)
+        self._wake_tx.connect(f"inproc://wake-{id(self)}")
+        self._wake_lock = threading.Lock()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._entries: dict[int, _Entry] = {}
+        self._tomb: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._sessions: dict[bytes, _Session] = {}
+        self._finished: collections.deque[SendResult] = collections.deque()
+        self._stop = threading.Event()
+        self._agents_wire = {k: a.metadata() for k, a in pool.agents.items()}
+        self._host = local_host_id()
+        self.pinned = 0  # requests whose blocks are pinned here (read by tests and metrics)
+        self._thread = threading.Thread(target=self._run, name=f"kvb-sender-r{pool.rank}", daemon=True)
+        self._thread.start()
+
+    # --- engine-facing API (any thread) -------------------------------------------------------------
+    def publish(self, ctx_request_id: int, block_ids, num_tokens: int, layers_ready: int | None = None) -> None:
+        """Pin a request's blocks for pulling. `layers_ready` < local layers for layer-wise streaming."""
+        local = self.layout.local_layers(self.pool.rank)
+        blocks = np.asarray(block_ids, dtype=np.int64).copy()
+        need = -(-int(num_tokens) // self.layout.shape.tokens_per_block)
+        if blocks.size < need or (blocks.size and (blocks.min() < 0 or blocks.max() >= self.pool.num_blocks)):
+            raise KvBridgeError(f"request {ctx_request_id}: {blocks.size} block ids (need {need}) within a pool "
+                                f"of {self.pool.num_blocks}")
+        self._command("publish", int(ctx_request_id), blocks, int(num_tokens),
+                      local if layers_ready is None else int(layers_ready))
+
+    def mark_layers_ready(self, ctx_request_id: int, layers_ready: int) -> None:
+        """Layer-wise streaming: the first `layers_ready` local layers of the request are now final."""
+        self._command("layers", int(ctx_request_id), int(layers_ready))
+
+    def cancel(self, ctx_request_id: int) -> None:
+        """Stop serving a request. Blocks stay pinned until readers in flight finish or their lease expires."""
+        self._command("cancel", int(ctx_request_id))
+
+    def poll_finished(self) -> list[SendResult]:
+        """Requests finished on this rank since the last call (their blocks are no longer needed here)."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout)
+        stop_authenticator(self._zctx)
+        for s in (self._router, self._wake_rx, self._wake_tx):
+            s.close(0)
+        self._zctx.term()
+
+    def _command(self, *cmd) -> None:
+        if self._stop.is_set():
+            raise KvBridgeError("sender is closed")
+        self._cmds.put(cmd)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    # --- I/O thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        tick = min(0.05, self.config.heartbeat_s / 4)
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(tick * 1000))
+                if self._wake_rx in ready:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+                while True:
+                    try:
+                        cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._do_command(cmd)
+                if self._router in ready:
+                    for _ in range(256):
+                        try:
+                            frames = self._router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                self._expire(time.monotonic())
+            except Exception:  # noqa: BLE001 - the I/O thread must survive anything
+                log.exception("sender I/O loop error (continuing)")
+
+    def _do_command(self, cmd) -> None:
+        op, rid = cmd[0], cmd[1]
+        if op == "publish":
+            _, rid, blocks, n, layers = cmd
+            if rid in self._entries:
+                log.warning("request %d published twice; keeping the first", rid)
+                return
+            self._tomb.pop(rid, None)
+            self._entries[rid] = _Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s)
+            self.pinned = len(self._entries)
+        elif op == "layers":
+            e = self._entries.get(rid)
+            if e is not None and cmd[2] > e.layers_ready:
+                e.layers_ready = cmd[2]
+                frame = m.LayersReady(rid, e.layers_ready).encode()
+                for gen_rank, ident in e.fetched.items():
+                    if gen_rank not in e.done:
+                        self._send(ident, frame)
+        elif op == "cancel":
+            e = self._entries.get(rid)
+            if e is not None:
+                e.cancel_requested = True
+                if not e.active_readers:
+                    self._finish(e, "cancelled", "cancelled by the context executor")
+
+    def _finish(self, e: _Entry, status: str, detail: str) -> None:
+        self._entries.pop(e.rid, None)
+        self._tomb[e.rid] = status
+        while len(self._tomb) > _TOMBSTONES:
+            self._tomb.popitem(last=False)
+        self.pinned = len(self._entries)
+        self._finished.append(SendResult(e.rid, status, detail, len(e.fetched)))
+        log.debug("request %d %s on ctx rank %d: %s", e.rid, status, self.pool.rank, detail)
+
+    def _expire(self, now: float) -> None:
+        for e in [e for e in self._entries.values() if now > e.deadline]:
+            what = "no generation rank fetched it" if not e.fetched else "readers stopped renewing the lease"
+            self._finish(e, "expired", f"lease expired: {what}")
+
+    def _send(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self._router.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # peer vanished (ROUTER_MANDATORY) or queue full
+            log.info("cannot send to peer %r: %s", ident, e)
+
+    def _error(self, ident: bytes, code: m.ErrorCode, text: str, rid: int = -1, reply_to: str = "") -> None:
+        self._send(ident, m.Error(code.value, text, rid, reply_to).encode())
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            if frames:
+                self._error(frames[0], m.ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames) - 1}")
+            return
+        ident, frame = frames
+        try:
+            msg = m.decode(frame)
+        except ProtocolError as e:
+            code = m.ErrorCode.VERSION if "protocol version" in str(e) else m.ErrorCode.MALFORMED
+            log.info("bad frame from %r: %s", ident, e)
+            self._error(ident, code, str(e))
+            return
+        handler = getattr(self, f"_on_{msg.TYPE}", None)
+        if handler is None:
+            self._error(ident, m.ErrorCode.MALFORMED, f"a context rank does not accept {msg.TYPE!r} messages",
+                        reply_to=msg.TYPE)
+            return
+        handler(ident, msg)
+
+    def _on_hello(self, ident: bytes, msg: m.Hello) -> None:
+        try:
+            gen_layout = KVLayout.from_wire(msg.gen_layout)
+            check_compatible(self.layout, gen_layout)
+            if not 0 <= msg.gen_rank < gen_layout.world_size:
+                raise ProtocolError(f"hello: gen_rank {msg.gen_rank} outside its layout's {gen_layout.world_size}")
+        except LayoutMismatchError as e:
+            self._error(ident, m.ErrorCode.LAYOUT_MISMATCH, str(e), reply_to="hello")
+            return
+        except ProtocolError as e:
+            self._error(ident, m.ErrorCode.MALFORMED, str(e), reply_to="hello")
+            return
+        self._sessions[ident] = _Session(msg.gen_instance, msg.gen_rank, gen_layout)
+        self._send(ident, m.Welcome(self.instance, self.pool.rank, self.layout.to_wire(), self._agents_wire,
+                                    self.pool.bases, self.pool.num_blocks, self.pool.kind.value,
+                                    self.pool.device, self.config.lease_s, self._host).encode())
+
+    def _session(self, ident: bytes, msg: m.Message, rid: int) -> _Session | None:
+        s = self._sessions.get(ident)
+        if s is None:
+            self._error(ident, m.ErrorCode.NO_SESSION, f"{msg.TYPE} before hello on this connection", rid, msg.TYPE)
+        return s
+
+    def _unknown(self, ident: bytes, rid: int, reply_to: str) -> None:
+        status = self._tomb.get(rid)
+        if status == "expired":
+            self._error(ident, m.ErrorCode.LEASE_EXPIRED, f"request {rid}: its lease expired and its blocks were "
+                        "released", rid, reply_to)
+        elif status == "cancelled":
+            self._error(ident, m.ErrorCode.CANCELLED, f"request {rid} was cancelled on the context side", rid,
+                        reply_to)
+        elif status is not None:
+            self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"request {rid} is already finished ({status})", rid,
+                        reply_to)
+        else:
+            self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"context rank {self.pool.rank} has no request {rid}",
+                        rid, reply_to)
+
+    def _on_fetch(self, ident: bytes, msg: m.Fetch) -> None:
+        s = self._session(ident, msg, msg.ctx_request_id)
+        if s is None:
+            return
+        e = self._entries.get(msg.ctx_request_id)
+        if e is None:
+            self._unknown(ident, msg.ctx_request_id, "fetch")
+            return
+        if e.cancel_requested:
+            self._error(ident, m.ErrorCode.CANCELLED, f"request {e.rid} was cancelled", e.rid, "fetch")
+            return
+        if e.instance is None:
+            mapping = mapping_for(self.layout, s.layout)
+            e.instance = s.instance
+            e.expected = frozenset(mapping.readers_of(self.pool.rank))
+        elif e.instance != s.instance:
+            self._error(ident, m.ErrorCode.TAKEN, f"request {e.rid} is being pulled by generation instance "
+                        f"{e.instance}", e.rid, "fetch")
+            return
+        if s.gen_rank not in e.expected:
+            self._error(ident, m.ErrorCode.MALFORMED, f"generation rank {s.gen_rank} reads nothing from context "
+                        f"rank {self.pool.rank}", e.rid, "fetch")
+            return
+        e.fetched[s.gen_rank] = ident
+        e.deadline = time.monotonic() + self.config.lease_s
+        self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
+
+    def _on_heartbeat(self, ident: bytes, msg: m.Heartbeat) -> None:
+        try:
+            ids = m.int_list(msg.ctx_request_ids, "heartbeat", 100000)
+        except ProtocolError as e:
+            self._error(ident, m.ErrorCode.MALFORMED, str(e), reply_to="heartbeat")
+            return
+        now, alive = time.monotonic(), []
+        for rid in ids:
+            e = self._entries.get(rid)
+            ok = e is not None and ident in e.fetched.values()
+            if ok:
+                e.deadline = max(e.deadline, now + self.config.lease_s)
+            alive.append(ok)
+        self._send(ident, m.HeartbeatAck(ids, alive).encode())
+
+    def _on_done(self, ident: bytes, msg: m.Done) -> None:
+        s = self._session(ident, msg, msg.ctx_request_id)
+        if s is None:
+            return
+        e = self._entries.get(msg.ctx_request_id)
+        if e is None or e.fetched.get(s.gen_rank) != ident:
+            status = self._tomb.get(msg.ctx_request_id, "unknown")
+            self._send(ident, m.DoneAck(msg.ctx_request_id, False, f"blocks no longer pinned ({status})").encode())
+            return
+        e.done[s.gen_rank] = msg.ok
+        self._send(ident, m.DoneAck(e.rid, True).encode())
+        if not msg.ok:
+            log.info("request %d: generation rank %d failed its read: %s", e.rid, s.gen_rank, msg.error)
+        if e.expected <= set(e.done):
+            if all(e.done.values()):
+                self._finish(e, "cancelled" if e.cancel_requested else "complete", "all readers confirmed")
+            else:
+                self._finish(e, "failed", "a generation rank reported a failed read")
+        elif e.cancel_requested and not e.active_readers:
+            self._finish(e, "cancelled", "cancelled; readers in flight finished")

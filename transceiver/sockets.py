@@ -1,0 +1,102 @@
+"""ZeroMQ sockets of the control plane, made one way: size limits, no lingering, optional CurveZMQ.
+
+With CurveZMQ configured, the context side's ROUTER is a CURVE server that accepts only clients whose public
+keys are in `curve_authorized_keys_dir` (ZAP, via pyzmq's authenticator thread; rejections are logged), and
+every frame is encrypted. Key files are ZeroMQ certificate files (`kvbridge keys DIR` or
+`zmq.auth.create_certificates`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from .config import ConfigError, TransceiverConfig
+from .messages import MAX_FRAME_BYTES
+
+log = logging.getLogger(__name__)
+
+_auth_lock = threading.Lock()
+_authenticators: dict[int, object] = {}
+
+
+def _load_keys(path: str | None, what: str, secret: bool) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
+    if not path:
+        raise ConfigError(f"CurveZMQ needs transceiver.{what}")
+    try:
+        public, sec = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read CurveZMQ key file {path} ({what}): {e}") from None
+    if secret and not sec:
+        raise ConfigError(f"{path} ({what}) holds no secret key")
+    return public, sec
+
+
+def curve_enabled(cfg: TransceiverConfig) -> bool:
+    return bool(cfg.curve_secret_key_file)
+
+
+def _base(sock: zmq.Socket) -> zmq.Socket:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)  # oversized frames drop the connection
+    sock.setsockopt(zmq.RCVHWM, 100000)
+    sock.setsockopt(zmq.SNDHWM, 100000)
+    return sock
+
+
+def make_router(zctx: zmq.Context, cfg: TransceiverConfig) -> tuple[zmq.Socket, str]:
+    """The context rank's ROUTER, bound; returns (socket, endpoint peers should connect to)."""
+    sock = _base(zctx.socket(zmq.ROUTER))
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping silently
+    if curve_enabled(cfg):
+        _start_authenticator(zctx, cfg)
+        public, secret = _load_keys(cfg.curve_secret_key_file, "curve_secret_key_file", True)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+    if cfg.port:
+        sock.bind(f"tcp://{cfg.bind_host}:{cfg.port}")
+        port = cfg.port
+    else:
+        port = sock.bind_to_random_port(f"tcp://{cfg.bind_host}", min_port=20000, max_port=60000, max_tries=200)
+    return sock, f"tcp://{cfg.host}:{port}"
+
+
+def make_dealer(zctx: zmq.Context, cfg: TransceiverConfig, endpoint: str, identity: bytes) -> zmq.Socket:
+    """A generation rank's DEALER to one context rank."""
+    sock = _base(zctx.socket(zmq.DEALER))
+    sock.setsockopt(zmq.IDENTITY, identity)
+    if curve_enabled(cfg):
+        public, secret = _load_keys(cfg.curve_secret_key_file, "curve_secret_key_file", True)
+        server_public, _ = _load_keys(cfg.curve_server_public_key_file, "curve_server_public_key_file", False)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_serverkey = server_public
+    sock.connect(endpoint)
+    return sock
+
+
+def _start_authenticator(zctx: zmq.Context, cfg: TransceiverConfig) -> None:
+    from zmq.auth.thread import ThreadAuthenticator
+
+    if not cfg.curve_authorized_keys_dir:
+        raise ConfigError("CurveZMQ on the context side needs transceiver.curve_authorized_keys_dir "
+                          "(a folder of the public key files of generation ranks allowed to connect)")
+    with _auth_lock:
+        if id(zctx) in _authenticators:
+            return
+        auth = ThreadAuthenticator(zctx, log=logging.getLogger("kvbridge.auth"))
+        auth.start()
+        auth.configure_curve(domain="*", location=cfg.curve_authorized_keys_dir)
+        _authenticators[id(zctx)] = auth
+
+
+def stop_authenticator(zctx: zmq.Context) -> None:
+    with _auth_lock:
+        auth = _authenticators.pop(id(zctx), None)
+    if auth is not None:
+        auth.stop()
