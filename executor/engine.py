@@ -1,0 +1,247 @@
+"""The leader's scheduler: continuous batching over aggregated, context-only and generation-only requests.
+
+Runs in rank 0 only. Each step it turns its request table into a STEP PLAN (plain msgpack data) that every
+rank executes identically (worker.py), then takes the sampled tokens back and moves requests on. It never
+touches tensors; block ids it reports are read from rank 0's KV cache manager, which every rank mirrors.
+
+Who calls what, when (the transceiver's view; `Executor` in runtime.py is the in-process handle to it):
+
+    context side (mode "context_only")
+        submit(prompt, mode="context_only") -> request_id
+        -> event "ctx": (request_id, block_ids, num_tokens, first_token) once the prefill ran. The blocks stay
+           PINNED on every rank: nothing frees or reuses them while the transceiver reads them.
+        release(request_id)     after EVERY rank's transfer of the request finished (or failed): unpins
+                                and frees the blocks on every rank. Exactly once per context request.
+    generation side (mode "generation_only")
+        submit(prompt, mode="generation_only", first_token=t, ctx_info={...}) -> request_id
+        -> event "gen_alloc": (request_id, block_ids) -- receive the prompt's KV into these blocks (the same
+           ids on every rank, each rank holding its own heads/layers).
+        kv_ready(request_id)    after every rank's KV arrived: the request starts decoding from t.
+        abort(request_id)       the transfer failed: the blocks are freed, the request ends ("aborted").
+    both
+        -> event "done": (request_id, tokens, finish_reason) when an aggregated or generation-only
+           request finishes; its blocks are freed in the next step.
+
+Scheduling: FIFO admission while the pool can reserve every admitted request's blocks to completion (so a
+running request never runs out of blocks) and the step's prefill token budget allows; a request that could
+never fit is refused at once. New requests join between steps; all decoding requests step together.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ExecutorError
+from .sampling import SamplingParams
+
+__all__ = ["Engine", "Request", "MODES"]
+
+MODES = ("aggregated", "context_only", "generation_only")
+PLAN_VERSION = 1
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: list[int]
+    max_tokens: int
+    mode: str = "aggregated"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: tuple[int, ...] = ()
+    first_token: int | None = None         # generation-only: the context side's first token
+    ctx_info: dict = field(default_factory=dict)
+    state: str = "waiting"                  # waiting, prefill, running, awaiting_kv, ctx_done, finished
+    output: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    reserved: int = 0                       # blocks reserved to completion
+    finish_reason: str | None = None
+
+
+class Engine:
+    """Leader-side request table and step planner.
+
+    Args:
+        num_blocks: blocks in every rank's pool.
+        tokens_per_block: tokens per block.
+        max_batch_tokens: prefill tokens admitted into one step (a longer prompt runs alone).
+        max_batch_seqs: sequences in one step.
+        max_position: longest sequence the model supports.
+    """
+
+    def __init__(self, num_blocks: int, tokens_per_block: int, *, max_batch_tokens: int = 2048,
+                 max_batch_seqs: int = 64, max_position: int = 4096) -> None:
+        self.num_blocks, self.tpb = num_blocks, tokens_per_block
+        self.max_batch_tokens, self.max_batch_seqs, self.max_position = max_batch_tokens, max_batch_seqs, max_position
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[int] = deque()
+        self.reserved = 0
+        self.step = 0
+        self._ops: list[list] = []           # ops for the next plan, in order
+        self._post_ops: list[list] = []      # ops run after the step's forward (reads)
+        self._events: list[dict] = []
+
+    # --- driver API (commands from the Executor handle) ------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue a request (its id chosen by the caller, unique). Refusals come back as 'refused' events."""
+        if req.request_id in self.requests:
+            self._refuse(req.request_id, f"request id {req.request_id} is already in use")
+            return
+        if req.mode not in MODES:
+            self._refuse(req.request_id, f"mode {req.mode!r} is not one of {MODES}")
+            return
+        if not req.prompt or req.max_tokens < 1:
+            self._refuse(req.request_id, "a request needs a non-empty prompt and max_tokens >= 1")
+            return
+        if req.mode == "generation_only" and req.first_token is None:
+            self._refuse(req.request_id, "a generation-only request needs the context side's first token")
+            return
+        total = len(req.prompt) + (req.max_tokens if req.mode != "context_only" else 1)
+        if total > self.max_position:
+            self._refuse(req.request_id, f"prompt + max_tokens = {total} exceeds the model's {self.max_position}")
+            return
+        req.reserved = self._blocks(total)
+        if req.reserved > self.num_blocks:
+            self._refuse(req.request_id, f"needs {req.reserved} KV blocks to completion, the pool has only "
+                                         f"{self.num_blocks}; request refused")
+            return
+        self.requests[req.request_id] = req
+        self.waiting.append(req.request_id)
+
+    def kv_ready(self, request_id: int) -> None:
+        r = self._get(request_id, "kv_ready")
+        if r is None:
+            return
+        if r.state != "awaiting_kv":
+            self._error(request_id, f"kv_ready for request {request_id}, which is {r.state}, not awaiting KV")
+            return
+        self._ops.append(["ready", request_id])
+        r.state, r.num_cached, r.output = "running", len(r.prompt), [int(r.first_token)]
+        self._check_finished(r)
+
+    def release(self, request_id: int) -> None:
+        r = self._get(request_id, "release")
+        if r is None:
+            return
+        if r.state != "ctx_done":
+            self._error(request_id, f"release of request {request_id}, which is {r.state}; only a finished "
+                                    f"context-only request is released")
+            return
+        self._ops.append(["release", request_id])
+        self._drop(r, "released")
+        self._events.append({"t": "released", "rid": request_id})
+
+    def abort(self, request_id: int) -> None:
+        r = self._get(request_id, "abort")
+        if r is None:
+            return
+        if r.state == "waiting":
+            self.waiting.remove(request_id)
+            self.requests.pop(request_id)
+        elif r.state == "ctx_done":
+            self._ops.append(["release", request_id])
+            self._drop(r, "aborted")
+        else:
+            self._ops.append(["free", request_id])
+            self._drop(r, "aborted")
+        self._events.append({"t": "done", "rid": request_id, "tokens": list(r.output), "reason": "aborted"})
+
+    def io(self, kind: str, request_id: int) -> None:
+        """Queue a KV read ("read": after the next step) or write ("write": before it) of a live request."""
+        r = self._get(request_id, kind)
+        if r is None:
+            return
+        if r.state in ("waiting", "finished"):
+            self._error(request_id, f"{kind} of request {request_id}, which holds no blocks ({r.state})")
+            return
+        (self._post_ops if kind == "read" else self._ops).append([kind, request_id])
+
+    # --- the step -----------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._ops or self._post_ops or self.waiting
+                    or any(r.state == "running" for r in self.requests.values()))
+
+    def next_plan(self) -> dict[str, Any]:
+        """The next step's plan: ops, then the batch (prefills of admitted requests, one decode per running)."""
+        batch: list[list] = []
+        budget = self.max_batch_tokens
+        for r in self.requests.values():
+            if r.state == "running" and len(batch) < self.max_batch_seqs:
+                batch.append([r.request_id, r.num_cached, [r.output[-1]], True, False, r.sampling.to_wire()])
+        while self.waiting and len(batch) < self.max_batch_seqs:
+            r = self.requests[self.waiting[0]]
+            if self.reserved + r.reserved > self.num_blocks:
+                break
+            if r.mode != "generation_only":
+                if len(r.prompt) > budget and budget != self.max_batch_tokens:
+                    break
+                budget -= len(r.prompt)
+                batch.append([r.request_id, 0, list(r.prompt), True, r.mode == "context_only",
+                              r.sampling.to_wire()])
+                r.state = "prefill"
+            else:
+                self._ops.append(["xfer", r.request_id, len(r.prompt)])
+                r.state = "awaiting_kv"
+                self._events.append({"t": "gen_alloc", "rid": r.request_id})
+            self.waiting.popleft()
+            self.reserved += r.reserved
+        self.step += 1
+        plan = {"v": PLAN_VERSION, "step": self.step, "stop": False, "ops": self._ops, "batch": batch,
+                "post": self._post_ops}
+        self._ops, self._post_ops = [], []
+        return plan
+
+    def step_done(self, plan: dict[str, Any], sampled: list[int]) -> list[dict]:
+        """Take the step's sampled tokens (one per batch entry, in order) and return the events to report."""
+        if len(sampled) != len(plan["batch"]):
+            raise ExecutorError(f"step {plan['step']}: {len(sampled)} sampled tokens for {len(plan['batch'])} "
+                                f"sequences")
+        for (rid, start, toks, _s, _p, _sp), tok in zip(plan["batch"], sampled):
+            r = self.requests[rid]
+            r.num_cached = start + len(toks)
+            r.output.append(int(tok))
+            if r.state == "prefill" and r.mode == "context_only":
+                r.state = "ctx_done"
+                self._events.append({"t": "ctx", "rid": rid, "first_token": int(tok), "num_tokens": r.num_cached})
+                continue
+            r.state = "running"
+            self._check_finished(r)
+        ev, self._events = self._events, []
+        return ev
+
+    # --- internals ----------------------------------------------------------------------------------------
+    def _check_finished(self, r: Request) -> None:
+        reason = None
+        if r.output and r.output[-1] in r.stop_ids:
+            reason = "stop"
+        elif len(r.output) >= r.max_tokens:
+            reason = "length"
+        if reason:
+            self._ops.append(["free", r.request_id])
+            self._drop(r, reason)
+            self._events.append({"t": "done", "rid": r.request_id, "tokens": list(r.output), "reason": reason})
+
+    def _drop(self, r: Request, reason: str) -> None:
+        r.state, r.finish_reason = "finished", reason
+        self.reserved -= r.reserved
+        self.requests.pop(r.request_id, None)
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.tpb)
+
+    def _get(self, request_id: int, what: str) -> Request | None:
+        r = self.requests.get(request_id)
+        if r is None:
+            self._error(request_id, f"{what}: unknown request {request_id} (never submitted, finished, or released)")
+        return r
+
+    def _refuse(self, rid: int, msg: str) -> None:
+        self._events.append({"t": "refused", "rid": rid, "msg": msg})
+
+    def _error(self, rid: int, msg: str) -> None:
+        self._events.append({"t": "req_error", "rid": rid, "msg": msg})
+
+    def take_events(self) -> list[dict]:
+        ev, self._events = self._events, []
+        return ev

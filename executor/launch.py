@@ -1,0 +1,58 @@
+"""Spawning rank processes: a free port, the spawn context, and tearing everything down on failure.
+
+Owns only the processes it starts: it ends them through their own handles (terminate, then kill), never by
+name. Every join has a deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+
+__all__ = ["free_port", "spawn_ranks", "stop_processes"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for torch.distributed's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(world: int, target, args_for_rank) -> tuple[list[mp.process.BaseProcess], list, list]:
+    """Start `world` processes (spawn context) running target(rank, *args_for_rank(rank), rx, tx).
+
+    Returns:
+        (processes, to_rank connections (parent writes), from_rank connections (parent reads)).
+    """
+    ctx = mp.get_context("spawn")
+    procs, to_rank, from_rank = [], [], []
+    for rank in range(world):
+        rx_child, tx_parent = ctx.Pipe(duplex=False)
+        rx_parent, tx_child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=target, args=(rank, *args_for_rank(rank), rx_child, tx_child),
+                        name=f"kvbridge-rank{rank}", daemon=True)
+        p.start()
+        rx_child.close()
+        tx_child.close()
+        procs.append(p)
+        to_rank.append(tx_parent)
+        from_rank.append(rx_parent)
+    return procs, to_rank, from_rank
+
+
+def stop_processes(procs: list, grace_s: float = 5.0) -> list[int | None]:
+    """Wait up to `grace_s` for the processes to exit, then terminate, then kill; returns exit codes."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    return [p.exitcode for p in procs]

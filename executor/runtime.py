@@ -1,0 +1,359 @@
+"""`Executor`: the in-process handle to a reference executor of N rank processes (TP x PP).
+
+Owns the rank processes (spawned, one per rank; rank 0 leads) and the parent's side of their pipes: it sends
+commands to the leader and collects events, KV shards and errors from every rank. Every wait has a deadline;
+a rank that dies or reports an error makes every pending and later call raise ExecutorError naming it.
+
+The API (see engine.py for when each call is allowed):
+    ex = Executor.start(ExecutorConfig(model="seeded:tiny", tp=2))
+    ex.generate([[1, 2, 3]], max_tokens=8) -> [[...tokens...]]                  aggregated
+    res = ex.prefill(prompt) -> ContextResult(request_id, block_ids, num_tokens, first_token)   context-only
+    ex.read_kv(res.request_id) -> [layers, 2, kv_heads, tokens, head_dim] tensor (whole model, CPU)
+    ex.release(res.request_id)                                                   blocks unpinned and freed
+    g = ex.add_generation(prompt, first_token, max_tokens) -> GenerationHandle(request_id, block_ids)
+    ex.write_kv(g.request_id, kv); ex.kv_ready(g.request_id); ex.wait(g.request_id) -> Completion
+    ex.free_blocks() -> free blocks per rank (all back to num_blocks when idle); ex.close()
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import codec
+from ..errors import ExecutorError, KVCacheExhausted
+from ..formatter.layout import KVLayout
+from .config import ModelConfig
+from .kv_cache_manager import TORCH_DTYPES
+from .launch import free_port, spawn_ranks, stop_processes
+from .sampling import SamplingParams
+from .worker import Pipes, rank_main
+
+__all__ = ["ExecutorConfig", "Executor", "ContextResult", "GenerationHandle", "Completion"]
+
+
+@dataclass
+class ExecutorConfig:
+    """How to run an executor.
+
+    Attributes:
+        model: a model spec (see sources.describe_models()).
+        tp, pp, layers_per_stage: the split (rank = pp_rank * tp + tp_rank).
+        num_blocks, tokens_per_block: every rank's pool.
+        device: "cpu", or "cuda" (rank r on cuda:r % device_count).
+        dtype: pool and weight dtype; default float32 on CPU, bfloat16 on CUDA.
+        timeout_s: bound on start-up, every collective and every wait of this handle.
+        threads_per_rank: torch intra-op threads per rank process.
+    """
+
+    model: str = "seeded:tiny"
+    tp: int = 1
+    pp: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+    num_blocks: int = 256
+    tokens_per_block: int = 16
+    device: str = "cpu"
+    dtype: str | None = None
+    max_batch_tokens: int = 2048
+    max_batch_seqs: int = 64
+    timeout_s: float = 120.0
+    threads_per_rank: int = 1
+
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+
+
+@dataclass(frozen=True)
+class ContextResult:
+    """A finished context-only prefill: its KV is in `block_ids` of every rank, pinned until release."""
+
+    request_id: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+
+
+@dataclass(frozen=True)
+class GenerationHandle:
+    """A generation-only request waiting for its prompt KV in `block_ids` (same ids on every rank)."""
+
+    request_id: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: int
+    tokens: list[int]
+    finish_reason: str
+
+
+@dataclass
+class _State:
+    events: dict = field(default_factory=dict)       # (kind, rid) -> event
+    kv: dict = field(default_factory=dict)           # (rid, rank) -> tensor
+    stats: dict = field(default_factory=dict)        # rank -> event
+    ready: dict = field(default_factory=dict)        # rank -> event
+    fatal: str | None = None
+
+
+class Executor:
+    """Handle to running rank processes. Create with `Executor.start(config)`; close with `close()`."""
+
+    def __init__(self, cfg: ExecutorConfig) -> None:
+        self.cfg = cfg
+        self._ids = itertools.count(1)
+        self._st = _State()
+        self._cv = threading.Condition()
+        self._closing = False
+        self.model_config: ModelConfig | None = None
+        self.layout: KVLayout | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, cfg: ExecutorConfig) -> "Executor":
+        """Spawn the ranks and wait (up to cfg.timeout_s) until every one has loaded and joined the groups."""
+        ex = cls(cfg)
+        world = cfg.tp * cfg.pp
+        blob = codec.pack({
+            "model": cfg.model, "tp": cfg.tp, "pp": cfg.pp,
+            "layers_per_stage": list(cfg.layers_per_stage) if cfg.layers_per_stage else None,
+            "num_blocks": cfg.num_blocks, "tokens_per_block": cfg.tokens_per_block, "device": cfg.device,
+            "dtype": cfg.resolved_dtype(), "max_batch_tokens": cfg.max_batch_tokens,
+            "max_batch_seqs": cfg.max_batch_seqs, "timeout_s": cfg.timeout_s,
+            "threads_per_rank": cfg.threads_per_rank, "port": free_port(),
+        })
+        ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
+        ex._pipes = [Pipes(rx, tx) for rx, tx in zip(from_rank, to_rank)]
+        ex._readers = [threading.Thread(target=ex._read_loop, args=(r,), daemon=True, name=f"kvbridge-rx{r}")
+                       for r in range(world)]
+        for t in ex._readers:
+            t.start()
+        try:
+            ex._wait_for(lambda st: len(st.ready) == world or None, cfg.timeout_s, "the ranks to start")
+        except BaseException:
+            ex.close()
+            raise
+        first = ex._st.ready[0]
+        ex.model_config = ModelConfig.from_dict(first["config"])
+        ex.layout = KVLayout.from_wire(first["layout"])
+        return ex
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every rank (leader first, the others follow its stop plan), then reap the processes."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._pipes[0].send({"t": "stop"})
+        except (OSError, ValueError):
+            pass
+        stop_processes(self._procs, timeout)
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], *, max_tokens: int = 16, mode: str = "aggregated",
+               sampling: SamplingParams | None = None, stop_ids: tuple[int, ...] | None = None,
+               first_token: int | None = None, ctx_info: dict | None = None, request_id: int | None = None) -> int:
+        """Queue a request; returns its id. stop_ids defaults to the model's EOS tokens."""
+        rid = next(self._ids) if request_id is None else int(request_id)
+        stops = self.model_config.eos_token_ids if stop_ids is None else tuple(stop_ids)
+        self._send({"t": "add", "rid": rid, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
+                    "mode": mode, "sampling": (sampling or SamplingParams()).to_wire(),
+                    "stop_ids": [int(t) for t in stops], "first_token": first_token, "ctx_info": ctx_info or {}})
+        return rid
+
+    def wait(self, request_id: int, timeout: float | None = None) -> Completion:
+        """Wait for an aggregated or generation-only request to finish."""
+        ev = self._wait_event(("done", request_id), timeout, f"request {request_id} to finish")
+        return Completion(request_id, list(ev["tokens"]), ev["reason"])
+
+    def generate(self, prompts: list[list[int]], *, max_tokens: int = 16, sampling: SamplingParams | None = None,
+                 stop_ids: tuple[int, ...] | None = None, timeout: float | None = None) -> list[list[int]]:
+        """Aggregated mode: submit every prompt at once (batched together) and return each one's tokens."""
+        rids = [self.submit(p, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids) for p in prompts]
+        return [self.wait(r, timeout).tokens for r in rids]
+
+    def prefill(self, prompt: list[int], *, sampling: SamplingParams | None = None, timeout: float | None = None,
+                request_id: int | None = None) -> ContextResult:
+        """Context-only: prefill `prompt`, sample its first token; the KV stays pinned until `release`."""
+        rid = self.submit(prompt, max_tokens=1, mode="context_only", sampling=sampling, stop_ids=(),
+                          request_id=request_id)
+        ev = self._wait_event(("ctx", rid), timeout, f"the prefill of request {rid}")
+        return ContextResult(rid, tuple(ev["block_ids"]), int(ev["num_tokens"]), int(ev["first_token"]))
+
+    def release(self, request_id: int, timeout: float | None = None) -> None:
+        """Unpin and free a context-only request's blocks on every rank (after its transfers finished)."""
+        self._send({"t": "release", "rid": int(request_id)})
+        self._wait_event(("released", request_id), timeout, f"the release of request {request_id}")
+
+    def add_generation(self, prompt: list[int], first_token: int, *, max_tokens: int = 16,
+                       sampling: SamplingParams | None = None, stop_ids: tuple[int, ...] | None = None,
+                       ctx_info: dict | None = None, timeout: float | None = None,
+                       request_id: int | None = None) -> GenerationHandle:
+        """Generation-only: allocate blocks for `prompt`'s KV (to be received), return their ids."""
+        rid = self.submit(prompt, max_tokens=max_tokens, mode="generation_only", sampling=sampling,
+                          stop_ids=stop_ids, first_token=int(first_token), ctx_info=ctx_info, request_id=request_id)
+        ev = self._wait_event(("gen_alloc", rid), timeout, f"the blocks of request {rid}")
+        return GenerationHandle(rid, tuple(ev["block_ids"]))
+
+    def kv_ready(self, request_id: int) -> None:
+        """The prompt KV of a generation-only request is in place on every rank: start decoding."""
+        self._send({"t": "kv_ready", "rid": int(request_id)})
+
+    def abort(self, request_id: int) -> None:
+        """End a request now (a failed transfer, a client gone); its blocks are freed."""
+        self._send({"t": "abort", "rid": int(request_id)})
+
+    # --- KV in and out -------------------------------------------------------------------------------------
+    def read_kv(self, request_id: int, timeout: float | None = None) -> torch.Tensor:
+        """The request's whole KV, assembled from every rank: [layers, kv_factor, kv_heads, tokens, head_dim].
+
+        Replicated kv heads (TP above the kv head count) are checked equal on every rank holding them.
+        """
+        lay = self.layout
+        self._send({"t": "read", "rid": int(request_id)})
+        world = lay.world_size
+        self._wait_for(lambda st: all((request_id, r) in st.kv for r in range(world)) or None,
+                       timeout or self.cfg.timeout_s, f"the KV of request {request_id}")
+        with self._cv:
+            shards = {r: self._st.kv.pop((request_id, r)) for r in range(world)}
+        s = lay.shape
+        T = shards[0].shape[3]
+        out = torch.empty((s.num_layers, s.kv_factor, s.num_kv_heads, T, s.head_dim), dtype=shards[0].dtype)
+        seen = torch.zeros((s.num_layers, s.num_kv_heads), dtype=torch.bool)
+        for r, x in shards.items():
+            tp_rank, pp_rank = lay.coords(r)
+            layers, heads = lay.stage_layers(pp_rank), lay.head_range(tp_rank)
+            ls, hs = slice(layers.start, layers.stop), slice(heads.start, heads.stop)
+            if seen[ls, hs].all():
+                if not torch.equal(out[ls, :, hs], x):
+                    raise ExecutorError(f"read_kv of request {request_id}: rank {r}'s replica of kv heads "
+                                        f"{list(heads)} differs from another rank's")
+                continue
+            out[ls, :, hs] = x
+            seen[ls, hs] = True
+        return out
+
+    def write_kv(self, request_id: int, kv: torch.Tensor) -> None:
+        """Write a generation-only request's prompt KV ([layers, kv_factor, kv_heads, tokens, head_dim]) into its
+        blocks on every rank, each rank getting its layers and heads. Takes effect before the next step."""
+        lay = self.layout
+        dt = TORCH_DTYPES[lay.shape.dtype]
+        kv = kv.to(dt).cpu()
+        for r in range(lay.world_size):
+            tp_rank, pp_rank = lay.coords(r)
+            layers, heads = lay.stage_layers(pp_rank), lay.head_range(tp_rank)
+            x = kv[layers.start:layers.stop, :, heads.start:heads.stop].contiguous()
+            self._pipes[r].send({"t": "kv", "rid": int(request_id), "shape": list(x.shape), "dtype": lay.shape.dtype,
+                                 "has_payload": True}, x.view(torch.uint8).numpy().tobytes())
+        self._send({"t": "write", "rid": int(request_id)})
+
+    def free_blocks(self, timeout: float | None = None) -> list[int]:
+        """Free blocks on every rank, in rank order (taken between two steps)."""
+        with self._cv:
+            self._st.stats.clear()
+        self._send({"t": "stats"})
+        world = self.layout.world_size
+        self._wait_for(lambda st: len(st.stats) == world or None, timeout or self.cfg.timeout_s, "block counts")
+        return [int(self._st.stats[r]["free"]) for r in range(world)]
+
+    # --- internals ---------------------------------------------------------------------------------------
+    def _send(self, msg: dict) -> None:
+        self._check()
+        try:
+            self._pipes[0].send(msg)
+        except (OSError, ValueError) as e:
+            raise ExecutorError(f"the leader rank is gone ({e})") from None
+
+    def _check(self) -> None:
+        if self._st.fatal:
+            raise ExecutorError(self._st.fatal)
+        if self._closing:
+            raise ExecutorError("the executor is closed")
+
+    def _read_loop(self, rank: int) -> None:
+        pipes = self._pipes[rank]
+        try:
+            while True:
+                got = pipes.recv(0.5)
+                if got is None:
+                    if not self._procs[rank].is_alive():
+                        raise EOFError
+                    continue
+                msg, payload = got
+                with self._cv:
+                    self._dispatch(rank, msg, payload)
+                    self._cv.notify_all()
+                if msg["t"] in ("exit", "error"):
+                    return
+        except (EOFError, OSError):
+            with self._cv:
+                if not self._closing and self._st.fatal is None:
+                    self._st.fatal = f"rank {rank} exited (exit code {self._procs[rank].exitcode}) without a report"
+                self._cv.notify_all()
+        except Exception as e:  # noqa: BLE001 - a malformed frame from a rank is fatal for the executor
+            with self._cv:
+                self._st.fatal = f"rank {rank} sent a bad frame: {e}"
+                self._cv.notify_all()
+
+    def _dispatch(self, rank: int, msg: dict, payload: bytes | None) -> None:
+        t = msg["t"]
+        if t == "ready":
+            self._st.ready[rank] = msg
+        elif t == "error":
+            if self._st.fatal is None:
+                self._st.fatal = f"rank {rank} failed: {msg.get('msg')}\n{msg.get('tb', '')}"
+        elif t == "kv":
+            dt = TORCH_DTYPES[msg["dtype"]]
+            x = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8).view(dt).reshape(msg["shape"])
+            self._st.kv[(int(msg["rid"]), rank)] = x
+        elif t == "stats":
+            self._st.stats[rank] = msg
+        elif t == "exit":
+            pass
+        else:
+            self._st.events[(t, int(msg["rid"]))] = msg
+
+    def _wait_for(self, pred, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                got = pred(self._st)
+                if got is not None:
+                    return got
+                if self._st.fatal:
+                    raise ExecutorError(f"while waiting for {what}: {self._st.fatal}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutorError(f"timed out after {timeout:.0f}s waiting for {what}")
+                self._cv.wait(min(left, 0.5))
+
+    def _wait_event(self, key: tuple[str, int], timeout: float | None, what: str) -> dict:
+        rid = key[1]
+
+        def pred(st: _State):
+            for k in (key, ("refused", rid), ("req_error", rid)):
+                if k in st.events:
+                    return st.events.pop(k)
+            if key[0] != "done" and ("done", rid) in st.events:  # aborted while waiting
+                return st.events.pop(("done", rid))
+            return None
+
+        ev = self._wait_for(pred, timeout or self.cfg.timeout_s, what)
+        if ev["t"] == "refused":
+            raise KVCacheExhausted(ev["msg"]) if "blocks" in ev["msg"] else ExecutorError(ev["msg"])
+        if ev["t"] == "req_error":
+            raise ExecutorError(ev["msg"])
+        if ev["t"] != key[0]:
+            raise ExecutorError(f"request {rid} ended ({ev.get('reason')}) while waiting for {what}")
+        return ev

@@ -1,0 +1,325 @@
+"""One rank process: loads its shard, builds its pool, and runs step plans in lockstep with the other ranks.
+
+Rank 0 is the leader: it reads commands from the parent (`Executor`), plans each step with the `Engine`,
+broadcasts the plan (msgpack bytes in a tensor), runs it like every other rank, and reports events. Other
+ranks only run plans. Every rank talks to the parent over its own pair of pipes with msgpack frames (never
+pickle): KV shards for `read_kv`/`write_kv`, its readiness, and its fatal error (then it exits non-zero).
+
+Never frees a block except as a plan says, so every rank's allocator stays identical to the leader's; the
+plan carries the leader's free-block count before its ops and each rank checks it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from .. import codec
+from ..errors import ExecutorError
+from ..formatter.layout import ParallelSplit
+from .comm import Comm
+from .config import kv_layout_for
+from .engine import Engine, Request
+from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
+from .model import StageModel, StepBatch
+from .sampling import SamplingParams, sample
+from .sources import load_source
+from .weights import stage_weights
+
+__all__ = ["rank_main", "Pipes"]
+
+HEARTBEAT_S = 0.2   # an idle leader still broadcasts an empty plan this often, so no rank's wait runs out
+MAX_FRAME = 1 << 31
+
+
+class Pipes:
+    """Framed msgpack messages over a pair of one-way multiprocessing connections (send_bytes/recv_bytes)."""
+
+    def __init__(self, rx, tx) -> None:
+        self.rx, self.tx = rx, tx
+        self._lock = threading.Lock()
+
+    def send(self, msg: dict, payload: bytes | None = None) -> None:
+        with self._lock:
+            self.tx.send_bytes(codec.pack(msg))
+            if payload is not None:
+                self.tx.send_bytes(payload)
+
+    def recv(self, timeout: float) -> tuple[dict, bytes | None] | None:
+        """One message (and its payload when the header says `has_payload`), or None on timeout."""
+        if not self.rx.poll(timeout):
+            return None
+        msg = codec.unpack(self.rx.recv_bytes(), what="executor frame")
+        if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+            raise ExecutorError(f"executor frame without a type: {msg!r:.200}")
+        payload = None
+        if msg.get("has_payload"):
+            if not self.rx.poll(60):
+                raise ExecutorError("executor frame: payload did not follow its header within 60s")
+            payload = self.rx.recv_bytes()
+        return msg, payload
+
+
+class _Inbox(threading.Thread):
+    """Drains the parent->rank pipe so the parent never blocks: commands to a queue, KV payloads by id."""
+
+    def __init__(self, pipes: Pipes) -> None:
+        super().__init__(daemon=True, name="kvbridge-inbox")
+        self.pipes = pipes
+        self.commands: queue.Queue = queue.Queue()
+        self.kv: dict[int, tuple[dict, bytes]] = {}
+        self.cv = threading.Condition()
+        self.closed = False
+
+    def run(self) -> None:
+        try:
+            while not self.closed:
+                got = self.pipes.recv(0.2)
+                if got is None:
+                    continue
+                msg, payload = got
+                if msg["t"] == "kv":
+                    with self.cv:
+                        self.kv[int(msg["rid"])] = (msg, payload or b"")
+                        self.cv.notify_all()
+                else:
+                    self.commands.put(msg)
+        except (EOFError, OSError):
+            self.commands.put({"t": "stop", "why": "parent closed the pipe"})
+
+    def take_kv(self, rid: int, timeout: float) -> tuple[dict, bytes]:
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while rid not in self.kv:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutorError(f"write_kv of request {rid}: its KV shard did not arrive in {timeout:.0f}s")
+                self.cv.wait(left)
+            return self.kv.pop(rid)
+
+
+class _Runner:
+    """Executes plans on one rank."""
+
+    def __init__(self, cfg: dict, rank: int, pipes: Pipes, inbox: _Inbox) -> None:
+        self.rank, self.pipes, self.inbox = rank, pipes, inbox
+        self.timeout = float(cfg["timeout_s"])
+        dev = cfg["device"]
+        if dev == "cuda":
+            dev = f"cuda:{rank % max(1, torch.cuda.device_count())}"
+        self.device = torch.device(dev)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        src = load_source(cfg["model"])
+        self.mcfg = src.config
+        split = ParallelSplit(cfg["tp"], cfg["pp"], tuple(cfg["layers_per_stage"]) if cfg["layers_per_stage"]
+                              else None)
+        self.layout = kv_layout_for(self.mcfg, split, cfg["dtype"], cfg["tokens_per_block"])
+        self.kv = KVCacheManager(self.layout, rank, cfg["num_blocks"], device=self.device)
+        self.comm = Comm(self.layout, rank, cfg["port"], self.device, self.timeout)
+        w = stage_weights(src, self.layout, rank, device=self.device, dtype=TORCH_DTYPES[cfg["dtype"]])
+        del src
+        self.model = StageModel(self.mcfg, self.layout, rank, w, self.kv, self.comm.all_reduce_tp)
+        self.tp_rank, self.pp_rank = self.layout.coords(rank)
+        self.sampler_rank = self.layout.rank_of(0, self.layout.split.pp - 1)
+
+    # --- one plan -------------------------------------------------------------------------------------
+    def execute(self, plan: dict) -> list[int] | None:
+        kv = self.kv
+        if plan.get("free_before", kv.get_num_free_blocks()) != kv.get_num_free_blocks():
+            raise ExecutorError(f"rank {self.rank}: {kv.get_num_free_blocks()} free blocks before step "
+                                f"{plan['step']}, the leader has {plan['free_before']}: allocators diverged")
+        for op in plan["ops"]:
+            kind, rid = op[0], int(op[1])
+            if kind == "free":
+                kv.free_resources(rid)
+            elif kind == "xfer":
+                kv.add_sequence_for_transfer(rid, int(op[2]))
+            elif kind == "ready":
+                kv.mark_ready(rid)
+            elif kind == "release":
+                kv.free_resources(rid)
+                kv.unpin(rid)
+            elif kind == "write":
+                self._write_kv(rid)
+            else:
+                raise ExecutorError(f"step {plan['step']}: unknown op {kind!r}")
+        batch = plan["batch"]
+        sampled = None
+        if batch:
+            needs = [(int(b[0]), int(b[1]) + len(b[2])) for b in batch]
+            kv.prepare_resources(needs)
+            rows = kv.get_batch_cache_indices([n[0] for n in needs])
+            sb = StepBatch.build([(b[2], int(b[1]), blocks, True) for b, blocks in zip(batch, rows)],
+                                 kv.tokens_per_block, self.device)
+            hidden = None
+            if not self.model.first:
+                hidden = self.comm.recv_prev_stage((sb.num_tokens, self.mcfg.hidden_size), self.model.dtype)
+            out = self.model.forward(sb, hidden)
+            if not self.model.last:
+                self.comm.send_next_stage(out)
+            elif self.rank == self.sampler_rank:
+                params = [SamplingParams.from_wire(b[5]) for b in batch]
+                sampled = sample(out, params, [n for _, n in needs])
+                if self.rank != 0:
+                    self.comm.send_tokens_to_leader(torch.tensor(sampled, dtype=torch.int64))
+            if self.rank == 0 and self.rank != self.sampler_rank:
+                sampled = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
+            kv.update_resources(needs)
+            for b in batch:
+                if b[4]:
+                    kv.pin(int(b[0]))
+        for op in plan.get("post", ()):
+            if op[0] == "read":
+                self._read_kv(int(op[1]))
+            elif op[0] == "stats":
+                self.pipes.send({"t": "stats", "rank": self.rank, "free": kv.get_num_free_blocks(),
+                                 "live": kv.request_ids()})
+            else:
+                raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
+        return sampled
+
+    # --- KV in and out (tests and tools; the transceiver moves KV with its agents) -------------------------
+    def _read_kv(self, rid: int) -> None:
+        kv = self.kv
+        blocks = torch.tensor(kv.get_batch_cache_indices([rid])[0], dtype=torch.int64, device=self.device)
+        n = kv.num_tokens(rid)
+        x = kv.pool[blocks]  # [nb, L, 2, H, tpb, D]
+        nb, L, K, H, T, D = x.shape
+        x = x.permute(1, 2, 3, 0, 4, 5).reshape(L, K, H, nb * T, D)[:, :, :, :n].contiguous().cpu()
+        self.pipes.send({"t": "kv", "rid": rid, "rank": self.rank, "shape": list(x.shape),
+                         "dtype": self.layout.shape.dtype, "has_payload": True},
+                        x.view(torch.uint8).numpy().tobytes())
+
+    def _write_kv(self, rid: int) -> None:
+        kv = self.kv
+        msg, payload = self.inbox.take_kv(rid, self.timeout)
+        blocks = kv.get_batch_cache_indices([rid])[0]
+        n = kv.num_tokens(rid)
+        L, K, H, _, D = kv.pool.shape[1], kv.pool.shape[2], kv.pool.shape[3], kv.pool.shape[4], kv.pool.shape[5]
+        want = [L, K, H, n, D]
+        if msg.get("shape") != want or msg.get("dtype") != self.layout.shape.dtype:
+            raise ExecutorError(f"write_kv of request {rid} on rank {self.rank}: got shape {msg.get('shape')} "
+                                f"{msg.get('dtype')}, the rank holds {want} {self.layout.shape.dtype}")
+        x = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(kv.pool.dtype).reshape(want)
+        T = kv.tokens_per_block
+        nb = len(blocks)
+        full = torch.zeros((L, K, H, nb * T, D), dtype=kv.pool.dtype)
+        full[:, :, :, :n] = x
+        kv.pool[torch.tensor(blocks, device=self.device)] = \
+            full.reshape(L, K, H, nb, T, D).permute(3, 0, 1, 2, 4, 5).to(self.device)
+
+
+def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
+    eng = Engine(cfg["num_blocks"], cfg["tokens_per_block"], max_batch_tokens=cfg["max_batch_tokens"],
+                 max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position)
+    last_bcast = time.monotonic()
+    stop = False
+    while not stop:
+        wait = 0.0 if eng.has_work() else 0.02
+        cmds = []
+        try:
+            cmds.append(inbox.commands.get(timeout=wait) if wait else inbox.commands.get_nowait())
+            while True:
+                cmds.append(inbox.commands.get_nowait())
+        except queue.Empty:
+            pass
+        post: list[list] = []
+        for c in cmds:
+            stop = stop or _apply_command(eng, c, post)
+        if stop:
+            break
+        if not eng.has_work() and not post:
+            for ev in eng.take_events():
+                pipes.send(ev)
+            if run.comm.enabled and time.monotonic() - last_bcast > HEARTBEAT_S:
+                run.comm.broadcast_plan(codec.pack({"v": 1, "step": eng.step, "stop": False, "ops": [],
+                                                    "batch": [], "post": []}))
+                last_bcast = time.monotonic()
+            continue
+        plan = eng.next_plan()
+        plan["post"] = plan["post"] + post
+        plan["free_before"] = run.kv.get_num_free_blocks()
+        run.comm.broadcast_plan(codec.pack(plan))
+        last_bcast = time.monotonic()
+        sampled = run.execute(plan)
+        for ev in eng.step_done(plan, sampled or []):
+            if ev["t"] in ("ctx", "gen_alloc"):
+                ev["block_ids"] = run.kv.get_batch_cache_indices([ev["rid"]])[0]
+            pipes.send(ev)
+    run.comm.broadcast_plan(codec.pack({"v": 1, "step": eng.step, "stop": True, "ops": [], "batch": [],
+                                        "post": []}))
+
+
+def _apply_command(eng: Engine, c: dict, post: list) -> bool:
+    t = c["t"]
+    try:
+        if t == "stop":
+            return True
+        if t == "add":
+            sp = SamplingParams.from_wire(c["sampling"])
+            eng.submit(Request(int(c["rid"]), [int(x) for x in c["prompt"]], int(c["max_tokens"]), str(c["mode"]),
+                               sp, tuple(int(x) for x in c.get("stop_ids", ())), c.get("first_token"),
+                               dict(c.get("ctx_info") or {})))
+        elif t == "kv_ready":
+            eng.kv_ready(int(c["rid"]))
+        elif t == "release":
+            eng.release(int(c["rid"]))
+        elif t == "abort":
+            eng.abort(int(c["rid"]))
+        elif t in ("read", "write"):
+            eng.io(t, int(c["rid"]))
+        elif t == "stats":
+            post.append(["stats", 0])
+        else:
+            eng._error(int(c.get("rid", -1)), f"unknown command {t!r}")
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        eng._error(int(c.get("rid", -1)) if isinstance(c.get("rid"), int) else -1,
+                   f"malformed {t!r} command: {type(e).__name__}: {e}")
+    return False
+
+
+def _follower_loop(run: _Runner) -> None:
+    while True:
+        plan = run.comm.broadcast_plan(None)
+        if plan.get("v") != 1:
+            raise ExecutorError(f"rank {run.rank}: step plan version {plan.get('v')!r}, expected 1")
+        if plan["stop"]:
+            return
+        run.execute(plan)
+
+
+def rank_main(rank: int, blob: bytes, rx, tx) -> None:
+    """Entry point of a rank process (spawned by runtime.Executor). `blob` is the msgpack executor config."""
+    pipes = Pipes(rx, tx)
+    run = None
+    try:
+        cfg: dict[str, Any] = codec.unpack(blob, what="executor config")
+        torch.set_num_threads(int(cfg["threads_per_rank"]))
+        inbox = _Inbox(pipes)
+        inbox.start()
+        run = _Runner(cfg, rank, pipes, inbox)
+        pipes.send({"t": "ready", "rank": rank, "config": run.mcfg.to_dict(), "layout": run.layout.to_wire(),
+                    "pid": os.getpid()})
+        if rank == 0:
+            _leader_loop(run, pipes, inbox, cfg)
+        else:
+            _follower_loop(run)
+        inbox.closed = True
+        pipes.send({"t": "exit", "rank": rank})
+    except BaseException as e:  # noqa: BLE001 - report every failure to the parent, then exit non-zero
+        try:
+            pipes.send({"t": "error", "rank": rank, "msg": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
+        except Exception:  # noqa: BLE001
+            pass
+        sys.exit(1)
+    finally:
+        if run is not None:
+            run.comm.close()
