@@ -49,7 +49,7 @@ def unpack(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES, max_depth: int = MA
     try:
         obj = msgpack.unpackb(
             data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
-            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0,
+            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=n,
         )
     except ProtocolError:
         raise

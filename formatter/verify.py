@@ -17,7 +17,7 @@ from .layout import KVLayout
 from .mapping import mapping_for
 from .planner import Fragments, RankPool, plan_pieces
 
-__all__ = ["element_codes", "Arena", "VerifyResult", "verify_split"]
+__all__ = ["element_codes", "pool_image", "pool_nbytes", "Arena", "VerifyResult", "verify_split"]
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -60,24 +60,49 @@ class Arena:
         self.buf[dst] = self.buf[src]
 
 
-def _pool_codes(layout: KVLayout, rank: int, num_blocks: int, block_tokens: np.ndarray, n: int,
-                salt: int) -> np.ndarray:
-    """The bytes a rank's pool must hold: request tokens encoded, everything else a salted background."""
+def pool_image(layout: KVLayout, rank: int, num_blocks: int, requests=(), background_salt: int = 1
+               ) -> np.ndarray:
+    """The bytes a rank's pool must hold (flat uint8).
+
+    Args:
+        requests: (block_ids, num_tokens, salt) per request held in the pool: those tokens hold
+            `element_codes` of (layer, kv, head, token, dim) salted with the request's salt.
+        background_salt: every other byte holds codes salted with this (position-dependent, never zeros).
+    """
     s = layout.shape
     tp_rank, pp_rank = layout.coords(rank)
     L = np.arange(layout.stage_layers(pp_rank).start, layout.stage_layers(pp_rank).stop)
     H = np.arange(layout.head_range(tp_rank).start, layout.head_range(tp_rank).stop)
     K, T, D = np.arange(s.kv_factor), np.arange(s.tokens_per_block), np.arange(s.head_dim)
     B = np.arange(num_blocks)
+    tok_of = np.full(num_blocks, -1, dtype=np.int64)
+    n_of = np.zeros(num_blocks, dtype=np.int64)
+    salt_of = np.zeros(num_blocks, dtype=np.int64)
+    for blocks, n, salt in requests:
+        blocks = np.asarray(blocks, dtype=np.int64)[:-(-int(n) // s.tokens_per_block)]
+        tok_of[blocks] = np.arange(blocks.size, dtype=np.int64) * s.tokens_per_block
+        n_of[blocks], salt_of[blocks] = int(n), int(salt)
     if layout.order == "block_major":  # [B, L, K, H, T, D]
         b, l, k, h, t, d = np.ix_(B, L, K, H, T, D)
     else:  # layer_pools, stacked as [L, B, K, T, H, D]
         l, b, k, t, h, d = np.ix_(L, B, K, T, H, D)
-    tok = block_tokens[b] + t
-    real = (block_tokens[b] >= 0) & (tok < n)
-    codes = element_codes(l, k, h, np.where(real, tok, 0), d, s.itemsize)
-    background = element_codes(l, k, h, b * s.tokens_per_block + t, d, s.itemsize, salt=salt)
+    tok = tok_of[b] + t
+    real = (tok_of[b] >= 0) & (tok < n_of[b])
+    codes = element_codes(l, k, h, np.where(real, tok, 0), d, s.itemsize, salt=salt_of[b] * 1000 + 17)
+    background = element_codes(l, k, h, b * s.tokens_per_block + t, d, s.itemsize, salt=background_salt)
     return np.where(real[..., None], codes, background).reshape(-1)
+
+
+def _pool_codes(layout: KVLayout, rank: int, num_blocks: int, block_tokens: np.ndarray, n: int,
+                salt: int) -> np.ndarray:
+    blocks = np.argsort(np.where(block_tokens >= 0, block_tokens, np.iinfo(np.int64).max))
+    blocks = blocks[:int((block_tokens >= 0).sum())]
+    return pool_image(layout, rank, num_blocks, [(blocks, n, 0)] if blocks.size else [], salt)
+
+
+def pool_nbytes(layout: KVLayout, rank: int, num_blocks: int) -> int:
+    """Bytes of all of a rank's pool memory (every layer pool for "layer_pools")."""
+    return layout.block_bytes(rank) * num_blocks
 
 
 def _block_tokens(blocks: np.ndarray, num_blocks: int, tpb: int) -> np.ndarray:
@@ -117,12 +142,8 @@ def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0
     ctx_blocks = _pick_blocks(rng, nb_ctx, nbc)
     gen_blocks = _pick_blocks(rng, nb_gen, nbg)
 
-    def pool_bytes(layout: KVLayout, rank: int, nb: int) -> int:
-        return int(np.prod(layout.pool_shape(rank, nb))) * layout.shape.itemsize * (
-            1 if layout.order == "block_major" else layout.local_layers(rank))
-
-    sizes = [pool_bytes(ctx, r, nb_ctx) for r in range(ctx.world_size)]
-    sizes += [pool_bytes(gen, r, nb_gen) for r in range(gen.world_size)]
+    sizes = [pool_nbytes(ctx, r, nb_ctx) for r in range(ctx.world_size)]
+    sizes += [pool_nbytes(gen, r, nb_gen) for r in range(gen.world_size)]
     arena = Arena(sizes)
 
     def bases(layout: KVLayout, rank: int, i: int, nb: int) -> list[int]:

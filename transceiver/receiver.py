@@ -293,8 +293,11 @@ class Receiver:
                 self._on_leg_message(pull, leg, peer, msg)
 
     def _fail_ctx(self, peer: _Peer, ctx_rid: int, etype: str, error: str) -> None:
+        """A context rank says it no longer pins `ctx_rid` for us. After Done was sent that is expected (the
+        DoneAck decides validity); before, the pull has lost its blocks."""
         for pull in self._pulls.values():
-            if pull.ctx_request_id == ctx_rid and any(lg.endpoint == peer.endpoint for lg in pull.legs.values()):
+            if pull.ctx_request_id == ctx_rid and any(lg.endpoint == peer.endpoint and not lg.done_sent
+                                                      for lg in pull.legs.values()):
                 pull.fail(etype, error, self.config.drain_timeout_s)
 
     def _on_leg_message(self, pull: Pull, leg: Leg, peer: _Peer, msg: m.Message) -> None:
@@ -417,6 +420,7 @@ class Receiver:
     def _heartbeat(self) -> None:
         for peer in self._peers.values():
             if peer.legs and peer.sock is not None:
-                ids = sorted({self._pulls[r].ctx_request_id for r, _ in peer.legs if r in self._pulls})
+                ids = sorted({self._pulls[r].ctx_request_id for r, c in peer.legs
+                              if r in self._pulls and not self._pulls[r].legs[c].done_sent})
                 if ids:
                     self._send(peer, m.Heartbeat(ids).encode())

@@ -106,7 +106,9 @@ class Sender:
         self._stop = threading.Event()
         self._agents_wire = {k: a.metadata() for k, a in pool.agents.items()}
         self._host = local_host_id()
-        self.pinned = 0  # requests whose blocks are pinned here (read by tests and metrics)
+        self._npinned = 0  # entries held by the I/O thread
+        self._queued = 0  # publishes not yet taken up by the I/O thread
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kvb-sender-r{pool.rank}", daemon=True)
         self._thread.start()
 
@@ -119,8 +121,16 @@ class Sender:
         if blocks.size < need or (blocks.size and (blocks.min() < 0 or blocks.max() >= self.pool.num_blocks)):
             raise KvBridgeError(f"request {ctx_request_id}: {blocks.size} block ids (need {need}) within a pool "
                                 f"of {self.pool.num_blocks}")
+        with self._count_lock:
+            self._queued += 1
         self._command("publish", int(ctx_request_id), blocks, int(num_tokens),
                       local if layers_ready is None else int(layers_ready))
+
+    @property
+    def pinned(self) -> int:
+        """Requests whose blocks are pinned on this rank (published and not yet finished)."""
+        with self._count_lock:
+            return self._npinned + self._queued
 
     def mark_layers_ready(self, ctx_request_id: int, layers_ready: int) -> None:
         """Layer-wise streaming: the first `layers_ready` local layers of the request are now final."""
@@ -194,12 +204,14 @@ class Sender:
         op, rid = cmd[0], cmd[1]
         if op == "publish":
             _, rid, blocks, n, layers = cmd
+            with self._count_lock:
+                self._queued -= 1
             if rid in self._entries:
                 log.warning("request %d published twice; keeping the first", rid)
                 return
             self._tomb.pop(rid, None)
             self._entries[rid] = _Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s)
-            self.pinned = len(self._entries)
+            self._set_pinned()
         elif op == "layers":
             e = self._entries.get(rid)
             if e is not None and cmd[2] > e.layers_ready:
@@ -220,9 +232,13 @@ class Sender:
         self._tomb[e.rid] = status
         while len(self._tomb) > _TOMBSTONES:
             self._tomb.popitem(last=False)
-        self.pinned = len(self._entries)
+        self._set_pinned()
         self._finished.append(SendResult(e.rid, status, detail, len(e.fetched)))
         log.debug("request %d %s on ctx rank %d: %s", e.rid, status, self.pool.rank, detail)
+
+    def _set_pinned(self) -> None:
+        with self._count_lock:
+            self._npinned = len(self._entries)
 
     def _expire(self, now: float) -> None:
         for e in [e for e in self._entries.values() if now > e.deadline]:

@@ -1,0 +1,184 @@
+"""Rank processes for transceiver tests: real processes, real ZeroMQ, real agents, element-encoding pools.
+
+A `RankProc` is one spawned interpreter that can be (re)initialised as a context or generation rank of any
+layout. Context ranks fill the blocks of each published request with `pool_image` codes (salted per request)
+and publish them; generation ranks pull, then compare their WHOLE pool against the image it must hold.
+The pipe between the test and its processes carries test commands only (our own processes).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _serve(conn) -> None:
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    from kvbridge.formatter.layout import KVLayout
+    from kvbridge.formatter.verify import pool_image
+    from kvbridge.transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
+
+    state: dict = {}
+
+    def close():
+        if state.get("tr") is not None:
+            state["tr"].close()
+        state.clear()
+
+    class Req:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    while conn.poll(300):
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "init":
+                close()
+                layout = KVLayout.from_wire(arg["layout"])
+                rank, nb = arg["rank"], arg["num_blocks"]
+                bg = (1 + rank) if arg["role"] == "context" else (100 + rank)
+                buf = pool_image(layout, rank, nb, [], bg).copy()
+                cfg = TransceiverConfig.from_dict(arg.get("config", {}))
+                make = CacheTransceiver.context if arg["role"] == "context" else CacheTransceiver.generation
+                tr = make(buf, layout, rank, nb, cfg, instance=arg.get("instance"))
+                state.update(tr=tr, buf=buf, layout=layout, rank=rank, nb=nb, bg=bg, held=[], results=[])
+                conn.send(tr.endpoint if arg["role"] == "context" else tr.instance)
+            elif cmd == "publish":  # list of (rid, blocks, n, salt)
+                tr, layout = state["tr"], state["layout"]
+                for rid, blocks, n, salt in arg:
+                    state["held"].append((blocks, n, salt))
+                state["buf"][:] = pool_image(layout, state["rank"], state["nb"], state["held"], state["bg"])
+                for rid, blocks, n, salt in arg:
+                    tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n))
+                conn.send(True)
+            elif cmd == "ctx_status":
+                tr = state["tr"]
+                state["results"] += tr.check_context_transfer_status()
+                conn.send({"pinned": tr.sender.pinned,
+                           "finished": [(r.ctx_request_id, r.status, r.detail) for r in state["results"]]})
+            elif cmd == "cancel":
+                state["tr"].cancel_request(arg)
+                conn.send(True)
+            elif cmd == "pull":  # list of (rid, params dict, blocks, n, salt[, timeout]) -> results + mismatches
+                tr = state["tr"]
+                want = {}
+                for item in arg["pulls"]:
+                    rid, params, blocks, n, salt = item[:5]
+                    want[rid] = (blocks, n, salt)
+                    tr.request_and_receive_async(Req(request_id=rid, disagg_params=params,
+                                                     block_ids=np.asarray(blocks), num_tokens=n,
+                                                     timeout_s=item[5] if len(item) > 5 else None))
+                t0 = time.monotonic()
+                res = tr.check_gen_transfer_status(len(want), timeout_s=arg.get("timeout", 60))
+                wall = time.monotonic() - t0
+                for r in res:
+                    if r.ok:
+                        state["held"].append(want[r.request_id])
+                image = pool_image(state["layout"], state["rank"], state["nb"], state["held"], state["bg"])
+                mism = int(np.count_nonzero(state["buf"] != image))
+                conn.send({"results": [r.__dict__ for r in res], "mismatched_bytes": mism, "wall_s": wall,
+                           "pool_bytes": int(state["buf"].nbytes)})
+            elif cmd == "exit":
+                close()
+                conn.send("bye")
+                return
+        except Exception as e:  # noqa: BLE001 - report to the test, keep serving
+            conn.send({"exception": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+    close()
+
+
+class RankProc:
+    """A spawned rank process; `call(cmd, arg)` returns its answer (raises on a harness exception)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+
+    def call(self, cmd: str, arg=None, timeout: float = 120):
+        self.conn.send((cmd, arg))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"rank process did not answer {cmd!r} within {timeout} s")
+        out = self.conn.recv()
+        if isinstance(out, dict) and "exception" in out:
+            raise RuntimeError(f"rank process failed on {cmd!r}: {out['exception']}\n{out['traceback']}")
+        return out
+
+    def close(self) -> None:
+        try:
+            self.call("exit", timeout=20)
+        except (OSError, TimeoutError, EOFError, RuntimeError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class Cluster:
+    """Context and generation executors made of RankProcs (reused across layouts to save start-up time)."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [RankProc() for _ in range(n)]
+
+    def setup(self, ctx_layout, gen_layout, ctx_blocks: int, gen_blocks: int, config: dict | None = None):
+        nc, ng = ctx_layout.world_size, gen_layout.world_size
+        assert nc + ng <= len(self.procs), "cluster too small for this cell"
+        self.ctx = self.procs[:nc]
+        self.gen = self.procs[nc:nc + ng]
+        self.ctx_layout, self.gen_layout = ctx_layout, gen_layout
+        instance = f"ctx-{time.monotonic_ns()}"
+        self.endpoints = [p.call("init", {"role": "context", "layout": ctx_layout.to_wire(), "rank": r,
+                                          "num_blocks": ctx_blocks, "config": config or {}, "instance": instance})
+                          for r, p in enumerate(self.ctx)]
+        for r, p in enumerate(self.gen):
+            p.call("init", {"role": "generation", "layout": gen_layout.to_wire(), "rank": r,
+                            "num_blocks": gen_blocks, "config": config or {}, "instance": f"gen-{instance}"})
+        self.instance = instance
+
+    def params(self, rid: int) -> dict:
+        from kvbridge.transceiver import DisaggParams
+
+        return DisaggParams(rid, self.instance, tuple(self.endpoints), self.ctx_layout).to_dict()
+
+    def publish(self, reqs) -> None:
+        for p in self.ctx:
+            p.call("publish", reqs)
+
+    def pull(self, pulls, timeout: float = 60) -> list[dict]:
+        """Send the same pulls to every generation rank at once; return each rank's answer."""
+        for p in self.gen:
+            p.conn.send(("pull", {"pulls": pulls, "timeout": timeout}))
+        out = []
+        for p in self.gen:
+            if not p.conn.poll(timeout + 30):
+                raise TimeoutError("generation rank did not answer pull")
+            ans = p.conn.recv()
+            if "exception" in ans:
+                raise RuntimeError(ans["exception"] + "\n" + ans["traceback"])
+            out.append(ans)
+        return out
+
+    def ctx_status(self) -> list[dict]:
+        return [p.call("ctx_status") for p in self.ctx]
+
+    def wait_ctx_released(self, timeout: float = 10.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.ctx_status()
+            if all(s["pinned"] == 0 for s in st) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.close()
