@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # name: (module:function, one-line help)
     "demo": ("kvbridge.demo:main", "run the end-to-end demo (what `make demo` runs)"),
+    "generate": ("kvbridge.executor.generate:main", "run a prompt on the reference executor"),
     "bench": ("kvbridge.bench.__main__:main", "benchmarks: `kvbridge bench transfer|plan ...` (JSON with --json)"),
 }
 
