@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # Built-ins as "module:Class" so that importing the registry imports no transport.
 _BUILTIN: dict[str, str] = {
     "nixl": "kvbridge.agents.nixl_agent:NixlAgent",
+    "tcp": "kvbridge.agents.tcp:TcpAgent",
+    "gloo": "kvbridge.agents.dist_connection:GlooAgent",
+    "nccl": "kvbridge.agents.dist_connection:NcclAgent",
 }
 _registered: dict[str, type[TransferAgent] | str] = {}
 _lock = threading.Lock()

@@ -16,7 +16,7 @@ from kvbridge.errors import AgentError, PeerError, RegistrationError, TransferFa
 
 from .peer import Peer, alloc, pattern, resolve, to_numpy
 
-HOST_AGENTS = ["nixl", "examples.custom_agent:CmaAgent"]
+HOST_AGENTS = ["nixl", "examples.custom_agent:CmaAgent", "tcp", "gloo", "examples.custom_connection:UdsAgent"]
 if os.environ.get("KVBRIDGE_CONFORMANCE_AGENTS"):
     HOST_AGENTS = os.environ["KVBRIDGE_CONFORMANCE_AGENTS"].split(",")
 

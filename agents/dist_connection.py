@@ -1,0 +1,341 @@
+"""torch.distributed point-to-point as a Connection: agents "gloo" (host memory) and "nccl" (GPU memory).
+
+Owns the two-member process group that each (requester, server) connection gets of its own, the way vLLM's
+P2pNcclConnector moves KV: control messages (request headers, descriptors, responses) travel over a TCP
+socket (TcpConnection, inherited), the bulk bytes over `ProcessGroupGloo` / `ProcessGroupNCCL` send/recv.
+
+How two processes that share no torch.distributed world form a group: the serving agent hosts a TCPStore
+(its port is in the agent's metadata next to the control port). A requester dials the control port and
+sends a HELLO carrying a random pair id; on the first bulk transfer both sides open a client TCPStore to
+the server's store and build the backend directly over `PrefixStore("kvbridge/<pair id>/", store)` with
+rank 0 (server) and 1 (requester), size 2. `dist.new_group` is not used: it needs a common default world.
+
+The same code moves host memory through gloo (tested on CPU in CI) and device memory through NCCL:
+descriptors are gathered into / scattered from a staging tensor (staging.py), one process-group message
+per chunk. Waits are bounded: gloo's `work.wait(remaining)` (a peer that dies fails it at once), NCCL's
+`work.is_completed()` polled to the deadline, then `abort()` of the communicator. A timed-out or aborted
+group is never reused: the connection is closed and the next transfer forms a new one.
+
+Why two registry names and not an option: peers must agree on the backend, and the agent kind in the
+metadata envelope makes a gloo/nccl mismatch a clear PeerError at connect() instead of a hang.
+
+Options: host, advertise_host, vectored (as for tcp); pg_timeout: seconds for the backend's own
+watchdog (default 600; kvbridge's deadlines end waits long before).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..errors import (AgentError, ConnectionClosed, ConnectionDeadline, ConnectionFailed, PeerError,
+                      ProtocolError)
+from .base import DescriptorList, MemoryKind
+from .conn_agent import ConnectionAgent
+from .staging import chunks, gather, scatter
+from .tcp import _OPTIONS as _TCP_OPTIONS
+from .tcp import _WILDCARDS, TcpConnection, TcpListener, _dial, default_host
+
+__all__ = ["GlooAgent", "NcclAgent", "TorchDistConnection", "GlooConnection", "NcclConnection"]
+
+log = logging.getLogger(__name__)
+
+_OPTIONS = _TCP_OPTIONS | {"pg_timeout"}
+_HELLO = struct.Struct("<4sH8s32s")  # magic, version, backend name (NUL-padded), pair id (hex)
+_MAGIC, _VERSION = b"KVBD", 1
+HANDSHAKE_TIMEOUT = 5.0
+
+
+def _hello(backend: str, pair_id: str) -> np.ndarray:
+    raw = _HELLO.pack(_MAGIC, _VERSION, backend.encode(), pair_id.encode())
+    return np.frombuffer(bytearray(raw), np.uint8)
+
+
+class TorchDistConnection(TcpConnection):
+    """Control over the inherited TCP socket; send_regions/recv_regions over a 2-member process group."""
+
+    backend: ClassVar[str] = "gloo"
+    staging_bytes: ClassVar[int] = 32 << 20
+
+    def __init__(self, sock: socket.socket, *, vectored: bool = True, rank: int = 0, pair_id: str = "",
+                 store_addr: tuple[str, int] = ("", 0), local_host: str = "127.0.0.1",
+                 pg_timeout: float = 600.0) -> None:
+        super().__init__(sock, vectored=vectored)
+        self.rank, self.pair_id = rank, pair_id
+        self._store_addr, self._local_host, self._pg_timeout = store_addr, local_host, pg_timeout
+        self._store = None
+        self._pg = None
+
+    # --- set-up --------------------------------------------------------------------------------------
+    @classmethod
+    def listen(cls, options: dict[str, Any]) -> "DistListener":
+        unknown = set(options) - _OPTIONS
+        if unknown:
+            raise AgentError(f"unknown {cls.backend} agent options {sorted(unknown)}; "
+                             f"known: {sorted(_OPTIONS)}")
+        return DistListener(cls, options)
+
+    @classmethod
+    def check_endpoint(cls, endpoint: Any) -> None:
+        super().check_endpoint(endpoint)
+        port, backend = endpoint.get("store_port"), endpoint.get("backend")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise PeerError(f"peer endpoint: store_port {port!r} is not a TCP port")
+        if backend != cls.backend:
+            raise PeerError(f"peer endpoint: backend {backend!r}, this side uses {cls.backend!r}")
+
+    @classmethod
+    def establish(cls, endpoint: dict[str, Any], deadline: float,
+                  options: dict[str, Any]) -> "TorchDistConnection":
+        sock = _dial(endpoint["host"], endpoint["port"], deadline)
+        pair_id = os.urandom(16).hex()
+        conn = cls(sock, vectored=options.get("vectored", True), rank=1, pair_id=pair_id,
+                   store_addr=(endpoint["host"], endpoint["store_port"]), local_host=_local_host(options),
+                   pg_timeout=float(options.get("pg_timeout", 600.0)))
+        try:
+            conn.send(_hello(cls.backend, pair_id), deadline)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    # --- the process group ---------------------------------------------------------------------------
+    def _group(self, deadline: float):
+        if self._pg is not None:
+            return self._pg
+        from torch.distributed import PrefixStore, TCPStore
+
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ConnectionDeadline("no time left to form the process group")
+        host, port = self._store_addr
+        try:
+            self._store = TCPStore(host, port, None, False, timedelta(seconds=left), wait_for_workers=False)
+            store = PrefixStore(f"kvbridge/{self.pair_id}/", self._store)
+            self._pg = self._make_group(store, timedelta(seconds=self._pg_timeout))
+        except (RuntimeError, ValueError) as e:
+            raise _dist_error(f"forming the {self.backend} group with the peer", e) from None
+        return self._pg
+
+    def _make_group(self, store, timeout: timedelta):
+        from torch.distributed import ProcessGroupGloo
+
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [ProcessGroupGloo.create_device(hostname=self._local_host)]
+        return ProcessGroupGloo(store, self.rank, 2, opts)
+
+    def _finish(self, work, deadline: float, what: str) -> None:
+        """Wait for one send/recv, bounded by the deadline (gloo: the wait itself is bounded)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ConnectionDeadline(f"{what}: deadline passed before the process-group wait")
+        try:
+            work.wait(timedelta(seconds=left))
+        except RuntimeError as e:
+            raise _dist_error(what, e) from None
+
+    # --- bulk data -----------------------------------------------------------------------------------
+    def send_regions(self, descs: DescriptorList, deadline: float) -> None:
+        pg = self._group(deadline)
+        with self._on_device(descs):
+            for addrs, lengths, n in chunks(descs.addrs, descs.lengths, self.staging_bytes):
+                buf = self._stage(descs.kind, descs.device)[:n]
+                with self._copy_lock:  # caller memory is only touched here, and finished before release
+                    if self._aborted:
+                        raise ConnectionFailed("connection aborted")
+                    gather(descs.kind, descs.device, addrs, lengths, buf)
+                    self._settle_device(deadline)
+                self._finish(pg.send([buf], 1 - self.rank, 0), deadline, f"sending {n} bytes")
+
+    def recv_regions(self, descs: DescriptorList, deadline: float) -> None:
+        pg = self._group(deadline)
+        with self._on_device(descs):
+            for addrs, lengths, n in chunks(descs.addrs, descs.lengths, self.staging_bytes):
+                buf = self._stage(descs.kind, descs.device)[:n]
+                self._finish(pg.recv([buf], 1 - self.rank, 0), deadline, f"receiving {n} bytes")
+                with self._copy_lock:
+                    if self._aborted:
+                        raise ConnectionFailed("connection aborted")
+                    scatter(descs.kind, descs.device, addrs, lengths, buf)
+                    self._settle_device(deadline)
+
+    def _on_device(self, descs: DescriptorList):
+        from contextlib import nullcontext
+
+        if descs.kind is MemoryKind.VRAM:
+            import torch
+
+            return torch.cuda.device(descs.device)
+        return nullcontext()
+
+    def _settle_device(self, deadline: float) -> None:
+        """Host copies are synchronous; NcclConnection waits (bounded) for the device copies here."""
+
+    # --- teardown ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        super().close()
+        self._pg, self._store = None, None
+
+
+class GlooConnection(TorchDistConnection):
+    """Host memory through gloo send/recv."""
+
+    backend = "gloo"
+    memory_kinds = frozenset({MemoryKind.DRAM})
+
+
+class NcclConnection(TorchDistConnection):
+    """CUDA memory through NCCL send/recv; control stays on the TCP socket (NCCL moves no host bytes)."""
+
+    backend = "nccl"
+    memory_kinds = frozenset({MemoryKind.VRAM})
+
+    def _make_group(self, store, timeout: timedelta):
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        opts.group_name = f"kvbridge-{self.pair_id}"
+        return ProcessGroupNCCL(store, self.rank, 2, opts)
+
+    def _finish(self, work, deadline: float, what: str) -> None:
+        # NCCL's wait() only orders streams; completion is polled so the deadline holds on the host, and an
+        # abort() from another thread is seen within a millisecond (the communicator is then aborted).
+        pause = 20e-6
+        while not work.is_completed():
+            if self._aborted or time.monotonic() >= deadline:
+                self._abort_group()
+                if self._aborted:
+                    raise ConnectionFailed(f"{what}: connection aborted")
+                raise ConnectionDeadline(f"{what}: NCCL operation not complete by the deadline")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        try:
+            work.wait()  # completed: surfaces an error, makes the current stream follow NCCL's
+        except RuntimeError as e:
+            self._abort_group()
+            raise _dist_error(what, e) from None
+
+    def _settle_device(self, deadline: float) -> None:
+        import torch
+
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            if time.monotonic() >= deadline:
+                raise ConnectionDeadline("device copies to/from the staging buffer did not finish in time")
+            time.sleep(50e-6)
+
+    def _abort_group(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception as e:  # noqa: BLE001
+                log.warning("aborting an NCCL group failed: %s", e)
+
+    def close(self) -> None:
+        pg = self._pg
+        super().close()
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class DistListener(TcpListener):
+    """The control socket plus the TCPStore that peers' process groups rendezvous on."""
+
+    def __init__(self, conn_class: type[TorchDistConnection], options: dict[str, Any]) -> None:
+        from torch.distributed import TCPStore
+
+        host = options.get("host") or default_host()
+        super().__init__(host, options.get("advertise_host"), options.get("vectored", True), conn_class)
+        try:
+            self._store = TCPStore(host if host not in _WILDCARDS else "0.0.0.0", 0, None, True,
+                                   timedelta(seconds=30), wait_for_workers=False)
+        except (RuntimeError, ValueError) as e:
+            super().close()
+            raise AgentError(f"cannot start the rendezvous TCPStore on {host!r}: {e}") from None
+        self._endpoint.update(store_port=int(self._store.port), backend=conn_class.backend)
+        self._options = options
+        self._local_host = _local_host(options)
+
+    def _wrap(self, sock: socket.socket) -> TorchDistConnection | None:
+        cls = self._conn_class
+        conn = cls(sock, vectored=self._vectored, rank=0,
+                   store_addr=(self._local_host, self._endpoint["store_port"]), local_host=self._local_host,
+                   pg_timeout=float(self._options.get("pg_timeout", 600.0)))
+        try:
+            raw = np.empty(_HELLO.size, dtype=np.uint8)
+            conn.recv(raw, time.monotonic() + HANDSHAKE_TIMEOUT)
+            magic, version, backend, pair_id = _HELLO.unpack(raw.tobytes())
+            if magic != _MAGIC or version != _VERSION:
+                raise ProtocolError(f"hello: magic {magic!r} version {version} "
+                                    f"(not a kvbridge {cls.backend} peer)")
+            theirs = backend.rstrip(b"\0").decode("ascii", "replace")
+            if theirs != cls.backend:
+                raise ProtocolError(f"hello: backend {theirs!r}, this side uses {cls.backend}")
+            pid = pair_id.decode("ascii", "replace")
+            if len(pid) != 32 or any(c not in "0123456789abcdef" for c in pid):
+                raise ProtocolError("hello: pair id is not 32 hex digits")
+        except (ConnectionFailed, ProtocolError) as e:
+            log.warning("dropping a %s peer that failed its handshake: %s", cls.backend, e)
+            conn.close()
+            return None
+        conn.pair_id = pid
+        return conn
+
+
+def _local_host(options: dict[str, Any]) -> str:
+    """The address this process's side of a group listens on (must be reachable by the peer)."""
+    host = options.get("advertise_host") or options.get("host") or default_host()
+    return socket.gethostbyname(socket.gethostname()) if host in _WILDCARDS else host
+
+
+def _dist_error(what: str, e: Exception) -> ConnectionFailed:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    low = text.lower()
+    if "closed by peer" in low or "connection reset" in low or "broken pipe" in low:
+        return ConnectionClosed(f"{what}: peer went away ({text})")
+    if "timed out" in low or "timeout" in low:
+        return ConnectionDeadline(f"{what}: {text}")
+    return ConnectionFailed(f"{what}: {text}")
+
+
+class GlooAgent(ConnectionAgent):
+    """Host-memory transfers through torch.distributed gloo send/recv (registry name "gloo")."""
+
+    agent_kind = "gloo"
+    connection_class = GlooConnection
+
+
+class NcclAgent(ConnectionAgent):
+    """GPU-memory transfers through NCCL send/recv, one 2-rank communicator per peer pair ("nccl").
+
+    Needs a CUDA build of torch with NCCL. Recommended: TORCH_NCCL_ASYNC_ERROR_HANDLING=2 in the serving
+    process, so that NCCL's watchdog cleans up a failed communicator instead of ending the process.
+    """
+
+    agent_kind = "nccl"
+    connection_class = NcclConnection
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+            raise AgentError("the nccl agent needs torch with CUDA and NCCL (this torch: "
+                             f"{torch.__version__}, cuda available: {torch.cuda.is_available()}); "
+                             "use the gloo or tcp agent for host memory")
+        super().__init__(name, **kwargs)
