@@ -181,7 +181,7 @@ class Engine:
                               r.sampling.to_wire()])
                 r.state = "prefill"
             else:
-                self._ops.append(["xfer", r.request_id, len(r.prompt)])
+                self._ops.append(["xfer", r.request_id, len(r.prompt), r.ctx_info])
                 r.state = "awaiting_kv"
                 self._events.append({"t": "gen_alloc", "rid": r.request_id})
             self.waiting.popleft()

@@ -48,6 +48,7 @@ class ExecutorConfig:
         dtype: pool and weight dtype; default float32 on CPU, bfloat16 on CUDA.
         timeout_s: bound on start-up, every collective and every wait of this handle.
         threads_per_rank: torch intra-op threads per rank process.
+        rank_hook, rank_hook_args: "module:factory" built in every rank process (the transceiver), see hooks.py.
     """
 
     model: str = "seeded:tiny"
@@ -62,6 +63,8 @@ class ExecutorConfig:
     max_batch_seqs: int = 64
     timeout_s: float = 120.0
     threads_per_rank: int = 1
+    rank_hook: str | None = None
+    rank_hook_args: dict = field(default_factory=dict)
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
@@ -126,6 +129,7 @@ class Executor:
             "dtype": cfg.resolved_dtype(), "max_batch_tokens": cfg.max_batch_tokens,
             "max_batch_seqs": cfg.max_batch_seqs, "timeout_s": cfg.timeout_s,
             "threads_per_rank": cfg.threads_per_rank, "port": free_port(),
+            "rank_hook": cfg.rank_hook, "rank_hook_args": cfg.rank_hook_args,
         })
         ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
         ex._pipes = [Pipes(rx, tx) for rx, tx in zip(from_rank, to_rank)]

@@ -27,6 +27,7 @@ from ..formatter.layout import ParallelSplit
 from .comm import Comm
 from .config import kv_layout_for
 from .engine import Engine, Request
+from .hooks import HOOK_IDLE_S, HookTally, RankContext, exchange_reports, load_hook, validate_report
 from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
 from .model import StageModel, StepBatch
 from .sampling import SamplingParams, sample
@@ -129,6 +130,16 @@ class _Runner:
         self.model = StageModel(self.mcfg, self.layout, rank, w, self.kv, self.comm.all_reduce_tp)
         self.tp_rank, self.pp_rank = self.layout.coords(rank)
         self.sampler_rank = self.layout.rank_of(0, self.layout.split.pp - 1)
+        self.hook = None
+        if cfg.get("rank_hook"):
+            self.hook = load_hook(cfg["rank_hook"], RankContext(rank, self.layout, self.kv, self.device, self.mcfg,
+                                                                dict(cfg.get("rank_hook_args") or {})))
+
+    def exchange(self) -> list[dict] | None:
+        """After a step: every rank's hook report, gathered on every rank (None without hooks)."""
+        if self.hook is None:
+            return None
+        return exchange_reports(self.comm, validate_report(self.hook.poll(), self.rank))
 
     # --- one plan -------------------------------------------------------------------------------------
     def execute(self, plan: dict) -> list[int] | None:
@@ -141,7 +152,9 @@ class _Runner:
             if kind == "free":
                 kv.free_resources(rid)
             elif kind == "xfer":
-                kv.add_sequence_for_transfer(rid, int(op[2]))
+                blocks = kv.add_sequence_for_transfer(rid, int(op[2]))
+                if self.hook is not None:
+                    self.hook.on_generation_alloc(rid, blocks, int(op[2]), dict(op[3]) if len(op) > 3 else {})
             elif kind == "ready":
                 kv.mark_ready(rid)
             elif kind == "release":
@@ -175,7 +188,9 @@ class _Runner:
             kv.update_resources(needs)
             for b in batch:
                 if b[4]:
-                    kv.pin(int(b[0]))
+                    blocks = kv.pin(int(b[0]))
+                    if self.hook is not None:
+                        self.hook.on_context_done(int(b[0]), blocks, kv.num_tokens(int(b[0])))
         for op in plan.get("post", ()):
             if op[0] == "read":
                 self._read_kv(int(op[1]))
@@ -220,10 +235,11 @@ class _Runner:
 def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
     eng = Engine(cfg["num_blocks"], cfg["tokens_per_block"], max_batch_tokens=cfg["max_batch_tokens"],
                  max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position)
+    tally = HookTally(run.layout.world_size)
+    idle_wait = HOOK_IDLE_S if run.hook is not None else 0.02
     last_bcast = time.monotonic()
-    stop = False
-    while not stop:
-        wait = 0.0 if eng.has_work() else 0.02
+    while True:
+        wait = 0.0 if eng.has_work() else idle_wait
         cmds = []
         try:
             cmds.append(inbox.commands.get(timeout=wait) if wait else inbox.commands.get_nowait())
@@ -232,28 +248,37 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
         except queue.Empty:
             pass
         post: list[list] = []
-        for c in cmds:
-            stop = stop or _apply_command(eng, c, post)
-        if stop:
+        if any([_apply_command(eng, c, post) for c in cmds]):
             break
-        if not eng.has_work() and not post:
+        idle = not eng.has_work() and not post
+        if idle:
             for ev in eng.take_events():
                 pipes.send(ev)
-            if run.comm.enabled and time.monotonic() - last_bcast > HEARTBEAT_S:
-                run.comm.broadcast_plan(codec.pack({"v": 1, "step": eng.step, "stop": False, "ops": [],
-                                                    "batch": [], "post": []}))
-                last_bcast = time.monotonic()
-            continue
-        plan = eng.next_plan()
-        plan["post"] = plan["post"] + post
+            if run.hook is None and (not run.comm.enabled or time.monotonic() - last_bcast < HEARTBEAT_S):
+                continue
+            # an empty plan: keeps the followers' waits alive and gives hooks their poll
+            plan = {"v": 1, "step": eng.step, "stop": False, "ops": [], "batch": [], "post": []}
+        else:
+            plan = eng.next_plan()
+            plan["post"] = plan["post"] + post
         plan["free_before"] = run.kv.get_num_free_blocks()
         run.comm.broadcast_plan(codec.pack(plan))
         last_bcast = time.monotonic()
         sampled = run.execute(plan)
-        for ev in eng.step_done(plan, sampled or []):
-            if ev["t"] in ("ctx", "gen_alloc"):
-                ev["block_ids"] = run.kv.get_batch_cache_indices([ev["rid"]])[0]
-            pipes.send(ev)
+        if not idle:
+            for ev in eng.step_done(plan, sampled or []):
+                if ev["t"] in ("ctx", "gen_alloc"):
+                    ev["block_ids"] = run.kv.get_batch_cache_indices([ev["rid"]])[0]
+                pipes.send(ev)
+        reports = run.exchange()
+        if reports is not None:
+            agreed = tally.add(reports)
+            for rid in agreed["abort"]:
+                eng.abort(rid)
+            for rid in agreed["release"]:
+                eng.release(rid)
+            for rid in agreed["kv_ready"]:
+                eng.kv_ready(rid)
     run.comm.broadcast_plan(codec.pack({"v": 1, "step": eng.step, "stop": True, "ops": [], "batch": [],
                                         "post": []}))
 
@@ -294,6 +319,7 @@ def _follower_loop(run: _Runner) -> None:
         if plan["stop"]:
             return
         run.execute(plan)
+        run.exchange()
 
 
 def rank_main(rank: int, blob: bytes, rx, tx) -> None:
@@ -322,4 +348,9 @@ def rank_main(rank: int, blob: bytes, rx, tx) -> None:
         sys.exit(1)
     finally:
         if run is not None:
+            if run.hook is not None and hasattr(run.hook, "close"):
+                try:
+                    run.hook.close()
+                except Exception:  # noqa: BLE001 - closing is best effort; the error path already reported
+                    pass
             run.comm.close()

@@ -1,0 +1,142 @@
+"""Rank hooks: how a per-rank component (the transceiver) lives inside every rank process of an executor.
+
+An executor started with `ExecutorConfig(rank_hook="pkg.module:factory", rank_hook_args={...})` calls
+`factory(RankContext)` in EVERY rank process once its pool exists, and then calls the hook from that rank's
+step loop, in lockstep with the other ranks (all hooks run on the rank's main thread, between steps):
+
+    on_context_done(request_id, block_ids, num_tokens)
+        a context-only prefill finished; its blocks are pinned on this rank until the request is released.
+        The first token is in the leader's "ctx" event (Executor.prefill / the serving layer), not here.
+    on_generation_alloc(request_id, block_ids, prompt_len, ctx_info)
+        a generation-only request got blocks on this rank: receive the prompt KV of this rank's layers and
+        heads into them. ctx_info is the dict given to Executor.add_generation (e.g. where the context is).
+    poll() -> {"kv_ready": [ids], "release": [ids], "abort": [ids]}
+        called after every step (also idle ones, about every HOOK_IDLE_S). Report what finished ON THIS RANK:
+        "kv_ready"  a generation-only request's KV arrived here;
+        "release"   this rank is done sending a context-only request's blocks;
+        "abort"     a transfer failed here (a generation request is aborted, a context one released).
+        The leader acts once EVERY rank reported kv_ready / release for a request (any abort acts at once),
+        so no rank decodes from, or frees, blocks another rank still uses.
+    close()
+        the executor is stopping.
+
+A hook must not free, pin or unpin blocks itself, nor block for long: it returns quickly and reports later.
+Reports travel between ranks as msgpack bytes in tensors (all-gather on the control group), never pickle.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .. import codec
+from ..errors import ExecutorError
+from ..formatter.layout import KVLayout
+from .config import ModelConfig
+from .kv_cache_manager import KVCacheManager
+
+__all__ = ["RankHook", "RankContext", "load_hook", "HookTally", "REPORT_KINDS"]
+
+REPORT_KINDS = ("kv_ready", "release", "abort")
+HOOK_IDLE_S = 0.01
+
+
+class RankHook(Protocol):
+    def on_context_done(self, request_id: int, block_ids: list[int], num_tokens: int) -> None: ...
+
+    def on_generation_alloc(self, request_id: int, block_ids: list[int], prompt_len: int, ctx_info: dict) -> None: ...
+
+    def poll(self) -> dict[str, list[int]]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RankContext:
+    """What a hook gets: its rank, the executor's layout, the rank's KV manager (kv.pool is the pool tensor,
+    registered once by a transfer agent), its device, the model config and the hook's own args."""
+
+    rank: int
+    layout: KVLayout
+    kv: KVCacheManager
+    device: torch.device
+    model_config: ModelConfig
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.kv.pool
+
+
+def load_hook(spec: str, ctx: RankContext) -> RankHook:
+    """Import "module:factory" and build the rank's hook."""
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise ExecutorError(f"rank_hook {spec!r} is not 'module:factory'")
+    try:
+        factory = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ExecutorError(f"rank_hook {spec!r} cannot be loaded: {e}") from None
+    return factory(ctx)
+
+
+def validate_report(rep: Any, rank: int) -> dict[str, list[int]]:
+    if not isinstance(rep, dict) or set(rep) - set(REPORT_KINDS):
+        raise ExecutorError(f"rank {rank}: hook poll() must return a dict with keys from {REPORT_KINDS}, got "
+                            f"{rep!r:.200}")
+    out = {}
+    for k in REPORT_KINDS:
+        ids = rep.get(k, [])
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ExecutorError(f"rank {rank}: hook poll()[{k!r}] must be a list of request ids, got {ids!r:.200}")
+        out[k] = [int(i) for i in ids]
+    return out
+
+
+def exchange_reports(comm, report: dict[str, list[int]]) -> list[dict[str, list[int]]]:
+    """All-gather every rank's report (msgpack bytes in uint8 tensors on the control group)."""
+    data = codec.pack(report)
+    if not comm.enabled:
+        return [report]
+    import torch.distributed as dist
+
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(comm.world)]
+    comm._wait(dist.all_gather(sizes, n, group=comm.cpu_group, async_op=True), "hook report sizes")
+    width = int(max(s.item() for s in sizes))
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(comm.world)]
+    comm._wait(dist.all_gather(bufs, buf, group=comm.cpu_group, async_op=True), "hook reports")
+    return [validate_report(codec.unpack(b[:int(s.item())].numpy().tobytes(), what=f"rank {r} hook report"), r)
+            for r, (b, s) in enumerate(zip(bufs, sizes))]
+
+
+class HookTally:
+    """Leader side: which requests every rank has reported kv_ready / release for."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.seen: dict[tuple[str, int], set[int]] = {}
+
+    def add(self, reports: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+        """Fold in one round of reports; returns the requests now agreed on ('abort': any rank suffices)."""
+        done: dict[str, list[int]] = {k: [] for k in REPORT_KINDS}
+        for rank, rep in enumerate(reports):
+            for rid in rep["abort"]:
+                if rid not in done["abort"]:
+                    done["abort"].append(rid)
+            for kind in ("kv_ready", "release"):
+                for rid in rep[kind]:
+                    s = self.seen.setdefault((kind, rid), set())
+                    s.add(rank)
+                    if len(s) == self.world:
+                        done[kind].append(rid)
+                        del self.seen[(kind, rid)]
+        for rid in done["abort"]:
+            for kind in ("kv_ready", "release"):
+                self.seen.pop((kind, rid), None)
+        return done

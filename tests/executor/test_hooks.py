@@ -1,0 +1,48 @@
+"""Rank hooks (the transceiver's seat in every rank process): lockstep calls, all-rank consensus, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.errors import ExecutorError
+from kvbridge.executor.hooks import HookTally
+from kvbridge.executor.runtime import Executor, ExecutorConfig
+
+PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+
+
+def _cfg(tmp_path, role, **kw):
+    return ExecutorConfig(model="seeded:tiny", num_blocks=16, tokens_per_block=4, timeout_s=60,
+                          rank_hook="tests.executor.file_hook:make", rank_hook_args={"dir": str(tmp_path), "role": role},
+                          **kw)
+
+
+def test_hooks_move_kv_between_executors_and_every_rank_must_agree(tmp_path):
+    with Executor.start(ExecutorConfig(model="seeded:tiny", num_blocks=16, tokens_per_block=4)) as agg:
+        want = agg.generate([PROMPT], max_tokens=8)[0]
+    with Executor.start(_cfg(tmp_path, "ctx", tp=2)) as ctx, Executor.start(_cfg(tmp_path, "gen", tp=2)) as gen:
+        res = ctx.prefill(PROMPT)
+        # every ctx rank reported "release": the leader released the request by itself
+        ctx._wait_event(("released", res.request_id), 30, "the hook-driven release")
+        rid = gen.submit(PROMPT, max_tokens=8, mode="generation_only", first_token=res.first_token,
+                         ctx_info={"ctx_rid": res.request_id})
+        assert gen.wait(rid).tokens == want  # kv_ready came from the hooks of both gen ranks
+        bad = gen.submit(PROMPT, max_tokens=8, mode="generation_only", first_token=res.first_token,
+                         ctx_info={"fail": True})
+        assert gen.wait(bad).finish_reason == "aborted"
+        assert ctx.free_blocks() == [16, 16] and gen.free_blocks() == [16, 16]
+
+
+def test_tally_waits_for_every_rank_and_abort_wins():
+    t = HookTally(3)
+    none = {"kv_ready": [], "release": [], "abort": []}
+    assert t.add([{**none, "kv_ready": [5]}, none, {**none, "kv_ready": [5]}])["kv_ready"] == []
+    assert t.add([none, {**none, "kv_ready": [5], "release": [6]}, none])["kv_ready"] == [5]
+    got = t.add([{**none, "release": [6]}, {**none, "abort": [6]}, none])
+    assert got["abort"] == [6] and got["release"] == []
+    assert t.add([{**none, "release": [6]}] * 3)["release"] == [6]  # a new round for the same id
+
+
+def test_a_hook_that_cannot_load_fails_start_with_its_reason():
+    with pytest.raises(ExecutorError, match="rank_hook 'no.such.module:make' cannot be loaded"):
+        Executor.start(ExecutorConfig(model="seeded:tiny", rank_hook="no.such.module:make", timeout_s=30))
