@@ -1,0 +1,39 @@
+"""Helpers shared by the benchmarks: position-dependent patterns, a result table, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import numpy as np
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """nbytes of position-dependent values (8-byte words, none zero), as uint8."""
+    words = np.arange(nbytes // 8, dtype=np.int64) * 0x9E3779B1 + (seed << 40) + 0x5DEECE66D
+    return words.view(np.uint8)
+
+
+def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    fmt = {k: (lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)) for k in cols}
+    cells = [[fmt[c](r.get(c, "")) for c in cols] for r in rows]
+    w = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    out = ["  ".join(c.rjust(w[i]) for i, c in enumerate(cols))]
+    out += ["  ".join(x[i].rjust(w[i]) for i in range(len(cols))) for x in cells]
+    return "\n".join(out)
+
+
+def write_json(path: str | None, rows: list[dict[str, Any]]) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {path}")
+
+
+def machine() -> str:
+    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}"
