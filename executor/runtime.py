@@ -29,6 +29,7 @@ from ..errors import ExecutorError, KVCacheExhausted
 from ..formatter.layout import KVLayout
 from .config import ModelConfig
 from .kv_cache_manager import TORCH_DTYPES
+from .kv_io import assemble, shard_of
 from .launch import free_port, spawn_ranks, stop_processes
 from .sampling import SamplingParams
 from .worker import Pipes, rank_main
@@ -227,26 +228,21 @@ class Executor:
         lay = self.layout
         self._send({"t": "read", "rid": int(request_id)})
         world = lay.world_size
-        self._wait_for(lambda st: all((request_id, r) in st.kv for r in range(world)) or None,
-                       timeout or self.cfg.timeout_s, f"the KV of request {request_id}")
+
+        def pred(st: _State):
+            if ("req_error", request_id) in st.events:
+                return st.events.pop(("req_error", request_id))
+            return all((request_id, r) in st.kv for r in range(world)) or None
+
+        got = self._wait_for(pred, timeout or self.cfg.timeout_s, f"the KV of request {request_id}")
+        if isinstance(got, dict):
+            raise ExecutorError(got["msg"])
         with self._cv:
             shards = {r: self._st.kv.pop((request_id, r)) for r in range(world)}
-        s = lay.shape
-        T = shards[0].shape[3]
-        out = torch.empty((s.num_layers, s.kv_factor, s.num_kv_heads, T, s.head_dim), dtype=shards[0].dtype)
-        seen = torch.zeros((s.num_layers, s.num_kv_heads), dtype=torch.bool)
-        for r, x in shards.items():
-            tp_rank, pp_rank = lay.coords(r)
-            layers, heads = lay.stage_layers(pp_rank), lay.head_range(tp_rank)
-            ls, hs = slice(layers.start, layers.stop), slice(heads.start, heads.stop)
-            if seen[ls, hs].all():
-                if not torch.equal(out[ls, :, hs], x):
-                    raise ExecutorError(f"read_kv of request {request_id}: rank {r}'s replica of kv heads "
-                                        f"{list(heads)} differs from another rank's")
-                continue
-            out[ls, :, hs] = x
-            seen[ls, hs] = True
-        return out
+        try:
+            return assemble(lay, shards)
+        except ExecutorError as e:
+            raise ExecutorError(f"read_kv of request {request_id}: {e}") from None
 
     def write_kv(self, request_id: int, kv: torch.Tensor) -> None:
         """Write a generation-only request's prompt KV ([layers, kv_factor, kv_heads, tokens, head_dim]) into its
@@ -255,9 +251,7 @@ class Executor:
         dt = TORCH_DTYPES[lay.shape.dtype]
         kv = kv.to(dt).cpu()
         for r in range(lay.world_size):
-            tp_rank, pp_rank = lay.coords(r)
-            layers, heads = lay.stage_layers(pp_rank), lay.head_range(tp_rank)
-            x = kv[layers.start:layers.stop, :, heads.start:heads.stop].contiguous()
+            x = shard_of(lay, r, kv)
             self._pipes[r].send({"t": "kv", "rid": int(request_id), "shape": list(x.shape), "dtype": lay.shape.dtype,
                                  "has_payload": True}, x.view(torch.uint8).numpy().tobytes())
         self._send({"t": "write", "rid": int(request_id)})

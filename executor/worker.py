@@ -29,6 +29,7 @@ from .config import kv_layout_for
 from .engine import Engine, Request
 from .hooks import HOOK_IDLE_S, HookTally, RankContext, exchange_reports, load_hook, validate_report
 from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
+from .kv_io import gather_blocks, scatter_blocks
 from .model import StageModel, StepBatch
 from .sampling import SamplingParams, sample
 from .sources import load_source
@@ -204,11 +205,7 @@ class _Runner:
     # --- KV in and out (tests and tools; the transceiver moves KV with its agents) -------------------------
     def _read_kv(self, rid: int) -> None:
         kv = self.kv
-        blocks = torch.tensor(kv.get_batch_cache_indices([rid])[0], dtype=torch.int64, device=self.device)
-        n = kv.num_tokens(rid)
-        x = kv.pool[blocks]  # [nb, L, 2, H, tpb, D]
-        nb, L, K, H, T, D = x.shape
-        x = x.permute(1, 2, 3, 0, 4, 5).reshape(L, K, H, nb * T, D)[:, :, :, :n].contiguous().cpu()
+        x = gather_blocks(kv.pool, kv.get_batch_cache_indices([rid])[0], kv.num_tokens(rid)).cpu()
         self.pipes.send({"t": "kv", "rid": rid, "rank": self.rank, "shape": list(x.shape),
                          "dtype": self.layout.shape.dtype, "has_payload": True},
                         x.view(torch.uint8).numpy().tobytes())
@@ -216,20 +213,14 @@ class _Runner:
     def _write_kv(self, rid: int) -> None:
         kv = self.kv
         msg, payload = self.inbox.take_kv(rid, self.timeout)
-        blocks = kv.get_batch_cache_indices([rid])[0]
         n = kv.num_tokens(rid)
-        L, K, H, _, D = kv.pool.shape[1], kv.pool.shape[2], kv.pool.shape[3], kv.pool.shape[4], kv.pool.shape[5]
-        want = [L, K, H, n, D]
+        p = kv.pool.shape
+        want = [p[1], p[2], p[3], n, p[5]]
         if msg.get("shape") != want or msg.get("dtype") != self.layout.shape.dtype:
             raise ExecutorError(f"write_kv of request {rid} on rank {self.rank}: got shape {msg.get('shape')} "
                                 f"{msg.get('dtype')}, the rank holds {want} {self.layout.shape.dtype}")
         x = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(kv.pool.dtype).reshape(want)
-        T = kv.tokens_per_block
-        nb = len(blocks)
-        full = torch.zeros((L, K, H, nb * T, D), dtype=kv.pool.dtype)
-        full[:, :, :, :n] = x
-        kv.pool[torch.tensor(blocks, device=self.device)] = \
-            full.reshape(L, K, H, nb, T, D).permute(3, 0, 1, 2, 4, 5).to(self.device)
+        scatter_blocks(kv.pool, kv.get_batch_cache_indices([rid])[0], x)
 
 
 def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
