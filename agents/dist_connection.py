@@ -143,28 +143,47 @@ class TorchDistConnection(TcpConnection):
             raise _dist_error(what, e) from None
 
     # --- bulk data -----------------------------------------------------------------------------------
+    # Double-buffered: the staging tensor is two halves; chunk i uses half i % 2 and tag i % 2, so that
+    # gathering (or scattering) one chunk overlaps the transmission of the next one.
+    def _halves(self, descs: DescriptorList):
+        stage = self._stage(descs.kind, descs.device)
+        half = self.staging_bytes // 2
+        return stage[:half], stage[half:2 * half], half
+
     def send_regions(self, descs: DescriptorList, deadline: float) -> None:
         pg = self._group(deadline)
         with self._on_device(descs):
-            for addrs, lengths, n in chunks(descs.addrs, descs.lengths, self.staging_bytes):
-                buf = self._stage(descs.kind, descs.device)[:n]
+            bufs = self._halves(descs)
+            pending = None
+            for i, (addrs, lengths, n) in enumerate(chunks(descs.addrs, descs.lengths, bufs[2])):
+                buf = bufs[i % 2][:n]  # its previous send (chunk i - 2) was waited for below
                 with self._copy_lock:  # caller memory is only touched here, and finished before release
                     if self._aborted:
                         raise ConnectionFailed("connection aborted")
                     gather(descs.kind, descs.device, addrs, lengths, buf)
                     self._settle_device(deadline)
-                self._finish(pg.send([buf], 1 - self.rank, 0), deadline, f"sending {n} bytes")
+                work = pg.send([buf], 1 - self.rank, i % 2)
+                if pending is not None:
+                    self._finish(pending, deadline, f"sending chunk {i - 1}")
+                pending = work
+            if pending is not None:
+                self._finish(pending, deadline, "sending the last chunk")
 
     def recv_regions(self, descs: DescriptorList, deadline: float) -> None:
         pg = self._group(deadline)
         with self._on_device(descs):
-            for addrs, lengths, n in chunks(descs.addrs, descs.lengths, self.staging_bytes):
-                buf = self._stage(descs.kind, descs.device)[:n]
-                self._finish(pg.recv([buf], 1 - self.rank, 0), deadline, f"receiving {n} bytes")
+            bufs = self._halves(descs)
+            pieces = list(chunks(descs.addrs, descs.lengths, bufs[2]))
+            posted = pg.recv([bufs[0][:pieces[0][2]]], 1 - self.rank, 0) if pieces else None
+            for i, (addrs, lengths, n) in enumerate(pieces):
+                work = posted
+                if i + 1 < len(pieces):  # the other half was scattered out in the previous iteration
+                    posted = pg.recv([bufs[(i + 1) % 2][:pieces[i + 1][2]]], 1 - self.rank, (i + 1) % 2)
+                self._finish(work, deadline, f"receiving chunk {i} ({n} bytes)")
                 with self._copy_lock:
                     if self._aborted:
                         raise ConnectionFailed("connection aborted")
-                    scatter(descs.kind, descs.device, addrs, lengths, buf)
+                    scatter(descs.kind, descs.device, addrs, lengths, bufs[i % 2][:n])
                     self._settle_device(deadline)
 
     def _on_device(self, descs: DescriptorList):

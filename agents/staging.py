@@ -133,6 +133,8 @@ def _copy(kind: MemoryKind, device: int, addrs: np.ndarray, lengths: np.ndarray,
             idx = idx.to(mem.device, non_blocking=True)
         if to_staging:
             torch.index_select(mem, 0, idx, out=out.view(-1, g))
+        elif kind is MemoryKind.DRAM:  # numpy's row scatter is ~3x torch's index_copy_ on CPU
+            mem.numpy()[idx.numpy()] = out.view(-1, g).numpy()
         else:
             mem.index_copy_(0, idx, out.view(-1, g))
 
