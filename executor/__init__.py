@@ -1,13 +1,18 @@
 """kvbridge.executor: a small, honest reference engine to produce and consume real, sharded KV caches.
 
-Modules:
+Modules (lowest first):
     kv_cache_manager  the paged pool of one rank (TensorRT-LLM's KVCacheManager interface) and pinning
-    config            model shapes and seeded presets
-    weights           weight sources (seeded, GGUF, safetensors) and TP/PP sharding
-    model             a Llama-family decoder stage with paged attention
-    engine            the leader's scheduler (continuous batching; aggregated / context-only / generation-only)
-    worker            the per-rank loop that runs the leader's step plans
+    kv_io             a request's KV out of / into pools, sharded and assembled across ranks (tests, tools)
+    config            model shapes, seeded presets, the KV layout of a model under a TP/PP split
+    weights           seeded weights and TP/PP sharding; gguf_model / hf_model / sources: other weights
+    tokenizer         GGUF byte-level BPE and chat template
+    model             one rank's slice of a Llama-family decoder with paged attention
+    sampling          greedy and seeded sampling
+    comm              process groups, TP all-reduce, PP send/recv, step-plan broadcast (every wait bounded)
+    engine            the leader's scheduler: continuous batching; aggregated / context-only / generation-only
+    hooks             the transceiver's seat in every rank process (calls, reports, all-rank consensus)
+    worker, launch    the rank processes and their step loop
     runtime           `Executor`: the in-process handle that launches ranks and drives the engine
     generate          the `kvbridge generate` command
-Imports nothing above it (transceiver code reaches the executor, never the other way round).
+Imports nothing above it (transceiver code reaches the executor through hooks.py, never the other way round).
 """

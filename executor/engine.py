@@ -71,9 +71,10 @@ class Engine:
     """
 
     def __init__(self, num_blocks: int, tokens_per_block: int, *, max_batch_tokens: int = 2048,
-                 max_batch_seqs: int = 64, max_position: int = 4096) -> None:
+                 max_batch_seqs: int = 64, max_position: int = 4096, vocab_size: int | None = None) -> None:
         self.num_blocks, self.tpb = num_blocks, tokens_per_block
         self.max_batch_tokens, self.max_batch_seqs, self.max_position = max_batch_tokens, max_batch_seqs, max_position
+        self.vocab_size = vocab_size
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.reserved = 0
@@ -96,6 +97,11 @@ class Engine:
             return
         if req.mode == "generation_only" and req.first_token is None:
             self._refuse(req.request_id, "a generation-only request needs the context side's first token")
+            return
+        toks = list(req.prompt) + ([req.first_token] if req.first_token is not None else [])
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in toks):
+            bad = next(t for t in toks if not 0 <= t < self.vocab_size)
+            self._refuse(req.request_id, f"token id {bad} is outside the model's vocabulary 0..{self.vocab_size - 1}")
             return
         total = len(req.prompt) + (req.max_tokens if req.mode != "context_only" else 1)
         if total > self.max_position:
@@ -147,15 +153,19 @@ class Engine:
             self._drop(r, "aborted")
         self._events.append({"t": "done", "rid": request_id, "tokens": list(r.output), "reason": "aborted"})
 
-    def io(self, kind: str, request_id: int) -> None:
-        """Queue a KV read ("read": after the next step) or write ("write": before it) of a live request."""
+    def io(self, kind: str, request_id: int) -> bool:
+        """Queue a KV read ("read": after the next step) or write ("write": before it) of a live request.
+
+        Returns False (and reports a req_error) when the request holds no blocks.
+        """
         r = self._get(request_id, kind)
         if r is None:
-            return
+            return False
         if r.state in ("waiting", "finished"):
             self._error(request_id, f"{kind} of request {request_id}, which holds no blocks ({r.state})")
-            return
+            return False
         (self._post_ops if kind == "read" else self._ops).append([kind, request_id])
+        return True
 
     # --- the step -----------------------------------------------------------------------------------------
     def has_work(self) -> bool:

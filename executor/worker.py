@@ -187,6 +187,8 @@ class _Runner:
             if self.rank == 0 and self.rank != self.sampler_rank:
                 sampled = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
             kv.update_resources(needs)
+            if self.hook is not None and self.device.type == "cuda" and any(b[4] for b in batch):
+                torch.cuda.synchronize(self.device)  # the KV is in memory before a transfer agent reads it
             for b in batch:
                 if b[4]:
                     blocks = kv.pin(int(b[0]))
@@ -195,6 +197,8 @@ class _Runner:
         for op in plan.get("post", ()):
             if op[0] == "read":
                 self._read_kv(int(op[1]))
+            elif op[0] == "drop":
+                self.inbox.take_kv(int(op[1]), self.timeout)
             elif op[0] == "stats":
                 self.pipes.send({"t": "stats", "rank": self.rank, "free": kv.get_num_free_blocks(),
                                  "live": kv.request_ids()})
@@ -225,7 +229,8 @@ class _Runner:
 
 def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
     eng = Engine(cfg["num_blocks"], cfg["tokens_per_block"], max_batch_tokens=cfg["max_batch_tokens"],
-                 max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position)
+                 max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position,
+                 vocab_size=run.mcfg.vocab_size)
     tally = HookTally(run.layout.world_size)
     idle_wait = HOOK_IDLE_S if run.hook is not None else 0.02
     last_bcast = time.monotonic()
@@ -281,8 +286,9 @@ def _apply_command(eng: Engine, c: dict, post: list) -> bool:
             return True
         if t == "add":
             sp = SamplingParams.from_wire(c["sampling"])
+            ft = c.get("first_token")
             eng.submit(Request(int(c["rid"]), [int(x) for x in c["prompt"]], int(c["max_tokens"]), str(c["mode"]),
-                               sp, tuple(int(x) for x in c.get("stop_ids", ())), c.get("first_token"),
+                               sp, tuple(int(x) for x in c.get("stop_ids", ())), None if ft is None else int(ft),
                                dict(c.get("ctx_info") or {})))
         elif t == "kv_ready":
             eng.kv_ready(int(c["rid"]))
@@ -291,7 +297,8 @@ def _apply_command(eng: Engine, c: dict, post: list) -> bool:
         elif t == "abort":
             eng.abort(int(c["rid"]))
         elif t in ("read", "write"):
-            eng.io(t, int(c["rid"]))
+            if not eng.io(t, int(c["rid"])) and t == "write":
+                post.append(["drop", int(c["rid"])])  # every rank discards the shard it was sent
         elif t == "stats":
             post.append(["stats", 0])
         else:

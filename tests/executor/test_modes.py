@@ -85,6 +85,15 @@ def test_misuse_raises_clear_errors_and_the_executor_keeps_serving(agg):
     agg.release(res.request_id)
     with pytest.raises(ExecutorError, match="unknown request"):
         agg.release(res.request_id)
+    with pytest.raises(ExecutorError, match="token id 999 is outside the model's vocabulary 0..255"):
+        agg.generate([[1, 999]], max_tokens=2)
+    with pytest.raises(ExecutorError, match="unknown request 424242"):
+        agg.read_kv(424242)
+    import torch
+
+    with pytest.raises(ExecutorError, match="unknown request 434343"):
+        agg.write_kv(434343, torch.zeros(4, 2, 4, 3, 16))
+        agg.wait(434343, timeout=10)
     g = agg.add_generation(PROMPT, 5, max_tokens=4)
     agg.abort(g.request_id)
     assert agg.wait(g.request_id).finish_reason == "aborted"
