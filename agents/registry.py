@@ -25,6 +25,7 @@ _BUILTIN: dict[str, str] = {
     "tcp": "kvbridge.agents.tcp:TcpAgent",
     "gloo": "kvbridge.agents.dist_connection:GlooAgent",
     "nccl": "kvbridge.agents.dist_connection:NcclAgent",
+    "cuda_ipc": "kvbridge.agents.cuda_ipc:CudaIpcAgent",
 }
 _registered: dict[str, type[TransferAgent] | str] = {}
 _lock = threading.Lock()

@@ -49,6 +49,40 @@ def to_numpy(buf) -> np.ndarray:
     return buf if isinstance(buf, np.ndarray) else buf.cpu().numpy()
 
 
+def device_of(owner) -> str:
+    """'cpu' or 'cuda:N': where a buffer from `alloc` (or a Peer's buffer) lives."""
+    if isinstance(owner, Peer):
+        return owner.device
+    return "cpu" if isinstance(owner, np.ndarray) else str(owner.device)
+
+
+def addr_of(buf) -> int:
+    return int(buf.ctypes.data) if isinstance(buf, np.ndarray) else int(buf.data_ptr())
+
+
+def descs(owner, offsets, lengths):
+    """A DescriptorList of byte ranges (offsets from the start) of a local buffer or of a Peer's buffer."""
+    from kvbridge.agents import DescriptorList, MemoryKind
+
+    base = owner.addr if isinstance(owner, Peer) else addr_of(owner)
+    dev = device_of(owner)
+    addrs = base + np.asarray(offsets, dtype=np.int64)
+    if dev == "cpu":
+        return DescriptorList(addrs, lengths)
+    return DescriptorList(addrs, lengths, MemoryKind.VRAM, int(dev.partition(":")[2] or 0))
+
+
+def restore(buf, values: np.ndarray) -> None:
+    """Overwrite a buffer from `alloc` with host bytes, finished before returning (GPU copies included)."""
+    if isinstance(buf, np.ndarray):
+        buf[:] = values
+        return
+    import torch
+
+    buf.copy_(torch.from_numpy(values))
+    torch.cuda.synchronize(buf.device)
+
+
 def _main(conn, spec: str, nbytes: int, device: str, seed: int) -> None:
     from kvbridge.agents import MemoryRegion
 
@@ -87,7 +121,7 @@ class Peer:
             raise TimeoutError("peer process did not start within 60 s")
         tag, self.metadata, self.addr = self.conn.recv()
         assert tag == "ready"
-        self.nbytes, self.seed = nbytes, seed
+        self.nbytes, self.seed, self.device = nbytes, seed, device
 
     def call(self, cmd: str, arg=None, timeout: float = 60):
         self.conn.send((cmd, arg))

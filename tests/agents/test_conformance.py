@@ -1,7 +1,9 @@
 """The conformance suite every TransferAgent passes: real processes, whole buffers compared.
 
 Parametrised over the agents that run here (CPU host memory). To run it against your own agent, add its
-registry name or "module:Class" to HOST_AGENTS (or set KVBRIDGE_CONFORMANCE_AGENTS=spec,spec).
+registry name or "module:Class" to HOST_AGENTS (or set KVBRIDGE_CONFORMANCE_AGENTS=spec,spec). The tests
+are device-generic: tests/gpu/test_conformance_vram.py runs these same functions on GPU memory through its
+own `pair` fixture (`make_pair(spec, "cuda:0", "cuda:1")`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 from kvbridge.agents import DescriptorList, MemoryRegion, XferState
 from kvbridge.errors import AgentError, PeerError, RegistrationError, TransferFailed
 
-from .peer import Peer, alloc, pattern, resolve, to_numpy
+from .peer import Peer, alloc, descs, device_of, pattern, resolve, restore, to_numpy
 
 HOST_AGENTS = ["nixl", "examples.custom_agent:CmaAgent", "tcp", "gloo", "examples.custom_connection:UdsAgent"]
 if os.environ.get("KVBRIDGE_CONFORMANCE_AGENTS"):
@@ -24,13 +26,11 @@ NBYTES = 8 << 20
 TIMEOUT = 30.0
 
 
-@pytest.fixture(params=HOST_AGENTS, scope="module")
-def pair(request):
-    """(local agent, its registered buffer, peer process, peer name as the local agent knows it)."""
-    spec = request.param
-    peer = Peer(spec, NBYTES, "cpu", seed=3)
+def make_pair(spec: str, local_device: str, peer_device: str):
+    """Generator behind `pair`: yields (agent, buffer, peer, peer name), then tears everything down."""
+    peer = Peer(spec, NBYTES, peer_device, seed=3)
     agent = resolve(spec)(f"local-{os.getpid()}-{abs(hash(spec)) % 10000}")
-    buf = alloc(NBYTES, "cpu", seed=11)
+    buf = alloc(NBYTES, local_device, seed=11)
     reg = agent.register_memory(MemoryRegion.of(buf))
     name = agent.connect(peer.metadata)
     peer.call("connect", agent.metadata())
@@ -38,6 +38,12 @@ def pair(request):
     reg.release()
     agent.close()
     peer.close()
+
+
+@pytest.fixture(params=HOST_AGENTS, scope="module")
+def pair(request):
+    """(local agent, its registered buffer, peer process, peer name as the local agent knows it)."""
+    yield from make_pair(request.param, "cpu", "cpu")
 
 
 def scattered(rng, nbytes: int, count: int, max_len: int, lens=None):
@@ -56,8 +62,7 @@ def test_scattered_read_moves_every_byte_exact(pair):
     src_off, lens = scattered(rng, NBYTES, 3000, 2048)
     dst_off, _ = scattered(rng, NBYTES, 3000, 2048, lens)  # independent placement on the local side
     before = to_numpy(buf).copy()
-    h = agent.read(name, DescriptorList(buf.ctypes.data + dst_off, lens),
-                   DescriptorList(peer.addr + src_off, lens))
+    h = agent.read(name, descs(buf, dst_off, lens), descs(peer, src_off, lens))
     h.wait(TIMEOUT)
     assert h.state() is XferState.DONE
     h.release()
@@ -66,7 +71,7 @@ def test_scattered_read_moves_every_byte_exact(pair):
     for d, s, n in zip(dst_off, src_off, lens):  # test oracle, not the data path
         expected[d:d + n] = remote[s:s + n]
     np.testing.assert_array_equal(to_numpy(buf), expected)
-    buf[:] = before  # leave the buffer as found for the next test
+    restore(buf, before)  # leave the buffer as found for the next test
 
 
 def test_scattered_write_moves_every_byte_exact(pair):
@@ -75,8 +80,7 @@ def test_scattered_write_moves_every_byte_exact(pair):
     src_off, lens = scattered(rng, NBYTES, 2000, 4096)
     dst_off, _ = scattered(rng, NBYTES, 2000, 4096, lens)
     remote_before = np.frombuffer(peer.call("dump"), dtype=np.uint8).copy()
-    h = agent.write(name, DescriptorList(buf.ctypes.data + src_off, lens),
-                    DescriptorList(peer.addr + dst_off, lens))
+    h = agent.write(name, descs(buf, src_off, lens), descs(peer, dst_off, lens))
     h.wait(TIMEOUT)
     h.release()
     expected = remote_before.copy()
@@ -89,16 +93,16 @@ def test_scattered_write_moves_every_byte_exact(pair):
 def test_large_contiguous_read_is_exact(pair):
     agent, buf, peer, name = pair
     before = to_numpy(buf).copy()
-    h = agent.read(name, DescriptorList([buf.ctypes.data], [NBYTES]), DescriptorList([peer.addr], [NBYTES]))
+    h = agent.read(name, descs(buf, [0], [NBYTES]), descs(peer, [0], [NBYTES]))
     h.wait(TIMEOUT)
     h.release()
     np.testing.assert_array_equal(to_numpy(buf), np.frombuffer(peer.call("dump"), dtype=np.uint8))
-    buf[:] = before
+    restore(buf, before)
 
 
 def test_empty_transfer_is_done(pair):
     agent, _buf, _peer, name = pair
-    h = agent.read(name, DescriptorList([], []), DescriptorList([], []))
+    h = agent.read(name, descs(_buf, [], []), descs(_peer, [], []))
     h.wait(1.0)
     assert h.state() is XferState.DONE
     h.release()
@@ -108,14 +112,13 @@ def test_empty_transfer_is_done(pair):
 def test_local_descriptor_outside_registration_is_refused(pair):
     agent, buf, peer, name = pair
     with pytest.raises(RegistrationError, match="outside every registered"):
-        agent.read(name, DescriptorList([buf.ctypes.data + NBYTES - 8], [16]), DescriptorList([peer.addr], [16]))
+        agent.read(name, descs(buf, [NBYTES - 8], [16]), descs(peer, [0], [16]))
 
 
 def test_remote_descriptor_outside_peer_memory_never_succeeds(pair):
     agent, buf, peer, name = pair
     try:
-        h = agent.read(name, DescriptorList([buf.ctypes.data], [4096]),
-                       DescriptorList([peer.addr + NBYTES - 1024], [4096]))
+        h = agent.read(name, descs(buf, [0], [4096]), descs(peer, [NBYTES - 1024], [4096]))
     except AgentError:
         return
     with pytest.raises(TransferFailed):
@@ -125,13 +128,13 @@ def test_remote_descriptor_outside_peer_memory_never_succeeds(pair):
 
 def test_unknown_peer_and_bad_descriptors_are_refused(pair):
     agent, buf, peer, name = pair
-    d = DescriptorList([buf.ctypes.data], [64])
+    d = descs(buf, [0], [64])
     with pytest.raises(PeerError, match="not connected"):
         agent.read("nobody", d, d)
     with pytest.raises(AgentError, match="1 local descriptors but 2 remote"):
-        agent.read(name, d, DescriptorList([peer.addr, peer.addr + 64], [64, 64]))
+        agent.read(name, d, descs(peer, [0, 64], [64, 64]))
     with pytest.raises(AgentError, match="64 bytes locally but 32 remotely"):
-        agent.read(name, d, DescriptorList([peer.addr], [32]))
+        agent.read(name, d, descs(peer, [0], [32]))
     with pytest.raises(AgentError, match="equal length"):
         DescriptorList([1, 2], [3])
 
@@ -150,15 +153,16 @@ def test_foreign_or_garbage_metadata_is_refused(pair):
 
 def test_deregistered_memory_cannot_be_used(pair):
     agent, _buf, peer, name = pair
-    extra = pattern(1 << 16, 5).copy()
+    extra = alloc(1 << 16, device_of(_buf), seed=5)
     reg = agent.register_memory(MemoryRegion.of(extra))
-    h = agent.read(name, DescriptorList([extra.ctypes.data], [4096]), DescriptorList([peer.addr], [4096]))
+    h = agent.read(name, descs(extra, [0], [4096]), descs(peer, [0], [4096]))
     h.wait(TIMEOUT)
     h.release()
-    np.testing.assert_array_equal(extra[:4096], np.frombuffer(peer.call("dump"), dtype=np.uint8)[:4096])
+    remote = np.frombuffer(peer.call("dump"), dtype=np.uint8)
+    np.testing.assert_array_equal(to_numpy(extra)[:4096], remote[:4096])
     reg.release()
     with pytest.raises(RegistrationError):
-        agent.read(name, DescriptorList([extra.ctypes.data], [4096]), DescriptorList([peer.addr], [4096]))
+        agent.read(name, descs(extra, [0], [4096]), descs(peer, [0], [4096]))
 
 
 def test_wait_returns_within_its_deadline(pair):
@@ -169,7 +173,7 @@ def test_wait_returns_within_its_deadline(pair):
 
     agent, buf, peer, name = pair
     before = to_numpy(buf).copy()
-    h = agent.read(name, DescriptorList([buf.ctypes.data], [NBYTES]), DescriptorList([peer.addr], [NBYTES]))
+    h = agent.read(name, descs(buf, [0], [NBYTES]), descs(peer, [0], [NBYTES]))
     t0 = time.monotonic()
     try:
         h.wait(0.0)
@@ -178,4 +182,4 @@ def test_wait_returns_within_its_deadline(pair):
     assert time.monotonic() - t0 < 0.5
     h.wait(TIMEOUT)
     h.release()
-    buf[:] = before
+    restore(buf, before)

@@ -1,0 +1,504 @@
+"""CudaIpcAgent: one-sided READ/WRITE between GPUs of one host, one kernel launch per transfer.
+
+The exporting side advertises, for each registered VRAM region, the CUDA IPC handle of the allocation that
+holds it (caching allocators hand out sub-ranges of larger cudaMalloc blocks, so the handle is the base
+allocation's, plus the region's offset inside it), its size and device (PCI bus id), and the host's
+identity (hostname + boot id). A peer's `connect()` checks that it runs on the same host, opens each handle
+once (process-wide cache), checks that the advertised region fits the allocation it opened, and enables
+peer access. A READ or WRITE then bounds-checks every remote descriptor against the peer's advertised
+regions (RegionTable), translates it to this process's mapping, stages src/dst/prefix-sum arrays in pinned
+memory, uploads them with one H2D copy and launches ONE kernel (`cuda_kernels`) on a dedicated
+non-blocking stream of the local device, followed by a CUDA event that `state()` queries.
+
+Never does: a blocking synchronize (every wait polls the event against a deadline), a transfer to or from
+a descriptor it has not bounds-checked, or unmapping peer memory / freeing staging buffers while a kernel
+that uses them may still run (releases are deferred behind an event on the stream).
+
+Ordering: like NIXL, a transfer reads the bytes as they are when its kernel runs; the caller makes sure the
+producer finished (e.g. synchronises its compute stream) before posting. Cancelling cannot stop a launched
+kernel: the handle stays PENDING until the kernel ends, then reports FAILED ("cancelled").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from ..errors import AgentError, PeerError, RegistrationError
+from . import cuda_driver as drv
+from .base import (DescriptorList, MemoryKind, MemoryRegion, RegionTable, TransferAgent, TransferHandle,
+                   XferState)
+from .cuda_kernels import FragmentCopier
+from .envelope import field, open_envelope, seal
+
+log = logging.getLogger(__name__)
+
+MAX_REGIONS = 1 << 16
+_MIN_SLOT_WORDS = 1 << 13  # 64 KiB staging at least
+_KEEP_SLOTS = 32  # idle slots kept for reuse (pinned allocation costs milliseconds) ...
+_KEEP_WORDS = 8 << 20  # ... up to 64 MiB of pinned staging in all
+_FAST_NVLINK = 400e9  # bytes/s no intra-node copy beats: `wait` sleeps through most of the expected time
+
+
+class _Slot:
+    """What one in-flight transfer owns: pinned staging, the device descriptor table, a completion event
+    (and, when the agent times transfers, a start event recorded just before the descriptor upload)."""
+
+    def __init__(self, dev: drv.Device, words: int, timing: bool) -> None:
+        cu, _ = drv.load()
+        self.words = words
+        self.pinned = drv.PinnedBuffer(words * 8, dev)
+        self.table = drv.DeviceBuffer(words * 8, dev)
+        flags = 0 if timing else int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        with dev.current():
+            self.event = drv.check(cu.cuEventCreate(flags), "cuEventCreate")
+            self.start = drv.check(cu.cuEventCreate(flags), "cuEventCreate") if timing else None
+        self._dev = dev
+
+    def elapsed(self) -> float:
+        """Seconds between the start and completion events (both must have completed)."""
+        with self._dev.current():
+            ms = drv.check(drv.load()[0].cuEventElapsedTime(self.start, self.event), "cuEventElapsedTime")
+        return float(ms) / 1e3
+
+    def query(self) -> int:
+        """0 when the work recorded before the event is done, CUDA_ERROR_NOT_READY (600) while pending."""
+        with self._dev.current():
+            (err,) = drv.load()[0].cuEventQuery(self.event)
+        return int(err)
+
+    def free(self) -> None:
+        self.pinned.free()
+        self.table.free()
+        with self._dev.current():
+            drv.load()[0].cuEventDestroy(self.event)
+            if self.start is not None:
+                drv.load()[0].cuEventDestroy(self.start)
+
+
+class _Engine:
+    """Per local device: the agent's stream, the kernel, a pool of slots, releases waiting on the stream."""
+
+    def __init__(self, dev: drv.Device, timing: bool = False) -> None:
+        cu, _ = drv.load()
+        self.dev = dev
+        self.timing = timing
+        self.copier = FragmentCopier.get(dev)
+        with dev.current():
+            self.stream = drv.check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
+                                    "cuStreamCreate")
+        self._free: list[_Slot] = []
+        self._busy: list[_Slot] = []  # released by their handles while their kernel may still run
+        self._deferred: list[tuple[_Slot, object]] = []  # (fence slot, callable) run once the fence is done
+        self._lock = threading.Lock()
+
+    def acquire(self, words: int) -> _Slot:
+        with self._lock:
+            self._reap()
+            fits = [s for s in self._free if s.words >= words]
+            if fits:
+                slot = min(fits, key=lambda s: s.words)
+                self._free.remove(slot)
+                return slot
+        size = max(_MIN_SLOT_WORDS, 1 << (words - 1).bit_length())
+        return _Slot(self.dev, size, self.timing)
+
+    def recycle(self, slot: _Slot, done: bool) -> None:
+        with self._lock:
+            (self._free if done else self._busy).append(slot)
+            self._reap()
+
+    def defer(self, fn) -> None:
+        """Run `fn()` once everything enqueued on the stream so far has finished."""
+        slot = self.acquire(1)
+        cu, _ = drv.load()
+        with self.dev.current():
+            drv.check(cu.cuEventRecord(slot.event, self.stream), "cuEventRecord")
+        with self._lock:
+            self._deferred.append((slot, fn))
+            self._reap()
+
+    def _reap(self) -> None:  # under self._lock
+        done = [s for s in self._busy if s.query() != 600]
+        for s in done:
+            self._busy.remove(s)
+            self._free.append(s)
+        ready = [(s, fn) for s, fn in self._deferred if s.query() != 600]
+        for s, fn in ready:
+            self._deferred.remove((s, fn))
+            self._free.append(s)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - a failed unmap must not break transfers
+                log.warning("deferred CUDA release failed: %s", e)
+        while len(self._free) > _KEEP_SLOTS or (len(self._free) > 1
+                                                 and sum(x.words for x in self._free) > _KEEP_WORDS):
+            self._free.remove(min(self._free, key=lambda x: x.words)).free()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (bounded) for the stream to go idle, then free everything; False if it did not in time."""
+        cu, _ = drv.load()
+        deadline = time.monotonic() + timeout
+        with self.dev.current():
+            while int(cu.cuStreamQuery(self.stream)[0]) == 600:
+                if time.monotonic() > deadline:
+                    log.warning("cuda_ipc: stream on device %d still busy after %.1f s; leaking its buffers",
+                                self.dev.ordinal, timeout)
+                    return False
+                time.sleep(1e-4)
+        with self._lock:
+            self._busy, free = [], self._busy + self._free + [s for s, _ in self._deferred]
+            fns, self._deferred, self._free = [fn for _, fn in self._deferred], [], []
+        for fn in fns:
+            fn()
+        for s in free:
+            s.free()
+        with self.dev.current():
+            cu.cuStreamDestroy(self.stream)
+        return True
+
+
+class CudaIpcTransfer(TransferHandle):
+    """One posted copy kernel; `state()` queries its CUDA event (never blocks)."""
+
+    def __init__(self, engine: _Engine | None, slot: _Slot | None, ndesc: int, nbytes: int) -> None:
+        super().__init__(ndesc, nbytes)
+        self._engine, self._slot = engine, slot
+        self._final: XferState | None = XferState.DONE if slot is None else None
+        self._cancelled = False
+        self.gpu_seconds: float | None = None  # set when DONE if the agent was made with timing=True
+        self._mu = threading.Lock()
+
+    def state(self) -> XferState:
+        if self._final is not None:
+            return self._final
+        with self._mu:
+            return self._poll()
+
+    def _poll(self) -> XferState:
+        if self._final is not None or self._slot is None:
+            return self._final or XferState.FAILED
+        err = self._slot.query()
+        if err == 600:
+            return XferState.PENDING
+        if err == 0 and not self._cancelled:
+            self._final = XferState.DONE
+            if self._slot.start is not None:
+                self.gpu_seconds = self._slot.elapsed()
+        else:
+            self._final = XferState.FAILED
+            self.error = ("cancelled" if err == 0
+                          else f"the copy kernel failed: {drv._name(drv.load()[0], err)}")
+        slot, self._slot = self._slot, None
+        self._engine.recycle(slot, done=True)
+        return self._final
+
+    def wait(self, timeout: float, poll_interval: float = 0.0) -> None:
+        """Block until DONE; TransferFailed if it failed, TransferTimeout once `timeout` seconds pass.
+
+        Sleeps through most of the time the copy must take at best (bytes / 400 GB/s) instead of spinning,
+        then polls the event like the base class. Never waits past the deadline.
+        """
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        if self._final is None and poll_interval == 0.0:
+            ahead = self.nbytes / _FAST_NVLINK - (time.monotonic() - self.posted_at) - 100e-6
+            if ahead > 0:
+                time.sleep(min(ahead, max(0.0, deadline - time.monotonic())))
+        super().wait(max(0.0, deadline - time.monotonic()), poll_interval)
+
+    def _cancel(self) -> None:
+        self._cancelled = True  # a launched kernel cannot be stopped: FAILED once it has ended
+
+    def _do_release(self) -> None:
+        with self._mu:
+            slot, self._slot = self._slot, None
+        if slot is not None:
+            if self._final is None:
+                self._final = XferState.FAILED
+                self.error = "released before it finished"
+            self._engine.recycle(slot, done=slot.query() != 600)
+
+
+class _Peer:
+    """A connected peer: its advertised regions and, per local device, their addresses in this process."""
+
+    def __init__(self, name: str, regions: list[tuple], same_process: bool) -> None:
+        self.name = name
+        self.regions = regions  # (addr, length, device, pci, handle, offset)
+        self.same_process = same_process
+        self.table = FastRegionTable()
+        for i, (addr, length, device, *_rest) in enumerate(regions):
+            self.table.add(i, MemoryRegion(addr, length, MemoryKind.VRAM, device))
+        self._maps: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}  # local dev -> peer dev -> map
+        self._opened: list[tuple[bytes, drv.Device]] = []
+        self._lock = threading.Lock()
+
+    def ensure(self, local: drv.Device) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Open (once) every advertised region for kernels on `local`; PeerError if one cannot be."""
+        with self._lock:
+            per_dev = self._maps.get(local.ordinal)
+            if per_dev is None:
+                per_dev = self._maps[local.ordinal] = self._open(local)
+            return per_dev
+
+    def mapping(self, local: drv.Device, peer_device: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted region starts, delta to add for this process's address) for regions on `peer_device`."""
+        hit = self.ensure(local).get(peer_device)
+        if hit is None:
+            raise RegistrationError(f"peer {self.name!r} advertised no VRAM on its device {peer_device}")
+        return hit
+
+    def _open(self, local: drv.Device) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        rows: dict[int, list[tuple[int, int]]] = {}
+        for addr, length, device, pci, handle, offset in self.regions:
+            remote = drv.ordinal_by_pci(pci)
+            if remote is None:
+                raise PeerError(f"peer {self.name!r} has memory on GPU {pci}, which this process cannot see "
+                                "(check CUDA_VISIBLE_DEVICES)")
+            if not local.can_access_peer(remote):
+                raise PeerError(f"GPU {local.pci_bus_id} (device {local.ordinal}) has no peer-to-peer path "
+                                f"to peer {self.name!r}'s GPU {pci}; use the 'nixl' agent for this pair")
+            if self.same_process:  # both contexts live here already: enable access explicitly
+                local.enable_peer_access(drv.Device.get(remote))
+                va = addr
+            else:  # imported with CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: no context on the peer's GPU needed
+                try:
+                    base = drv.IpcMappings.acquire(handle, local)
+                except AgentError as e:
+                    raise PeerError(f"could not open peer {self.name!r}'s CUDA IPC handle for {length} bytes "
+                                    f"at {addr:#x} (was the memory freed?): {e}") from None
+                self._opened.append((handle, local))
+                _, size = drv.allocation_of(base, local)
+                if offset + length > size:
+                    raise PeerError(f"peer {self.name!r} advertises {length} bytes at offset {offset} of an "
+                                    f"allocation of only {size} bytes")
+                va = base + offset
+            rows.setdefault(device, []).append((addr, va - addr))
+        out = {}
+        for device, pairs in rows.items():
+            pairs.sort()
+            out[device] = (np.array([a for a, _ in pairs], dtype=np.int64),
+                           np.array([d for _, d in pairs], dtype=np.int64))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._opened, self._maps = self._opened, [], {}
+        for handle, dev in opened:
+            drv.IpcMappings.release(handle, dev)
+
+
+def _mutually_aligned(a: np.ndarray, b: np.ndarray) -> bool:
+    """True if a[i] % 16 == b[i] % 16 for every i (cheap reductions first: KV blocks are 16-aligned)."""
+    if not (int(np.bitwise_or.reduce(a)) | int(np.bitwise_or.reduce(b))) & 15:
+        return True
+    return not np.any(np.bitwise_and(np.bitwise_xor(a, b), 15))
+
+
+class FastRegionTable(RegionTable):
+    """RegionTable whose check first tries "all descriptors inside one region" with three reductions.
+
+    Same answers as RegionTable.check; falls back to it (per-descriptor search) when the quick test fails.
+    """
+
+    def check(self, descs: DescriptorList, what: str) -> None:
+        if len(descs):
+            starts, ends = self._sorted(descs.kind, descs.device)
+            if starts.size:
+                lo = int(descs.addrs.min())
+                i = int(np.searchsorted(starts, lo, side="right")) - 1
+                if i >= 0 and int(descs.addrs.max()) + int(descs.lengths.max()) <= int(ends[i]):
+                    return
+        super().check(descs, what)
+
+
+def _parse_regions(name: str, raw) -> list[tuple]:
+    if not isinstance(raw, list) or len(raw) > MAX_REGIONS:
+        raise PeerError(f"peer {name!r} metadata: 'regions' must be a list of at most {MAX_REGIONS} entries")
+    out = []
+    for i, r in enumerate(raw):
+        ok = isinstance(r, list) and len(r) == 6
+        if ok:
+            addr, length, device, pci, handle, offset = r
+            ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in (addr, length, device, offset))
+                  and addr > 0 and length > 0 and 0 <= device < 1024 and 0 <= offset < (1 << 62)
+                  and addr + length < (1 << 63) and isinstance(pci, str) and 0 < len(pci) <= 32
+                  and isinstance(handle, bytes) and len(handle) == 64)
+        if not ok:
+            raise PeerError(f"peer {name!r} metadata: region {i} is not [addr>0, length>0, device, "
+                            f"pci bus id, 64-byte IPC handle, offset>=0]: {str(r)[:200]}")
+        out.append((addr, length, device, pci, handle, offset))
+    return out
+
+
+class CudaIpcAgent(TransferAgent):
+    """TransferAgent over CUDA IPC + one SM copy kernel per transfer (GPUs of one host, VRAM only).
+
+    Args:
+        name: unique among the peers this agent talks to.
+        chunk: bytes per warp work item (None: chosen per transfer); for tuning and tests.
+        max_blocks: cap on CTAs per launch (None: full occupancy); for tuning and tests.
+        timing: time each transfer on the GPU (descriptor upload + kernel) into `handle.gpu_seconds`.
+    Raises:
+        AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing.
+    """
+
+    agent_kind = "cuda_ipc"
+    memory_kinds = frozenset({MemoryKind.VRAM})
+
+    def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
+                 timing: bool = False) -> None:
+        super().__init__(name)
+        self._regions = FastRegionTable()  # same checks as the base class's, faster for one pool
+        drv.load()
+        if drv.device_count() < 1:
+            raise AgentError("the cuda_ipc agent needs a CUDA GPU; the driver reports none visible")
+        if chunk is not None and not 512 <= chunk <= (1 << 30):
+            raise AgentError(f"chunk must be within [512, 1 GiB] bytes, got {chunk}")
+        self._chunk, self._max_blocks, self._timing = chunk, max_blocks, timing
+        self._host = drv.host_identity()
+        self._exports: dict[int, tuple] = {}
+        self._remote: dict[str, _Peer] = {}
+        self._engines: dict[int, _Engine] = {}
+
+    # --- memory ---------------------------------------------------------------------------------------
+    def _register(self, region: MemoryRegion, key: int) -> None:
+        dev = drv.Device.get(region.device)
+        try:
+            base, size = drv.allocation_of(region.addr, dev)
+        except AgentError as e:
+            raise RegistrationError(f"{region} is not device memory of CUDA device {region.device}: "
+                                    f"{e}") from None
+        if region.addr + region.length > base + size:
+            raise RegistrationError(f"{region} runs past the end of its CUDA allocation ({size} bytes at "
+                                    f"{base:#x}); register each allocation separately")
+        try:
+            handle = drv.export_handle(base, dev)
+        except AgentError as e:
+            raise RegistrationError(f"cannot export {region} over CUDA IPC (memory from cuMemCreate, e.g. "
+                                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, cannot be): "
+                                    f"{e}") from None
+        self._exports[key] = [region.addr, region.length, region.device, dev.pci_bus_id, handle,
+                              region.addr - base]
+
+    def _unregister(self, region: MemoryRegion, key: int) -> None:
+        self._exports.pop(key, None)
+
+    # --- peers ----------------------------------------------------------------------------------------
+    def _metadata(self) -> bytes:
+        host, boot = self._host
+        return seal(self.agent_kind, self.name, {"host": host, "boot": boot, "proc": drv.PROCESS_TOKEN,
+                                                 "regions": list(self._exports.values())})
+
+    def _connect(self, peer_metadata: bytes) -> str:
+        name, payload = open_envelope(peer_metadata, self.agent_kind)
+        if name == self.name:
+            raise PeerError(f"peer metadata carries this agent's own name {name!r}; names must be unique")
+        host, boot = field(payload, "host", str), field(payload, "boot", str)
+        proc = field(payload, "proc", str)
+        if (host, boot) != self._host:
+            raise PeerError(f"peer {name!r} runs on host {host!r} (boot id {boot or '?'}), this agent on "
+                            f"{self._host[0]!r} (boot id {self._host[1] or '?'}): CUDA IPC reaches only GPUs "
+                            "of the same host; use the 'nixl' agent across hosts")
+        peer = _Peer(name, _parse_regions(name, payload.get("regions")), proc == drv.PROCESS_TOKEN)
+        try:  # open the handles and build the kernel now, not on the first transfer
+            for dev in sorted({r.device for r in self.registered_regions()}):
+                peer.ensure(self._engine(dev).dev)
+        except Exception:
+            peer.close()
+            raise
+        with self._lock:
+            old = self._remote.get(name)
+            self._remote[name] = peer
+        if old is not None:
+            self._retire(old)
+        return name
+
+    def _disconnect(self, peer: str) -> None:
+        with self._lock:
+            old = self._remote.pop(peer, None)
+        if old is not None:
+            self._retire(old)
+
+    def _retire(self, peer: _Peer) -> None:
+        """Unmap a peer's memory once every kernel already enqueued has finished."""
+        engines = list(self._engines.values())
+        if not engines:
+            peer.close()
+            return
+        remaining = [len(engines)]
+        lock = threading.Lock()
+
+        def one_done() -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                peer.close()
+
+        for e in engines:
+            e.defer(one_done)
+
+    # --- transfers ------------------------------------------------------------------------------------
+    def _engine(self, device: int) -> _Engine:
+        with self._lock:
+            e = self._engines.get(device)
+            if e is None:
+                e = self._engines[device] = _Engine(drv.Device.get(device), self._timing)
+            return e
+
+    def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
+        n = len(local)
+        if n == 0:
+            return CudaIpcTransfer(None, None, 0, 0)
+        p = self._remote.get(peer)
+        if p is None:
+            raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
+        p.table.check(remote, f"{op} remote side (peer {peer!r})")
+        engine = self._engine(local.device)
+        starts, deltas = p.mapping(engine.dev, remote.device)
+        lens = local.lengths
+        flen = int(lens[0]) if int(lens.min()) == int(lens.max()) else 0  # equal lengths: no prefix sum
+        words = 2 * n if flen else 3 * n + 1
+        slot = engine.acquire(words)
+        try:
+            w = slot.pinned.words  # table: src[n] | dst[n] | cum[n + 1] (no cum when lengths are equal)
+            remote_va, local_va = (w[:n], w[n:2 * n]) if op == "READ" else (w[n:2 * n], w[:n])
+            if starts.size == 1:
+                np.add(remote.addrs, deltas[0], out=remote_va)
+            else:
+                idx = np.searchsorted(starts, remote.addrs, side="right") - 1
+                np.add(remote.addrs, deltas[idx], out=remote_va)
+            local_va[:] = local.addrs
+            if flen:
+                total = flen * n
+            else:
+                w[2 * n] = 0
+                np.cumsum(lens, out=w[2 * n + 1:3 * n + 1])
+                total = int(w[3 * n])
+            aligned = _mutually_aligned(w[:n], w[n:2 * n])
+            cu, _ = drv.load()
+            with engine.dev.current():
+                if slot.start is not None:
+                    drv.check(cu.cuEventRecord(slot.start, engine.stream), "cuEventRecord")
+                drv.check(cu.cuMemcpyHtoDAsync(slot.table.ptr, slot.pinned.ptr, words * 8, engine.stream),
+                          "cuMemcpyHtoDAsync (descriptor table)")
+                engine.copier.launch(slot.table.ptr, n, total, aligned, engine.stream, uniform=flen,
+                                     chunk=self._chunk, max_blocks=self._max_blocks)
+                drv.check(cu.cuEventRecord(slot.event, engine.stream), "cuEventRecord")
+        except Exception:
+            engine.recycle(slot, done=False)
+            raise
+        return CudaIpcTransfer(engine, slot, n, total)
+
+    def _close(self) -> None:
+        peers, self._remote = list(self._remote.values()), {}
+        engines, self._engines = list(self._engines.values()), {}
+        drained = all([e.drain(10.0) for e in engines])
+        if drained:
+            for p in peers:
+                p.close()
+        self._exports.clear()
