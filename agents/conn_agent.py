@@ -275,6 +275,7 @@ class ConnectionAgent(TransferAgent):
         self.connect_timeout = float(connect_timeout)
         self._options = dict(options)
         self._links: dict[str, _PeerLink] = {}
+        self._links_lock = threading.Lock()  # not the base lock: deregistration holds that while it waits
         self._serve_cv = threading.Condition()
         self._serving_now = 0
         self._listener = self.connection_class.listen(self._options)
@@ -311,7 +312,7 @@ class ConnectionAgent(TransferAgent):
         self.connection_class.check_endpoint(endpoint)
         if name == self.name:
             raise PeerError(f"peer metadata carries this agent's own name {name!r}; names must be unique")
-        with self._lock:
+        with self._links_lock:
             old = self._links.pop(name, None)
             self._links[name] = _PeerLink(self, name, endpoint)
         if old is not None:
@@ -319,7 +320,7 @@ class ConnectionAgent(TransferAgent):
         return name
 
     def _disconnect(self, peer: str) -> None:
-        with self._lock:
+        with self._links_lock:
             link = self._links.pop(peer, None)
         if link is not None:
             link.stop(f"peer {peer!r} was disconnected")
@@ -328,14 +329,16 @@ class ConnectionAgent(TransferAgent):
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         if not len(local):
             return ConnectionTransfer(0, 0)
-        with self._lock:
-            link = self._links[peer]
+        with self._links_lock:
+            link = self._links.get(peer)
+        if link is None:
+            raise PeerError(f"{op} names peer {peer!r}, which was disconnected")
         h = ConnectionTransfer(len(local), local.nbytes, link)
         link.submit(_Request(op, local, remote, h))
         return h
 
     def _close(self) -> None:
-        with self._lock:
+        with self._links_lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.stop(f"agent {self.name!r} was closed")
