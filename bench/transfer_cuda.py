@@ -292,22 +292,23 @@ def run(args=None) -> list[dict]:
 
 
 def sweep(agent, peer: str, dst, remote_addr: int, total: int, pattern0, rng, sizes) -> list[dict]:
-    """cuda_ipc launch geometry grid (bytes per warp item x CTA cap), GPU time only: for tuning defaults."""
-    rows, saved = [], (agent._chunk, agent._max_blocks)
+    """cuda_ipc kernel variant and launch geometry (bytes per warp item x CTA cap): for tuning defaults."""
+    rows, saved = [], (agent._kernel, agent._chunk, agent._max_blocks)
+    grid = [(k, None, None) for k in ("any", "aligned")]
+    grid += [("any", c, b) for c in (4096, 65536) for b in (132, 528)]
     for frag in sizes:
         case = Case(frag, total, pattern0, rng)
-        for chunk in (None, 4096, 16384, 65536):
-            for blocks in (None, 132, 264, 528):
-                agent._chunk, agent._max_blocks = chunk, blocks  # the bench may turn the agent's knobs
-                secs, gsecs, _, ok = time_agent(agent, peer, dst, remote_addr, case, 2)
-                row = dict(agent=f"cuda_ipc[chunk={chunk},blocks={blocks}]", fragment_bytes=frag,
-                           fragments=case.n, gbps=round(total / secs / 1e9, 1), baseline_gbps=None,
-                           verified=ok, seconds=secs, gpu_gbps=round(total / gsecs / 1e9, 1), sweep=True)
-                rows.append(row)
-                print(f"sweep {frag >> 10:>5} KiB chunk={chunk} blocks={blocks}: gpu {row['gpu_gbps']} GB/s, "
-                      f"end-to-end {row['gbps']} GB/s, verified={ok}", flush=True)
+        for kernel, chunk, blocks in grid:
+            agent._kernel, agent._chunk, agent._max_blocks = kernel, chunk, blocks  # benchmark knobs
+            secs, gsecs, _, ok = time_agent(agent, peer, dst, remote_addr, case, 2)
+            row = dict(agent=f"cuda_ipc[{kernel},chunk={chunk},blocks={blocks}]", fragment_bytes=frag,
+                       fragments=case.n, gbps=round(total / secs / 1e9, 1), baseline_gbps=None,
+                       verified=ok, seconds=secs, gpu_gbps=round(total / gsecs / 1e9, 1), sweep=True)
+            rows.append(row)
+            print(f"sweep {frag >> 10:>5} KiB {kernel} chunk={chunk} blocks={blocks}: "
+                  f"gpu {row['gpu_gbps']} GB/s, end-to-end {row['gbps']} GB/s, verified={ok}", flush=True)
         del case
-    agent._chunk, agent._max_blocks = saved
+    agent._kernel, agent._chunk, agent._max_blocks = saved
     return rows
 
 
