@@ -95,6 +95,8 @@ class _Inbox(threading.Thread):
                     self.commands.put(msg)
         except (EOFError, OSError):
             self.commands.put({"t": "stop", "why": "parent closed the pipe"})
+        except Exception as e:  # noqa: BLE001 - a bad frame from the parent: the leader stops with the reason
+            self.commands.put({"t": "fatal", "msg": f"bad frame from the parent: {type(e).__name__}: {e}"})
 
     def take_kv(self, rid: int, timeout: float) -> tuple[dict, bytes]:
         deadline = time.monotonic() + timeout
@@ -281,6 +283,8 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
 
 def _apply_command(eng: Engine, c: dict, post: list) -> bool:
     t = c["t"]
+    if t == "fatal":
+        raise ExecutorError(c["msg"])
     try:
         if t == "stop":
             return True
