@@ -79,6 +79,14 @@ class DeadlineExceeded(TransceiverError, TimeoutError):
     """A request did not complete before its deadline."""
 
 
+class RequestCancelled(TransceiverError):
+    """The request was cancelled (by the client, the router, or either executor)."""
+
+
+class IntegrityError(TransceiverError):
+    """Verification found received KV bytes that differ from the context side's (checksum mismatch)."""
+
+
 class PeerGone(TransceiverError):
     """The peer stopped answering (no heartbeat within the deadline) or closed the connection."""
 

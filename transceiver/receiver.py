@@ -23,8 +23,8 @@ import numpy as np
 import zmq
 
 from ..agents import MemoryKind
-from ..errors import (DeadlineExceeded, KvBridgeError, LayoutMismatchError, LeaseExpired, PeerError, PeerGone,
-                      ProtocolError, RequestNotFound, TransceiverError)
+from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, PeerError, ProtocolError, RequestCancelled,
+                      RequestNotFound, TransceiverError)
 from ..formatter.layout import KVLayout
 from ..formatter.mapping import check_compatible, mapping_for
 from ..formatter.planner import RankPool
@@ -42,7 +42,7 @@ __all__ = ["Receiver", "ReceiveResult"]
 _ERROR_TYPES = {
     m.ErrorCode.UNKNOWN_REQUEST.value: RequestNotFound, m.ErrorCode.LEASE_EXPIRED.value: LeaseExpired,
     m.ErrorCode.LAYOUT_MISMATCH.value: LayoutMismatchError, m.ErrorCode.VERSION.value: ProtocolError,
-    m.ErrorCode.MALFORMED.value: ProtocolError,
+    m.ErrorCode.MALFORMED.value: ProtocolError, m.ErrorCode.CANCELLED.value: RequestCancelled,
 }
 
 
@@ -194,7 +194,8 @@ class Receiver:
         elif cmd[0] == "cancel":
             p = self._pulls.get(cmd[1])
             if p is not None:
-                p.fail("TransceiverError", f"request {p.request_id} was cancelled", self.config.drain_timeout_s)
+                p.fail("RequestCancelled", f"request {p.request_id} was cancelled on the generation side",
+                       self.config.drain_timeout_s)
 
     def _report_now(self, rid: int, etype: str, error: str) -> None:
         self._finished.append(ReceiveResult(rid, False, error, etype))
@@ -227,6 +228,8 @@ class Receiver:
         peer.peer_name = peer.agent_kind = ""
 
     def _send(self, peer: _Peer, frame: bytes) -> None:
+        if peer.sock is None:  # reset after silence or an error; its context rank's lease covers the rest
+            return
         try:
             peer.sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:  # queue full: the deadline covers retries

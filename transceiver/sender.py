@@ -226,6 +226,14 @@ class Sender:
                 e.cancel_requested = True
                 if not e.active_readers:
                     self._finish(e, "cancelled", "cancelled by the context executor")
+                    return
+                # Readers in flight are told, so they stop early; the blocks stay pinned until each of them
+                # reports Done (its reads settled) or its lease runs out.
+                frame = m.Error(m.ErrorCode.CANCELLED.value, f"request {rid} was cancelled on the context side",
+                                rid, "cancel").encode()
+                for gen_rank, ident in e.fetched.items():
+                    if gen_rank not in e.done:
+                        self._send(ident, frame)
 
     def _finish(self, e: _Entry, status: str, detail: str) -> None:
         self._entries.pop(e.rid, None)
@@ -367,10 +375,10 @@ class Sender:
         self._send(ident, m.DoneAck(e.rid, True).encode())
         if not msg.ok:
             log.info("request %d: generation rank %d failed its read: %s", e.rid, s.gen_rank, msg.error)
-        if e.expected <= set(e.done):
+        if e.cancel_requested and not e.active_readers:
+            self._finish(e, "cancelled", "cancelled; readers in flight finished")
+        elif e.expected <= set(e.done):
             if all(e.done.values()):
-                self._finish(e, "cancelled" if e.cancel_requested else "complete", "all readers confirmed")
+                self._finish(e, "complete", "all readers confirmed")
             else:
                 self._finish(e, "failed", "a generation rank reported a failed read")
-        elif e.cancel_requested and not e.active_readers:
-            self._finish(e, "cancelled", "cancelled; readers in flight finished")

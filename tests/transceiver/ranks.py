@@ -52,13 +52,18 @@ def _serve(conn) -> None:
                 tr = make(buf, layout, rank, nb, cfg, instance=arg.get("instance"))
                 state.update(tr=tr, buf=buf, layout=layout, rank=rank, nb=nb, bg=bg, held=[], results=[])
                 conn.send(tr.endpoint if arg["role"] == "context" else tr.instance)
-            elif cmd == "publish":  # list of (rid, blocks, n, salt)
+            elif cmd in ("publish", "publish_streaming"):  # list of (rid, blocks, n, salt)
                 tr, layout = state["tr"], state["layout"]
                 for rid, blocks, n, salt in arg:
                     state["held"].append((blocks, n, salt))
                 state["buf"][:] = pool_image(layout, state["rank"], state["nb"], state["held"], state["bg"])
+                ready = 0 if cmd == "publish_streaming" else None  # streaming: no layer readable yet
                 for rid, blocks, n, salt in arg:
-                    tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n))
+                    tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n,
+                                                  layers_ready=ready))
+                conn.send(True)
+            elif cmd == "layers_ready":  # (rid, layers)
+                state["tr"].sender.mark_layers_ready(*arg)
                 conn.send(True)
             elif cmd == "ctx_status":
                 tr = state["tr"]
@@ -68,17 +73,25 @@ def _serve(conn) -> None:
             elif cmd == "cancel":
                 state["tr"].cancel_request(arg)
                 conn.send(True)
-            elif cmd == "pull":  # list of (rid, params dict, blocks, n, salt[, timeout]) -> results + mismatches
+            elif cmd in ("pull", "submit", "collect"):
+                # pull: submit the pulls (rid, params dict, blocks, n, salt[, timeout]) and collect them;
+                # submit: only submit (answers True); collect: wait for what was submitted.
                 tr = state["tr"]
-                want = {}
-                for item in arg["pulls"]:
+                want = state.setdefault("want", {})
+                for item in arg.get("pulls", ()) if cmd != "collect" else ():
                     rid, params, blocks, n, salt = item[:5]
                     want[rid] = (blocks, n, salt)
                     tr.request_and_receive_async(Req(request_id=rid, disagg_params=params,
                                                      block_ids=np.asarray(blocks), num_tokens=n,
                                                      timeout_s=item[5] if len(item) > 5 else None))
+                if cmd == "submit":
+                    conn.send(True)
+                    continue
+                if cmd == "collect" and arg.get("cancel") is not None:
+                    tr.cancel_request(arg["cancel"])
                 t0 = time.monotonic()
                 res = tr.check_gen_transfer_status(len(want), timeout_s=arg.get("timeout", 60))
+                state["want"] = {}
                 wall = time.monotonic() - t0
                 for r in res:
                     if r.ok:
