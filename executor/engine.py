@@ -8,8 +8,9 @@ Who calls what, when (the transceiver's view; `Executor` in runtime.py is the in
 
     context side (mode "context_only")
         submit(prompt, mode="context_only") -> request_id
-        -> event "ctx": (request_id, block_ids, num_tokens, first_token) once the prefill ran. The blocks stay
-           PINNED on every rank: nothing frees or reuses them while the transceiver reads them.
+        -> event "ctx": (request_id, block_ids, num_tokens, first_token) once the prefill ran, and in the next
+           step every rank's hook gets on_context_done (hooks.py). The blocks stay PINNED on every rank:
+           nothing frees or reuses them while the transceiver reads them.
         release(request_id)     after EVERY rank's transfer of the request finished (or failed): unpins
                                 and frees the blocks on every rank. Exactly once per context request.
     generation side (mode "generation_only")
@@ -213,6 +214,7 @@ class Engine:
             r.output.append(int(tok))
             if r.state == "prefill" and r.mode == "context_only":
                 r.state = "ctx_done"
+                self._ops.append(["ctx_done", rid, int(tok)])  # tells every rank's hook, first token included
                 self._events.append({"t": "ctx", "rid": rid, "first_token": int(tok), "num_tokens": r.num_cached})
                 continue
             r.state = "running"

@@ -4,9 +4,9 @@ An executor started with `ExecutorConfig(rank_hook="pkg.module:factory", rank_ho
 `factory(RankContext)` in EVERY rank process once its pool exists, and then calls the hook from that rank's
 step loop, in lockstep with the other ranks (all hooks run on the rank's main thread, between steps):
 
-    on_context_done(request_id, block_ids, num_tokens)
-        a context-only prefill finished; its blocks are pinned on this rank until the request is released.
-        The first token is in the leader's "ctx" event (Executor.prefill / the serving layer), not here.
+    on_context_done(request_id, block_ids, num_tokens, first_token)
+        a context-only prefill finished (called at the start of the step after it, when the leader knows the
+        first token); its blocks are pinned on this rank until the request is released.
     on_generation_alloc(request_id, block_ids, prompt_len, ctx_info)
         a generation-only request got blocks on this rank: receive the prompt KV of this rank's layers and
         heads into them. ctx_info is the dict given to Executor.add_generation (e.g. where the context is).
@@ -45,7 +45,8 @@ HOOK_IDLE_S = 0.01
 
 
 class RankHook(Protocol):
-    def on_context_done(self, request_id: int, block_ids: list[int], num_tokens: int) -> None: ...
+    def on_context_done(self, request_id: int, block_ids: list[int], num_tokens: int, first_token: int) -> None:
+        ...
 
     def on_generation_alloc(self, request_id: int, block_ids: list[int], prompt_len: int, ctx_info: dict) -> None: ...
 

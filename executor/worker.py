@@ -165,6 +165,12 @@ class _Runner:
                 kv.unpin(rid)
             elif kind == "write":
                 self._write_kv(rid)
+            elif kind == "ctx_done":  # the previous step's context-only prefill, with its first token
+                if self.hook is not None:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)  # the KV is in memory before an agent reads it
+                    self.hook.on_context_done(rid, kv.get_batch_cache_indices([rid])[0], kv.num_tokens(rid),
+                                              int(op[2]))
             else:
                 raise ExecutorError(f"step {plan['step']}: unknown op {kind!r}")
         batch = plan["batch"]
@@ -189,13 +195,9 @@ class _Runner:
             if self.rank == 0 and self.rank != self.sampler_rank:
                 sampled = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
             kv.update_resources(needs)
-            if self.hook is not None and self.device.type == "cuda" and any(b[4] for b in batch):
-                torch.cuda.synchronize(self.device)  # the KV is in memory before a transfer agent reads it
             for b in batch:
                 if b[4]:
-                    blocks = kv.pin(int(b[0]))
-                    if self.hook is not None:
-                        self.hook.on_context_done(int(b[0]), blocks, kv.num_tokens(int(b[0])))
+                    kv.pin(int(b[0]))
         for op in plan.get("post", ()):
             if op[0] == "read":
                 self._read_kv(int(op[1]))

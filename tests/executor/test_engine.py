@@ -50,6 +50,7 @@ def test_context_and_generation_modes_walk_their_states():
     plan, events = _step(eng, token=9)
     assert plan["batch"][0][4] is True  # pin after the prefill
     assert events == [{"t": "ctx", "rid": 1, "first_token": 9, "num_tokens": 5}]
+    assert eng.next_plan()["ops"] == [["ctx_done", 1, 9]]  # every rank's hook hears of it, first token too
     assert not eng.has_work()
     eng.release(1)
     assert eng.take_events() == [{"t": "released", "rid": 1}]
