@@ -212,6 +212,40 @@ def test_single_fragment_past_4_gib_at_odd_offsets_is_byte_exact(agents):
         torch.cuda.empty_cache()
 
 
+def test_cancel_turns_failed_only_once_the_launched_kernel_has_ended(agents):
+    from kvbridge.errors import TransferFailed
+
+    b = Buffers(agents, 1 << 30)
+    try:
+        whole = np.array([1 << 30], dtype=np.int64)
+        h = b.agent.read(b.peer, b.descs("local", [0], whole), b.descs("remote", [0], whole))
+        h.cancel()  # microseconds after posting a ~3 ms copy
+        assert h.error == "cancelled"
+        with pytest.raises(TransferFailed, match="cancelled"):
+            h.wait(TIMEOUT)
+        assert h.state() is XferState.FAILED
+        h.release()
+        b.move("read", [0], [4096], np.array([8192], dtype=np.int64))  # the agent carries on, exact
+        assert equal_in_pieces(b.local_t[:8192], b.remote_t[4096:4096 + 8192])
+    finally:
+        b.release()
+
+
+def test_handles_released_before_done_never_lose_later_transfers(agents):
+    b = Buffers(agents, 256 << 20)
+    try:
+        n, f = 4096, 64 << 10
+        lens = np.full(n, f, dtype=np.int64)
+        offs = np.arange(n, dtype=np.int64) * f
+        backwards = b.descs("remote", offs[::-1].copy(), lens)
+        for _ in range(6):  # released at once: their staging stays busy until their kernels end
+            b.agent.read(b.peer, b.descs("local", offs, lens), backwards).release()
+        b.move("read", offs, offs, lens)
+        assert equal_in_pieces(b.local_t, b.remote_t)
+    finally:
+        b.release()
+
+
 def test_remote_descriptor_past_the_peer_region_is_refused_before_launch(agents):
     b = Buffers(agents, 1 << 20)
     try:
