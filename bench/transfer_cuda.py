@@ -202,6 +202,43 @@ def time_memcpy_peer(dst, src1, pattern0, case: Case | None, total: int, reps: i
     return min(times[1:]), ok
 
 
+def _size(v) -> int:
+    if isinstance(v, int):
+        return v
+    v = str(v).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:], 1)
+    return int(float(v[:-1] if v[-1:] in "KMG" else v) * mult)
+
+
+def _options(args) -> tuple[int, list[int], list[str], int]:
+    """(total bytes, fragment sizes, agents, reps) from this module's CLI or `kvbridge bench transfer`'s."""
+    from kvbridge.agents import MemoryKind, get_agent_class
+
+    if getattr(args, "total_mib", None):
+        total = int(args.total_mib) << 20
+    else:
+        total = _size(getattr(args, "total", None) or GIB)
+    sizes = getattr(args, "sizes", None) or SIZES
+    sizes = [_size(x) for x in (sizes.split(",") if isinstance(sizes, str) else sizes)]
+    given = getattr(args, "agents", None) or ["cuda_ipc", "nixl"]
+    given = given.split(",") if isinstance(given, str) else list(given)
+    agents = ["cuda_ipc"]
+    for name in given:
+        try:
+            ok = ":" not in name and MemoryKind.VRAM in get_agent_class(name).memory_kinds
+        except Exception:  # noqa: BLE001 - an agent that cannot load is skipped, not fatal
+            ok = False
+        if not ok:
+            print(f"transfer_cuda: skipping {name!r} (not a registry agent that moves VRAM)", file=sys.stderr)
+        elif name not in agents:
+            agents.append(name)
+    reps = int(getattr(args, "reps", None) or getattr(args, "repeat", None) or 5)
+    bad = [f for f in sizes if f <= 0 or total % f]
+    if bad:
+        raise SystemExit(f"transfer_cuda: fragment sizes {bad} do not divide the total {total} bytes")
+    return total, sizes, agents, reps
+
+
 def _enable_peer_access(dev: int, peer: int) -> None:
     from cuda.bindings import runtime as rt
 
@@ -215,17 +252,16 @@ def run(args=None) -> list[dict]:
     """Run the whole benchmark once; returns the rows (see the module docstring).
 
     Args:
-        args: an argparse namespace or None; read: total_mib (1024), sizes (SIZES), agents
-            (["cuda_ipc", "nixl"]), reps (5), memcpy (True), chunk / max_blocks (cuda_ipc tuning).
+        args: an argparse namespace or None. Read, each optional: total_mib (int) or total ("1G"); sizes
+            (ints, or "4K,16K,..."); agents (names, or "a,b": cuda_ipc always runs, and of the others
+            only registry names that move VRAM); reps or repeat (5); memcpy (True); sweep; chunk and
+            max_blocks (cuda_ipc tuning).
     """
     import torch
 
     from kvbridge.agents import MemoryRegion, create_agent
 
-    total = int(getattr(args, "total_mib", None) or 1024) << 20
-    sizes = list(getattr(args, "sizes", None) or SIZES)
-    agents = list(getattr(args, "agents", None) or ["cuda_ipc", "nixl"])
-    reps = int(getattr(args, "reps", None) or 5)
+    total, sizes, agents, reps = _options(args)
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"transfer_cuda needs 2 GPUs; this machine has {torch.cuda.device_count()}")
     torch.cuda.set_device(0)
