@@ -59,3 +59,20 @@ def test_cuda_bf16_tp2_context_feeds_a_tp1_generation_executor():
         out = gen.wait(g.request_id).tokens
         assert len(out) == 12 and out[0] == res.first_token
         assert ctx.free_blocks() == [64, 64] and gen.free_blocks() == [64]
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_cuda_hooks_move_tp2_kv_between_executors(tmp_path):
+    def hooked(role):
+        return _cfg(tp=2, rank_hook="tests.executor.file_hook:make", rank_hook_args={"dir": str(tmp_path),
+                                                                                     "role": role})
+    with Executor.start(_cfg(tp=2)) as agg:
+        want = agg.generate(PROMPTS[1:], max_tokens=10)[0]
+    with Executor.start(hooked("ctx")) as ctx, Executor.start(hooked("gen")) as gen:
+        res = ctx.prefill(PROMPTS[1])
+        ctx._wait_event(("released", res.request_id), 60, "the hook-driven release")
+        rid = gen.submit(PROMPTS[1], max_tokens=10, mode="generation_only", first_token=res.first_token,
+                         ctx_info={"ctx_rid": res.request_id, "first_token": res.first_token})
+        assert gen.wait(rid).tokens == want
+        assert ctx.free_blocks() == [64, 64] and gen.free_blocks() == [64, 64]
