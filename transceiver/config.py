@@ -34,6 +34,8 @@ class TransceiverConfig:
     handshake_timeout_s: Hello -> Welcome bound.
     drain_timeout_s: after a failure, how long to wait for cancelled reads to settle before reporting.
     stream_layers: ask context ranks to push LayersReady and read layer ranges as they become ready.
+    verify: after reading, both sides hash what they hold (xxh3-64 per layer, canonical order) and compare;
+        a mismatch fails the transfer with IntegrityError. Costs a gather and a hash on both sides.
     curve_secret_key_file / curve_public_key_file / curve_server_public_key_file /
     curve_authorized_keys_dir: CurveZMQ authentication and encryption of the control plane (optional).
     """
@@ -50,6 +52,7 @@ class TransceiverConfig:
     handshake_timeout_s: float = 10.0
     drain_timeout_s: float = 5.0
     stream_layers: bool = False
+    verify: bool = False
     curve_secret_key_file: str | None = None
     curve_public_key_file: str | None = None
     curve_server_public_key_file: str | None = None

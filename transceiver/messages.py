@@ -14,8 +14,9 @@ Conversation (generation rank G pulls a request from context rank C):
     C -> G  LayersReady(ctx_request_id, layers_ready)                 streaming: pushed as layers finish
     G -> C  Heartbeat(ctx_request_ids)                                renews leases while reading
     C -> G  HeartbeatAck(ctx_request_ids, alive)
-    G -> C  Done(ctx_request_id, gen_rank, ok, error)                 after the READs finished (or failed)
-    C -> G  DoneAck(ctx_request_id, valid)                            valid: blocks were still pinned
+    G -> C  Done(ctx_request_id, gen_rank, ok, error, digests)        after the READs finished (or failed)
+    C -> G  DoneAck(ctx_request_id, valid, intact)                    valid: blocks were still pinned;
+                                                                      intact: digests matched (verify mode)
     C -> G  Error(code, message, ctx_request_id, reply_to)            any request that cannot be served
 
 A generation rank counts its KV as received only after DoneAck(valid=True): the context side confirms that
@@ -169,6 +170,7 @@ class Done(Message):
     gen_rank: int = msg(int)
     ok: bool = msg(bool)
     error: str = msg(str, default="")
+    digests: list = msg(list, default=())  # verification mode: xxh3-64 per layer read from this context rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,7 @@ class DoneAck(Message):
     ctx_request_id: int = msg(int)
     valid: bool = msg(bool)
     reason: str = msg(str, default="")
+    intact: bool = msg(bool, default=True)  # verification mode: digests matched
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +225,8 @@ def decode(frame: bytes) -> Message:
             val = _blocks_from_bytes(val, what)
         elif want == (float, int):
             val = float(val)
+        elif isinstance(f.default, tuple):
+            val = tuple(val)
         kwargs[f.name] = val
     # Unknown fields are ignored (not an error): within one protocol version, fields are only ever added
     # with defaults, so an older peer keeps working. The frame size bound caps what they can cost.

@@ -46,6 +46,7 @@ class LocalPool:
     def __init__(self, layout: KVLayout, rank: int, buffers, num_blocks: int, config: TransceiverConfig,
                  name: str | None = None) -> None:
         bufs = list(buffers) if isinstance(buffers, (list, tuple)) else [buffers]
+        self.buffers = bufs
         self.layout, self.rank, self.num_blocks = layout, rank, num_blocks
         self.regions = [MemoryRegion.of(b) for b in bufs]
         self.kind = self.regions[0].kind

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -84,6 +85,7 @@ class Pull:
     fragments: int = 0
     drain_deadline: float = 0.0
     marks: dict[str, float] = field(default_factory=dict)
+    verifying: Any = None  # Future of {ctx_rank: digests} in verification mode
 
     def mark(self, what: str) -> None:
         self.marks.setdefault(what, time.monotonic())

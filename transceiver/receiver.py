@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,6 +88,10 @@ class Receiver:
         self._stop = threading.Event()
         self._host = local_host_id()
         self._last_beat = 0.0
+        self.before_confirm = None  # fault injection for tests: called with the Pull once its reads are done
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvb-verify") if config.verify else None
+        if config.verify:
+            from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
         self._thread = threading.Thread(target=self._run, name=f"kvb-receiver-r{pool.rank}", daemon=True)
         self._thread.start()
 
@@ -124,6 +129,8 @@ class Receiver:
         self._wake_rx.close(0)
         self._wake_tx.close(0)
         self._zctx.term()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
 
     def _command(self, *cmd) -> None:
         if self._stop.is_set():
@@ -318,6 +325,9 @@ class Receiver:
             if not msg.valid:
                 pull.fail("LeaseExpired", f"context rank {leg.ctx_rank} released request {pull.ctx_request_id} "
                           f"before the read was confirmed ({msg.reason})", self.config.drain_timeout_s)
+            elif not msg.intact:
+                pull.fail("IntegrityError", f"context rank {leg.ctx_rank}, request {pull.ctx_request_id}: "
+                          f"{msg.reason}", self.config.drain_timeout_s)
         elif isinstance(msg, m.Error):
             if msg.code == m.ErrorCode.NO_SESSION.value and not leg.retried_session:
                 leg.retried_session, leg.fetch_sent = True, False
@@ -326,6 +336,11 @@ class Receiver:
             etype = _ERROR_TYPES.get(msg.code, TransceiverError).__name__
             peer.legs.discard((pull.request_id, leg.ctx_rank))
             pull.fail(etype, f"context rank {leg.ctx_rank} ({leg.endpoint}): {msg.message}", self.config.drain_timeout_s)
+
+    def _digests(self, pull: Pull, leg: Leg) -> list[bytes]:
+        from ..formatter.digest import piece_digests  # torch + xxhash, only in verification mode
+
+        return piece_digests(self.pool.buffers, self.pool.rank_pool, leg.piece, pull.blocks, pull.num_tokens)
 
     # --- progress -------------------------------------------------------------------------------------
     def _advance(self, now: float) -> None:
@@ -377,10 +392,20 @@ class Receiver:
                     return
             if all(leg.all_posted and not leg.pending() for leg in pull.legs.values()):
                 pull.mark("read_done")
-                for leg in pull.legs.values():
-                    self._send(self._peers[leg.endpoint], m.Done(pull.ctx_request_id, self.pool.rank, True).encode())
-                    leg.done_sent = True
+                if self.before_confirm is not None:
+                    self.before_confirm(pull)
+                if self.config.verify:  # hash off the I/O thread, so heartbeats keep the leases alive
+                    pull.verifying = self._hasher.submit(
+                        lambda: {r: self._digests(pull, leg) for r, leg in pull.legs.items()})
                 pull.state = "confirm"
+        if pull.state == "confirm" and not any(leg.done_sent for leg in pull.legs.values()):
+            if pull.verifying is not None and not pull.verifying.done():
+                return
+            digests = pull.verifying.result() if pull.verifying is not None else {}
+            for r, leg in pull.legs.items():
+                self._send(self._peers[leg.endpoint],
+                           m.Done(pull.ctx_request_id, self.pool.rank, True, "", digests.get(r, [])).encode())
+                leg.done_sent = True
         if pull.state == "confirm" and all(leg.acked for leg in pull.legs.values()):
             pull.state = "done"
             self._complete(pull)
@@ -423,7 +448,6 @@ class Receiver:
     def _heartbeat(self) -> None:
         for peer in self._peers.values():
             if peer.legs and peer.sock is not None:
-                ids = sorted({self._pulls[r].ctx_request_id for r, c in peer.legs
-                              if r in self._pulls and not self._pulls[r].legs[c].done_sent})
+                ids = sorted({self._pulls[r].ctx_request_id for r, _ in peer.legs if r in self._pulls})
                 if ids:
                     self._send(peer, m.Heartbeat(ids).encode())

@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,6 +107,10 @@ class Sender:
         self._stop = threading.Event()
         self._agents_wire = {k: a.metadata() for k, a in pool.agents.items()}
         self._host = local_host_id()
+        self._verifying: list = []
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvb-verify")
+        if config.verify:
+            from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
         self._npinned = 0  # entries held by the I/O thread
         self._queued = 0  # publishes not yet taken up by the I/O thread
         self._count_lock = threading.Lock()
@@ -153,6 +158,7 @@ class Sender:
         self._stop.set()
         self._wake()
         self._thread.join(timeout)
+        self._hasher.shutdown(wait=False, cancel_futures=True)
         stop_authenticator(self._zctx)
         for s in (self._router, self._wake_rx, self._wake_tx):
             s.close(0)
@@ -196,6 +202,8 @@ class Sender:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
+                if self._verifying:
+                    self._on_verified()
                 self._expire(time.monotonic())
             except Exception:  # noqa: BLE001 - the I/O thread must survive anything
                 log.exception("sender I/O loop error (continuing)")
@@ -347,6 +355,22 @@ class Sender:
         e.deadline = time.monotonic() + self.config.lease_s
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
 
+    def _check_digests(self, e: _Entry, s: _Session, digests: list) -> tuple[bool, str]:
+        """Verification mode: hash this rank's copy of what the reader read and compare with its digests."""
+        from ..formatter.digest import piece_digests  # torch + xxhash, only in verification mode
+
+        pieces = [p for p in mapping_for(self.layout, s.layout).pieces(s.gen_rank) if p.ctx_rank == self.pool.rank]
+        mine = [d for p in pieces for d in piece_digests(self.pool.buffers, self.pool.rank_pool, p, e.blocks,
+                                                         e.num_tokens)]
+        layers = [layer for p in pieces for layer in p.layers]
+        if len(digests) != len(mine) or not all(isinstance(d, bytes) for d in digests):
+            return False, f"integrity: {len(digests)} digests sent, {len(mine)} expected"
+        bad = [layers[i] for i, (a, b) in enumerate(zip(mine, digests)) if a != b]
+        if bad:
+            log.error("request %d: generation rank %d holds corrupted KV in layers %s", e.rid, s.gen_rank, bad)
+            return False, f"integrity: received KV differs from the context copy in layers {bad}"
+        return True, ""
+
     def _on_heartbeat(self, ident: bytes, msg: m.Heartbeat) -> None:
         try:
             ids = m.int_list(msg.ctx_request_ids, "heartbeat", 100000)
@@ -371,10 +395,33 @@ class Sender:
             status = self._tomb.get(msg.ctx_request_id, "unknown")
             self._send(ident, m.DoneAck(msg.ctx_request_id, False, f"blocks no longer pinned ({status})").encode())
             return
-        e.done[s.gen_rank] = msg.ok
-        self._send(ident, m.DoneAck(e.rid, True).encode())
-        if not msg.ok:
-            log.info("request %d: generation rank %d failed its read: %s", e.rid, s.gen_rank, msg.error)
+        if msg.ok and msg.digests:  # verification mode: hash off the I/O thread, then answer (_on_verified)
+            e.deadline = float("inf")  # pinned while we hash
+            fut = self._hasher.submit(self._check_digests, e, s, msg.digests)
+            self._verifying.append((fut, ident, s.gen_rank, e))
+            return
+        self._reader_done(ident, e, s.gen_rank, msg.ok, msg.error, True, "")
+
+    def _on_verified(self) -> None:
+        still = []
+        for fut, ident, gen_rank, e in self._verifying:
+            if not fut.done():
+                still.append((fut, ident, gen_rank, e))
+                continue
+            try:
+                intact, why = fut.result()
+            except Exception as ex:  # noqa: BLE001
+                intact, why = False, f"integrity: could not hash the context copy ({ex})"
+            e.deadline = time.monotonic() + self.config.lease_s
+            self._reader_done(ident, e, gen_rank, intact, why, intact, why)
+        self._verifying = still
+
+    def _reader_done(self, ident: bytes, e: _Entry, gen_rank: int, ok: bool, error: str, intact: bool,
+                     why: str) -> None:
+        e.done[gen_rank] = ok
+        self._send(ident, m.DoneAck(e.rid, True, why, intact).encode())
+        if not ok:
+            log.info("request %d: generation rank %d failed its read: %s", e.rid, gen_rank, error)
         if e.cancel_requested and not e.active_readers:
             self._finish(e, "cancelled", "cancelled; readers in flight finished")
         elif e.expected <= set(e.done):

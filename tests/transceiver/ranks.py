@@ -62,6 +62,16 @@ def _serve(conn) -> None:
                     tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n,
                                                   layers_ready=ready))
                 conn.send(True)
+            elif cmd == "corrupt_next":  # fault injection: flip a byte of the next pull before it is confirmed
+                rx, buf, layout = state["tr"].receiver, state["buf"], state["layout"]
+
+                def flip(pull, rx=rx, buf=buf, layout=layout):
+                    off = int(pull.blocks[0]) * layout.block_bytes(state["rank"])
+                    buf[off] ^= 0xFF
+                    rx.before_confirm = None
+
+                rx.before_confirm = flip
+                conn.send(True)
             elif cmd == "layers_ready":  # (rid, layers)
                 state["tr"].sender.mark_layers_ready(*arg)
                 conn.send(True)
@@ -93,13 +103,24 @@ def _serve(conn) -> None:
                 res = tr.check_gen_transfer_status(len(want), timeout_s=arg.get("timeout", 60))
                 state["want"] = {}
                 wall = time.monotonic() - t0
+                dirty = state.setdefault("dirty", set())  # blocks of failed pulls: the executor would free them
+                failed_blocks: set[int] = set()
                 for r in res:
+                    blocks = [int(b) for b in want[r.request_id][0]]
                     if r.ok:
                         state["held"].append(want[r.request_id])
+                        dirty.difference_update(blocks)
+                    else:
+                        failed_blocks.update(blocks)
                 image = pool_image(state["layout"], state["rank"], state["nb"], state["held"], state["bg"])
-                mism = int(np.count_nonzero(state["buf"] != image))
+                owner = _byte_blocks(state["layout"], state["rank"], state["nb"])
+                diff = state["buf"] != image
+                in_failed = np.isin(owner, sorted(failed_blocks))
+                mism = int(np.count_nonzero(diff & ~np.isin(owner, sorted(dirty | failed_blocks))))
                 conn.send({"results": [r.__dict__ for r in res], "mismatched_bytes": mism, "wall_s": wall,
+                           "failed_written_bytes": int(np.count_nonzero(diff & in_failed)),
                            "pool_bytes": int(state["buf"].nbytes)})
+                dirty.update(failed_blocks)
             elif cmd == "exit":
                 close()
                 conn.send("bye")
@@ -107,6 +128,16 @@ def _serve(conn) -> None:
         except Exception as e:  # noqa: BLE001 - report to the test, keep serving
             conn.send({"exception": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
     close()
+
+
+def _byte_blocks(layout, rank: int, nb: int) -> np.ndarray:
+    """The block id owning each byte of a rank's pool memory (block_major or layer_pools)."""
+    per_block = layout.block_bytes(rank)
+    idx = np.arange(per_block * nb, dtype=np.int64)
+    if layout.order == "block_major":
+        return idx // per_block
+    per_layer_block = per_block // layout.local_layers(rank)
+    return (idx % (per_layer_block * nb)) // per_layer_block
 
 
 class RankProc:

@@ -64,7 +64,7 @@ def test_unfetched_request_expires_and_a_later_read_is_refused_cleanly(cluster):
     (ans,) = c.pull([_pull(1, c)])
     r = ans["results"][0]
     assert not r["ok"] and r["error_type"] == "LeaseExpired" and "lease expired" in r["error"]
-    assert ans["mismatched_bytes"] == 0
+    assert ans["mismatched_bytes"] == 0 and ans["failed_written_bytes"] == 0
     _next_request_succeeds(c, 2, 4, 4)
 
 
@@ -100,7 +100,7 @@ def test_abort_before_handover_releases_once_and_refuses_the_read(cluster):
     (ans,) = c.pull([_pull(5, c)])
     r = ans["results"][0]
     assert not r["ok"] and r["error_type"] == "RequestCancelled" and "cancelled" in r["error"]
-    assert ans["mismatched_bytes"] == 0
+    assert ans["mismatched_bytes"] == 0 and ans["failed_written_bytes"] == 0
     assert _finished(c, 5) == f  # exactly once
     _next_request_succeeds(c, 6, 4, 4)
 
@@ -202,3 +202,23 @@ def test_killed_generation_rank_releases_the_context_blocks(cluster):
     c.gen[0].call("init", {"role": "generation", "layout": LAYOUT.to_wire(), "rank": 0, "num_blocks": NB,
                            "config": FAST, "instance": "gen-restarted"})
     _next_request_succeeds(c, 16, 4, 4)
+
+
+def test_verification_turns_silent_corruption_into_a_failed_transfer():
+    c = Cluster(2)
+    try:
+        c.setup(LAYOUT, LAYOUT, NB, NB, {**FAST, "verify": True})
+        _next_request_succeeds(c, 20, 0, 0)  # verified and intact
+        c.gen[0].call("corrupt_next")
+        c.publish([(21, [4, 5], 20, 21)])
+        (ans,) = c.pull([_pull(21, c, 4)])
+        r = ans["results"][0]
+        assert not r["ok"] and r["error_type"] == "IntegrityError"
+        assert "differs from the context copy in layers [0]" in r["error"]
+        assert ans["mismatched_bytes"] == 0  # everything outside the failed request's blocks is as it was
+        f, _ = _wait_finished(c, 21, 3.0)
+        assert f == [("failed", "a generation rank reported a failed read")]
+        assert c.ctx_status()[0]["pinned"] == 0
+        _next_request_succeeds(c, 22, 8, 8)
+    finally:
+        c.close()

@@ -105,7 +105,7 @@ def test_unknown_request_id_fails_the_pull_with_its_reason(cluster):
     r = ans["results"][0]
     assert not r["ok"] and r["error_type"] == "RequestNotFound"
     assert "has no request 777777" in r["error"]
-    assert ans["mismatched_bytes"] == 0  # nothing was written
+    assert ans["mismatched_bytes"] == 0 and ans["failed_written_bytes"] == 0  # nothing was written
     _assert_still_serving(cluster, 5003)
 
 
