@@ -66,7 +66,8 @@ class Comm:
             raise ExecutorError(f"rank {self.rank}: {what} failed or timed out after "
                                 f"{self.timeout.total_seconds():.0f}s ({e})") from None
         if ok is False:
-            raise ExecutorError(f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():.0f}s")
+            raise ExecutorError(f"rank {self.rank}: {what} timed out after "
+                                f"{self.timeout.total_seconds():.0f}s")
 
     # --- TP -------------------------------------------------------------------------------------------
     def all_reduce_tp(self, x: torch.Tensor) -> None:

@@ -35,7 +35,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "intermediate_size"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ExecutorError(f"model config: {f} must be a positive integer, got {v!r}")
@@ -63,7 +64,8 @@ class ModelConfig:
         if self.intermediate_size % tp:
             raise ExecutorError(f"tp={tp} does not divide the MLP width {self.intermediate_size}")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
-            raise ExecutorError(f"tp={tp} cannot shard {self.num_kv_heads} kv heads (it must divide them or be a "
+            raise ExecutorError(f"tp={tp} cannot shard {self.num_kv_heads} kv heads (it must divide them or "
+                                f"be a "
                                 f"multiple of them)")
         split.stage_sizes(self.num_layers)
 
@@ -92,7 +94,8 @@ class ModelConfig:
 #   tiny-mqa 4 heads / 1 kv head         TP 1, 2, 4 (the one kv head replicated on every rank)
 #   small    a larger GQA model for benchmarks (16 layers, hidden 512, 8 heads / 2 kv heads)
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=256,
+    "tiny": dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4,
+                 intermediate_size=256,
                  tie_embeddings=False),
     "tiny3": dict(vocab_size=256, hidden_size=192, num_layers=4, num_heads=12, num_kv_heads=6,
                   intermediate_size=384, tie_embeddings=False),

@@ -74,7 +74,8 @@ class Engine:
     def __init__(self, num_blocks: int, tokens_per_block: int, *, max_batch_tokens: int = 2048,
                  max_batch_seqs: int = 64, max_position: int = 4096, vocab_size: int | None = None) -> None:
         self.num_blocks, self.tpb = num_blocks, tokens_per_block
-        self.max_batch_tokens, self.max_batch_seqs, self.max_position = max_batch_tokens, max_batch_seqs, max_position
+        self.max_batch_tokens, self.max_batch_seqs = max_batch_tokens, max_batch_seqs
+        self.max_position = max_position
         self.vocab_size = vocab_size
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
@@ -102,11 +103,13 @@ class Engine:
         toks = list(req.prompt) + ([req.first_token] if req.first_token is not None else [])
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in toks):
             bad = next(t for t in toks if not 0 <= t < self.vocab_size)
-            self._refuse(req.request_id, f"token id {bad} is outside the model's vocabulary 0..{self.vocab_size - 1}")
+            self._refuse(req.request_id,
+                         f"token id {bad} is outside the model's vocabulary 0..{self.vocab_size - 1}")
             return
         total = len(req.prompt) + (req.max_tokens if req.mode != "context_only" else 1)
         if total > self.max_position:
-            self._refuse(req.request_id, f"prompt + max_tokens = {total} exceeds the model's {self.max_position}")
+            self._refuse(req.request_id,
+                         f"prompt + max_tokens = {total} exceeds the model's {self.max_position}")
             return
         req.reserved = self._blocks(total)
         if req.reserved > self.num_blocks:
@@ -174,7 +177,7 @@ class Engine:
                     or any(r.state == "running" for r in self.requests.values()))
 
     def next_plan(self) -> dict[str, Any]:
-        """The next step's plan: ops, then the batch (prefills of admitted requests, one decode per running)."""
+        """The next step's plan: ops, then the batch (admitted prefills, one decode per running request)."""
         batch: list[list] = []
         budget = self.max_batch_tokens
         for r in self.requests.values():
@@ -206,7 +209,8 @@ class Engine:
     def step_done(self, plan: dict[str, Any], sampled: list[int]) -> list[dict]:
         """Take the step's sampled tokens (one per batch entry, in order) and return the events to report."""
         if len(sampled) != len(plan["batch"]):
-            raise ExecutorError(f"step {plan['step']}: {len(sampled)} sampled tokens for {len(plan['batch'])} "
+            raise ExecutorError(f"step {plan['step']}: {len(sampled)} sampled tokens for "
+                                f"{len(plan['batch'])} "
                                 f"sequences")
         for (rid, start, toks, _s, _p, _sp), tok in zip(plan["batch"], sampled):
             r = self.requests[rid]
@@ -215,7 +219,8 @@ class Engine:
             if r.state == "prefill" and r.mode == "context_only":
                 r.state = "ctx_done"
                 self._ops.append(["ctx_done", rid, int(tok)])  # tells every rank's hook, first token included
-                self._events.append({"t": "ctx", "rid": rid, "first_token": int(tok), "num_tokens": r.num_cached})
+                self._events.append({"t": "ctx", "rid": rid, "first_token": int(tok),
+                                     "num_tokens": r.num_cached})
                 continue
             r.state = "running"
             self._check_finished(r)
@@ -232,7 +237,8 @@ class Engine:
         if reason:
             self._ops.append(["free", r.request_id])
             self._drop(r, reason)
-            self._events.append({"t": "done", "rid": r.request_id, "tokens": list(r.output), "reason": reason})
+            self._events.append({"t": "done", "rid": r.request_id, "tokens": list(r.output),
+                                 "reason": reason})
 
     def _drop(self, r: Request, reason: str) -> None:
         r.state, r.finish_reason = "finished", reason
@@ -245,7 +251,8 @@ class Engine:
     def _get(self, request_id: int, what: str) -> Request | None:
         r = self.requests.get(request_id)
         if r is None:
-            self._error(request_id, f"{what}: unknown request {request_id} (never submitted, finished, or released)")
+            self._error(request_id,
+                        f"{what}: unknown request {request_id} (never submitted, finished, or released)")
         return r
 
     def _refuse(self, rid: int, msg: str) -> None:

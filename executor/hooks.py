@@ -45,10 +45,12 @@ HOOK_IDLE_S = 0.01
 
 
 class RankHook(Protocol):
-    def on_context_done(self, request_id: int, block_ids: list[int], num_tokens: int, first_token: int) -> None:
+    def on_context_done(self, request_id: int, block_ids: list[int], num_tokens: int,
+                        first_token: int) -> None:
         ...
 
-    def on_generation_alloc(self, request_id: int, block_ids: list[int], prompt_len: int, ctx_info: dict) -> None: ...
+    def on_generation_alloc(self, request_id: int, block_ids: list[int], prompt_len: int,
+                            ctx_info: dict) -> None: ...
 
     def poll(self) -> dict[str, list[int]]: ...
 
@@ -91,8 +93,9 @@ def validate_report(rep: Any, rank: int) -> dict[str, list[int]]:
     out = {}
     for k in REPORT_KINDS:
         ids = rep.get(k, [])
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ExecutorError(f"rank {rank}: hook poll()[{k!r}] must be a list of request ids, got {ids!r:.200}")
+        if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+            raise ExecutorError(f"rank {rank}: hook poll()[{k!r}] must be a list of request ids, "
+                                f"got {ids!r:.200}")
         out[k] = [int(i) for i in ids]
     return out
 
@@ -112,7 +115,8 @@ def exchange_reports(comm, report: dict[str, list[int]]) -> list[dict[str, list[
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(comm.world)]
     comm._wait(dist.all_gather(bufs, buf, group=comm.cpu_group, async_op=True), "hook reports")
-    return [validate_report(codec.unpack(b[:int(s.item())].numpy().tobytes(), what=f"rank {r} hook report"), r)
+    return [validate_report(codec.unpack(b[:int(s.item())].numpy().tobytes(), what=f"rank {r} hook report"),
+                            r)
             for r, (b, s) in enumerate(zip(bufs, sizes))]
 
 

@@ -115,7 +115,8 @@ class KVCacheManager:
         """Block ids of each request, in token order."""
         return [list(self._get(r).blocks) for r in request_ids]
 
-    def block_table(self, request_ids: Iterable[int], device: str | torch.device | None = None) -> torch.Tensor:
+    def block_table(self, request_ids: Iterable[int],
+                    device: str | torch.device | None = None) -> torch.Tensor:
         """Block ids as an int64 tensor [batch, max_blocks], padded with 0 (padding is never read)."""
         rows = self.get_batch_cache_indices(request_ids)
         width = max((len(r) for r in rows), default=0) or 1
@@ -233,10 +234,12 @@ class KVCacheManager:
         """
         s = self._seqs.get(request_id)
         if s is None:
-            raise KVCacheError(f"free of unknown request {request_id} on rank {self.rank} (never allocated, or "
+            raise KVCacheError(f"free of unknown request {request_id} on rank {self.rank} (never allocated, "
+                               f"or "
                                f"already freed and released)")
         if s.freed:
-            raise KVCacheError(f"double free of request {request_id} on rank {self.rank} (its free is pending "
+            raise KVCacheError(f"double free of request {request_id} on rank {self.rank} (its free is "
+                               f"pending "
                                f"on {s.pins} pin(s))")
         s.freed = True
         if s.pins == 0:

@@ -61,7 +61,8 @@ def assemble(layout: KVLayout, shards: dict[int, torch.Tensor]) -> torch.Tensor:
                             f"{sorted(shards)}")
     s = layout.shape
     first = shards[0]
-    out = torch.empty((s.num_layers, s.kv_factor, s.num_kv_heads, first.shape[3], s.head_dim), dtype=first.dtype)
+    out = torch.empty((s.num_layers, s.kv_factor, s.num_kv_heads, first.shape[3], s.head_dim),
+                      dtype=first.dtype)
     seen = torch.zeros((s.num_layers, s.num_kv_heads), dtype=torch.bool)
     for r in sorted(shards):
         x = shards[r].cpu()
@@ -73,7 +74,8 @@ def assemble(layout: KVLayout, shards: dict[int, torch.Tensor]) -> torch.Tensor:
                                 f"{(len(layers), s.kv_factor, len(heads), first.shape[3], s.head_dim)}")
         if seen[ls, hs].all():
             if not torch.equal(out[ls, :, hs], x):
-                raise ExecutorError(f"rank {r}'s replica of kv heads {list(heads)} differs from another rank's")
+                raise ExecutorError(f"rank {r}'s replica of kv heads {list(heads)} differs from another "
+                                    f"rank's")
             continue
         out[ls, :, hs] = x
         seen[ls, hs] = True

@@ -181,7 +181,8 @@ class StageModel:
         eps = self.cfg.rms_eps
         for li, layer in enumerate(self.layers):
             p = f"model.layers.{layer}."
-            x = x + self._attention(li, layer, _rms_norm(x, self.w[p + "input_layernorm.weight"], eps), b, cos,
+            x = x + self._attention(li, layer, _rms_norm(x, self.w[p + "input_layernorm.weight"], eps), b,
+                                    cos,
                                     sin)
             x = x + self._mlp(layer, _rms_norm(x, self.w[p + "post_attention_layernorm.weight"], eps))
         if not self.last:

@@ -49,7 +49,7 @@ class ExecutorConfig:
         dtype: pool and weight dtype; default float32 on CPU, bfloat16 on CUDA.
         timeout_s: bound on start-up, every collective and every wait of this handle.
         threads_per_rank: torch intra-op threads per rank process.
-        rank_hook, rank_hook_args: "module:factory" built in every rank process (the transceiver), see hooks.py.
+        rank_hook, rank_hook_args: "module:factory" built in every rank process (the transceiver): hooks.py.
     """
 
     model: str = "seeded:tiny"
@@ -168,13 +168,15 @@ class Executor:
     # --- requests ----------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], *, max_tokens: int = 16, mode: str = "aggregated",
                sampling: SamplingParams | None = None, stop_ids: tuple[int, ...] | None = None,
-               first_token: int | None = None, ctx_info: dict | None = None, request_id: int | None = None) -> int:
+               first_token: int | None = None, ctx_info: dict | None = None,
+               request_id: int | None = None) -> int:
         """Queue a request; returns its id. stop_ids defaults to the model's EOS tokens."""
         rid = next(self._ids) if request_id is None else int(request_id)
         stops = self.model_config.eos_token_ids if stop_ids is None else tuple(stop_ids)
         self._send({"t": "add", "rid": rid, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
                     "mode": mode, "sampling": (sampling or SamplingParams()).to_wire(),
-                    "stop_ids": [int(t) for t in stops], "first_token": first_token, "ctx_info": ctx_info or {}})
+                    "stop_ids": [int(t) for t in stops], "first_token": first_token,
+                    "ctx_info": ctx_info or {}})
         return rid
 
     def wait(self, request_id: int, timeout: float | None = None) -> Completion:
@@ -182,13 +184,15 @@ class Executor:
         ev = self._wait_event(("done", request_id), timeout, f"request {request_id} to finish")
         return Completion(request_id, list(ev["tokens"]), ev["reason"])
 
-    def generate(self, prompts: list[list[int]], *, max_tokens: int = 16, sampling: SamplingParams | None = None,
+    def generate(self, prompts: list[list[int]], *, max_tokens: int = 16,
+                 sampling: SamplingParams | None = None,
                  stop_ids: tuple[int, ...] | None = None, timeout: float | None = None) -> list[list[int]]:
         """Aggregated mode: submit every prompt at once (batched together) and return each one's tokens."""
         rids = [self.submit(p, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids) for p in prompts]
         return [self.wait(r, timeout).tokens for r in rids]
 
-    def prefill(self, prompt: list[int], *, sampling: SamplingParams | None = None, timeout: float | None = None,
+    def prefill(self, prompt: list[int], *, sampling: SamplingParams | None = None,
+                timeout: float | None = None,
                 request_id: int | None = None) -> ContextResult:
         """Context-only: prefill `prompt`, sample its first token; the KV stays pinned until `release`."""
         rid = self.submit(prompt, max_tokens=1, mode="context_only", sampling=sampling, stop_ids=(),
@@ -207,7 +211,8 @@ class Executor:
                        request_id: int | None = None) -> GenerationHandle:
         """Generation-only: allocate blocks for `prompt`'s KV (to be received), return their ids."""
         rid = self.submit(prompt, max_tokens=max_tokens, mode="generation_only", sampling=sampling,
-                          stop_ids=stop_ids, first_token=int(first_token), ctx_info=ctx_info, request_id=request_id)
+                          stop_ids=stop_ids, first_token=int(first_token), ctx_info=ctx_info,
+                          request_id=request_id)
         ev = self._wait_event(("gen_alloc", rid), timeout, f"the blocks of request {rid}")
         return GenerationHandle(rid, tuple(ev["block_ids"]))
 
@@ -245,14 +250,16 @@ class Executor:
             raise ExecutorError(f"read_kv of request {request_id}: {e}") from None
 
     def write_kv(self, request_id: int, kv: torch.Tensor) -> None:
-        """Write a generation-only request's prompt KV ([layers, kv_factor, kv_heads, tokens, head_dim]) into its
-        blocks on every rank, each rank getting its layers and heads. Takes effect before the next step."""
+        """Write a generation-only request's prompt KV ([layers, kv_factor, kv_heads, tokens, head_dim]) into
+        its blocks on every rank, each rank getting its layers and heads. Takes effect before the next
+        step."""
         lay = self.layout
         dt = TORCH_DTYPES[lay.shape.dtype]
         kv = kv.to(dt).cpu()
         for r in range(lay.world_size):
             x = shard_of(lay, r, kv)
-            self._pipes[r].send({"t": "kv", "rid": int(request_id), "shape": list(x.shape), "dtype": lay.shape.dtype,
+            self._pipes[r].send({"t": "kv", "rid": int(request_id), "shape": list(x.shape),
+                                 "dtype": lay.shape.dtype,
                                  "has_payload": True}, x.view(torch.uint8).numpy().tobytes())
         self._send({"t": "write", "rid": int(request_id)})
 
@@ -262,7 +269,8 @@ class Executor:
             self._st.stats.clear()
         self._send({"t": "stats"})
         world = self.layout.world_size
-        self._wait_for(lambda st: len(st.stats) == world or None, timeout or self.cfg.timeout_s, "block counts")
+        self._wait_for(lambda st: len(st.stats) == world or None, timeout or self.cfg.timeout_s,
+                       "block counts")
         return [int(self._st.stats[r]["free"]) for r in range(world)]
 
     # --- internals ---------------------------------------------------------------------------------------
@@ -297,7 +305,8 @@ class Executor:
         except (EOFError, OSError):
             with self._cv:
                 if not self._closing and self._st.fatal is None:
-                    self._st.fatal = f"rank {rank} exited (exit code {self._procs[rank].exitcode}) without a report"
+                    code = self._procs[rank].exitcode
+                    self._st.fatal = f"rank {rank} exited (exit code {code}) without a report"
                 self._cv.notify_all()
         except Exception as e:  # noqa: BLE001 - a malformed frame from a rank is fatal for the executor
             with self._cv:

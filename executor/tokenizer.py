@@ -36,14 +36,16 @@ class GGUFTokenizer:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre in ("smollm", "starcoder", "refact", "codeshell"):
             # llama.cpp: each digit alone, then GPT-2's byte-level split
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         byte_level])
         elif pre in ("gpt2", "default"):
             tok.pre_tokenizer = byte_level
         else:
             raise ExecutorError(f"GGUF pre-tokenizer {pre!r} is not supported (smollm, starcoder, gpt2)")
         tok.decoder = decoders.ByteLevel()
         self.special = {i for i, t in enumerate(types) if t == CONTROL}
-        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self.special)])
+        tok.add_special_tokens([AddedToken(tokens[i], special=True,
+                                           normalized=False) for i in sorted(self.special)])
         self._tok = tok
         self.tokens = tokens
         self.bos_id = meta.get("tokenizer.ggml.bos_token_id")

@@ -6,7 +6,7 @@ dtype. Seeded weights draw each full tensor from its own generator, seeded by a 
 the tensor's name, so values never depend on TP, PP, device or thread count. Never unpickles anything.
 
 Names (Hugging Face Llama):
-    model.embed_tokens.weight [V, H]            model.norm.weight [H]            lm_head.weight [V, H] (untied)
+    model.embed_tokens.weight [V, H]        model.norm.weight [H]        lm_head.weight [V, H] (untied)
     model.layers.{i}.input_layernorm.weight     model.layers.{i}.post_attention_layernorm.weight
     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight    model.layers.{i}.mlp.{gate,up,down}_proj.weight
 """
@@ -45,7 +45,8 @@ def tensor_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     shapes = {
         "model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "model.norm.weight": (H,),
         "input_layernorm": (H,), "post_attention_layernorm": (H,),
-        "q_proj": (cfg.num_heads * D, H), "k_proj": (cfg.num_kv_heads * D, H), "v_proj": (cfg.num_kv_heads * D, H),
+        "q_proj": (cfg.num_heads * D, H), "k_proj": (cfg.num_kv_heads * D, H),
+        "v_proj": (cfg.num_kv_heads * D, H),
         "o_proj": (H, cfg.num_heads * D), "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I),
     }
     if leaf not in shapes:
@@ -96,8 +97,8 @@ def stage_weights(src: WeightSource, layout: KVLayout, rank: int, *, device: str
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The weights rank `rank` needs: its stage's layers (global names), TP shards, on device in dtype.
 
-    Column/row splits: q/k/v and gate/up by output rows, o/down by input columns; q by heads in TP order, k/v by
-    `layout.head_range(tp_rank)` (replicated when TP exceeds the kv heads); norms and embeddings replicated.
+    Column/row splits: q/k/v and gate/up by output rows, o/down by input columns; q by heads in TP order, k/v
+    by `layout.head_range(tp_rank)` (replicated when TP exceeds the kv heads); norms, embeddings replicated.
     """
     cfg = src.config
     tp = layout.split.tp

@@ -104,7 +104,8 @@ class _Inbox(threading.Thread):
             while rid not in self.kv:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ExecutorError(f"write_kv of request {rid}: its KV shard did not arrive in {timeout:.0f}s")
+                    raise ExecutorError(f"write_kv of request {rid}: its KV shard did not arrive in "
+                                        f"{timeout:.0f}s")
                 self.cv.wait(left)
             return self.kv.pop(rid)
 
@@ -135,7 +136,8 @@ class _Runner:
         self.sampler_rank = self.layout.rank_of(0, self.layout.split.pp - 1)
         self.hook = None
         if cfg.get("rank_hook"):
-            self.hook = load_hook(cfg["rank_hook"], RankContext(rank, self.layout, self.kv, self.device, self.mcfg,
+            self.hook = load_hook(cfg["rank_hook"], RankContext(rank, self.layout, self.kv, self.device,
+                                                                self.mcfg,
                                                                 dict(cfg.get("rank_hook_args") or {})))
 
     def exchange(self) -> list[dict] | None:
@@ -225,7 +227,8 @@ class _Runner:
         p = kv.pool.shape
         want = [p[1], p[2], p[3], n, p[5]]
         if msg.get("shape") != want or msg.get("dtype") != self.layout.shape.dtype:
-            raise ExecutorError(f"write_kv of request {rid} on rank {self.rank}: got shape {msg.get('shape')} "
+            raise ExecutorError(f"write_kv of request {rid} on rank {self.rank}: got shape "
+                                f"{msg.get('shape')} "
                                 f"{msg.get('dtype')}, the rank holds {want} {self.layout.shape.dtype}")
         x = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(kv.pool.dtype).reshape(want)
         scatter_blocks(kv.pool, kv.get_batch_cache_indices([rid])[0], x)
@@ -293,8 +296,10 @@ def _apply_command(eng: Engine, c: dict, post: list) -> bool:
         if t == "add":
             sp = SamplingParams.from_wire(c["sampling"])
             ft = c.get("first_token")
-            eng.submit(Request(int(c["rid"]), [int(x) for x in c["prompt"]], int(c["max_tokens"]), str(c["mode"]),
-                               sp, tuple(int(x) for x in c.get("stop_ids", ())), None if ft is None else int(ft),
+            eng.submit(Request(int(c["rid"]), [int(x) for x in c["prompt"]], int(c["max_tokens"]),
+                               str(c["mode"]),
+                               sp, tuple(int(x) for x in c.get("stop_ids", ())),
+                               None if ft is None else int(ft),
                                dict(c.get("ctx_info") or {})))
         elif t == "kv_ready":
             eng.kv_ready(int(c["rid"]))
@@ -346,7 +351,8 @@ def rank_main(rank: int, blob: bytes, rx, tx) -> None:
         pipes.send({"t": "exit", "rank": rank})
     except BaseException as e:  # noqa: BLE001 - report every failure to the parent, then exit non-zero
         try:
-            pipes.send({"t": "error", "rank": rank, "msg": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
+            pipes.send({"t": "error", "rank": rank, "msg": f"{type(e).__name__}: {e}",
+                        "tb": traceback.format_exc()})
         except Exception:  # noqa: BLE001
             pass
         sys.exit(1)

@@ -2,7 +2,8 @@
 
 Context role: on_context_done writes this rank's blocks of the request (raw bytes) and the first token to
 files, then reports "release". Generation role: on_generation_alloc checks the first token in ctx_info against
-the file, reads the context request's blocks into its own, then reports "kv_ready" (or "abort"). It stands in for the transceiver only to exercise the hook contract.
+the file, reads the context request's blocks into its own, then reports "kv_ready" (or "abort").
+It stands in for the transceiver only to exercise the hook contract.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class FileHook:
         self.pending["release"].append(request_id)
 
     def on_generation_alloc(self, request_id, block_ids, prompt_len, ctx_info):
-        if ctx_info.get("fail") or ctx_info.get("first_token") != self._first_token_of(int(ctx_info["ctx_rid"])):
+        if ctx_info.get("fail") or \
+                ctx_info.get("first_token") != self._first_token_of(int(ctx_info["ctx_rid"])):
             self.pending["abort"].append(request_id)
             return
         pool = self.ctx.pool

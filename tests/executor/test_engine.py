@@ -28,7 +28,8 @@ def test_admission_reserves_blocks_to_completion_and_keeps_fifo_order():
 def test_a_request_that_can_never_fit_is_refused_at_once():
     eng = Engine(num_blocks=4, tokens_per_block=4)
     eng.submit(Request(1, [0] * 10, max_tokens=8))
-    assert eng.take_events() == [{"t": "refused", "rid": 1, "msg": "needs 5 KV blocks to completion, the pool "
+    assert eng.take_events() == [{"t": "refused", "rid": 1,
+                                  "msg": "needs 5 KV blocks to completion, the pool "
                                   "has only 4; request refused"}]
     assert not eng.has_work()
 

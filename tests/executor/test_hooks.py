@@ -13,14 +13,16 @@ PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
 
 def _cfg(tmp_path, role, **kw):
     return ExecutorConfig(model="seeded:tiny", num_blocks=16, tokens_per_block=4, timeout_s=60,
-                          rank_hook="tests.executor.file_hook:make", rank_hook_args={"dir": str(tmp_path), "role": role},
+                          rank_hook="tests.executor.file_hook:make", rank_hook_args={"dir": str(tmp_path),
+                                                                                     "role": role},
                           **kw)
 
 
 def test_hooks_move_kv_between_executors_and_every_rank_must_agree(tmp_path):
     with Executor.start(ExecutorConfig(model="seeded:tiny", num_blocks=16, tokens_per_block=4)) as agg:
         want = agg.generate([PROMPT], max_tokens=8)[0]
-    with Executor.start(_cfg(tmp_path, "ctx", tp=2)) as ctx, Executor.start(_cfg(tmp_path, "gen", tp=2)) as gen:
+    with Executor.start(_cfg(tmp_path, "ctx", tp=2)) as ctx, Executor.start(_cfg(tmp_path, "gen",
+                                                                                 tp=2)) as gen:
         res = ctx.prefill(PROMPT)
         # every ctx rank reported "release": the leader released the request by itself
         ctx._wait_event(("released", res.request_id), 30, "the hook-driven release")

@@ -1,4 +1,4 @@
-"""KVCacheManager: allocation, pinning, deferred frees, misuse errors, exhaustion; free count always restored."""
+"""KVCacheManager: allocation, pinning, deferred frees, misuse errors, exhaustion; free count restored."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from kvbridge.formatter.layout import KVLayout, KVShape, ParallelSplit
 
 
 def _mgr(num_blocks=8, tp=2, pp=2, rank=3):
-    layout = KVLayout(KVShape(num_layers=5, num_kv_heads=4, head_dim=8, tokens_per_block=4), ParallelSplit(tp, pp))
+    layout = KVLayout(KVShape(num_layers=5, num_kv_heads=4, head_dim=8, tokens_per_block=4),
+                      ParallelSplit(tp, pp))
     return KVCacheManager(layout, rank, num_blocks)
 
 

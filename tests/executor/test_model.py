@@ -38,7 +38,8 @@ def _dense_logits(src, ids: list[int]) -> torch.Tensor:
         v = (h @ W(p + "self_attn.v_proj.weight").T).view(T, cfg.num_kv_heads, D)
         q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
         k, v = k.repeat_interleave(cfg.q_per_kv, 1), v.repeat_interleave(cfg.q_per_kv, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True)
         x = x + o.transpose(0, 1).reshape(T, -1) @ W(p + "self_attn.o_proj.weight").T
         h = rms(x, W(p + "post_attention_layernorm.weight"))
         x = x + (F.silu(h @ W(p + "mlp.gate_proj.weight").T) * (h @ W(p + "mlp.up_proj.weight").T)) \

@@ -1,4 +1,4 @@
-"""Real rank processes (gloo, float32, CPU): every TP/PP split decodes the seeded models exactly as TP1 x PP1."""
+"""Real rank processes (gloo, float32, CPU): every TP/PP split decodes the seeded models as TP1 x PP1 does."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model sources: a Hugging Face safetensors directory serves the same model; bad specs fail clearly; the CLI."""
+"""Model sources: a Hugging Face safetensors directory serves the same model; bad specs fail clearly; CLI."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def test_bad_specs_and_configs_fail_with_a_reason(tmp_path):
 def test_generate_cli_prints_the_completion(capsys):
     from kvbridge.cli import main
 
-    assert main(["generate", "--model", "seeded:tiny", "--tp", "2", "--prompt", "abc", "--max-tokens", "5"]) == 0
+    assert main(["generate", "--model", "seeded:tiny", "--tp", "2", "--prompt", "abc", "--max-tokens",
+                 "5"]) == 0
     out, err = capsys.readouterr()
     assert len(out.split()) == 5 and "TP2xPP1" in err
