@@ -30,6 +30,7 @@ from ..formatter.layout import KVLayout
 from ..formatter.mapping import check_compatible, mapping_for
 from ..formatter.planner import RankPool
 from . import messages as m
+from . import metrics
 from .config import TransceiverConfig, local_host_id
 from .params import DisaggParams
 from .pool import LocalPool
@@ -205,7 +206,9 @@ class Receiver:
                        self.config.drain_timeout_s)
 
     def _report_now(self, rid: int, etype: str, error: str) -> None:
-        self._finished.append(ReceiveResult(rid, False, error, etype))
+        result = ReceiveResult(rid, False, error, etype)
+        metrics.on_received(result)
+        self._finished.append(result)
 
     # --- sessions -------------------------------------------------------------------------------------
     def _ensure_session(self, endpoint: str, now: float) -> _Peer:
@@ -432,7 +435,9 @@ class Receiver:
             if peer is not None:
                 peer.legs.discard((pull.request_id, leg.ctx_rank))
         agents = tuple(sorted({leg.agent_kind for leg in pull.legs.values() if leg.agent_kind}))
-        self._finished.append(pull.result(agents))
+        result = pull.result(agents)
+        metrics.on_received(result)
+        self._finished.append(result)
 
     def _watch_peers(self, now: float) -> None:
         for peer in self._peers.values():

@@ -32,6 +32,7 @@ from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError
 from ..formatter.layout import KVLayout
 from ..formatter.mapping import check_compatible, mapping_for
 from . import messages as m
+from . import metrics
 from .config import TransceiverConfig, local_host_id
 from .pool import LocalPool
 from .sockets import make_router, stop_authenticator
@@ -249,12 +250,14 @@ class Sender:
         while len(self._tomb) > _TOMBSTONES:
             self._tomb.popitem(last=False)
         self._set_pinned()
+        metrics.on_sent(status)
         self._finished.append(SendResult(e.rid, status, detail, len(e.fetched)))
         log.debug("request %d %s on ctx rank %d: %s", e.rid, status, self.pool.rank, detail)
 
     def _set_pinned(self) -> None:
         with self._count_lock:
             self._npinned = len(self._entries)
+        metrics.set_pinned(self.pool.rank, self._npinned)
 
     def _expire(self, now: float) -> None:
         for e in [e for e in self._entries.values() if now > e.deadline]:

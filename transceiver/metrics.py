@@ -1,0 +1,58 @@
+"""Prometheus metrics of the transceiver (served by the workers' /metrics endpoint).
+
+    kvbridge_transfers_total{role, outcome}          finished transfers (generation: ok / the error type;
+                                                     context: complete / failed / expired / cancelled)
+    kvbridge_transfer_bytes_total                     bytes read by generation ranks
+    kvbridge_transfer_fragments_total                 descriptors posted by generation ranks
+    kvbridge_phase_seconds{phase}                     handshake+fetch, plan, read, confirm (release), total
+    kvbridge_pinned_requests{rank}                    context requests whose blocks are pinned now
+    kvbridge_lease_expiries_total                     context requests released because a lease ran out
+
+Metrics never fail a transfer: if prometheus_client is missing, everything here is a no-op.
+"""
+
+from __future__ import annotations
+
+try:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+    TRANSFERS = Counter("kvbridge_transfers", "Finished KV transfers", ["role", "outcome"])
+    BYTES = Counter("kvbridge_transfer_bytes", "Bytes read by generation ranks")
+    FRAGMENTS = Counter("kvbridge_transfer_fragments", "Descriptors posted by generation ranks")
+    PHASE = Histogram("kvbridge_phase_seconds", "Duration of each transfer phase", ["phase"], buckets=_BUCKETS)
+    PINNED = Gauge("kvbridge_pinned_requests", "Context requests with pinned blocks", ["rank"])
+    EXPIRIES = Counter("kvbridge_lease_expiries", "Context requests released because a lease expired")
+    ENABLED = True
+except ImportError:  # pragma: no cover
+    ENABLED = False
+
+__all__ = ["ENABLED", "on_received", "on_sent", "set_pinned"]
+
+
+def on_received(result) -> None:
+    """Record a generation-side ReceiveResult."""
+    if not ENABLED:
+        return
+    TRANSFERS.labels("generation", "ok" if result.ok else (result.error_type or "error")).inc()
+    if result.ok:
+        BYTES.inc(result.nbytes)
+        FRAGMENTS.inc(result.fragments)
+    names = {"handshake+fetch": "handshake", "plan": "plan", "read": "read", "confirm": "release", "total": "total"}
+    for k, v in result.timings_ms.items():
+        if k in names:
+            PHASE.labels(names[k]).observe(v / 1e3)
+
+
+def on_sent(status: str) -> None:
+    """Record a context-side request finishing with `status`."""
+    if not ENABLED:
+        return
+    TRANSFERS.labels("context", status).inc()
+    if status == "expired":
+        EXPIRIES.inc()
+
+
+def set_pinned(rank: int, n: int) -> None:
+    if ENABLED:
+        PINNED.labels(str(rank)).set(n)
