@@ -8,7 +8,7 @@ once (process-wide cache), checks that the advertised region fits the allocation
 peer access. A READ or WRITE then bounds-checks every remote descriptor against the peer's advertised
 regions (RegionTable), translates it to this process's mapping, stages src/dst/prefix-sum arrays in pinned
 memory, uploads them with one H2D copy and launches ONE kernel (`cuda_kernels`) on a dedicated
-non-blocking stream of the local device, followed by a CUDA event that `state()` queries.
+non-blocking stream of the local device (`cuda_engine`), followed by a CUDA event that `state()` queries.
 
 Never does: a blocking synchronize (every wait polls the event against a deadline), a transfer to or from
 a descriptor it has not bounds-checked, or unmapping peer memory / freeing staging buffers while a kernel
@@ -31,140 +31,19 @@ from ..errors import AgentError, PeerError, RegistrationError
 from . import cuda_driver as drv
 from .base import (DescriptorList, MemoryKind, MemoryRegion, RegionTable, TransferAgent, TransferHandle,
                    XferState)
-from .cuda_kernels import FragmentCopier
+from .cuda_engine import NOT_READY, Engine, Slot
 from .envelope import field, open_envelope, seal
 
 log = logging.getLogger(__name__)
 
 MAX_REGIONS = 1 << 16
-_MIN_SLOT_WORDS = 1 << 13  # 64 KiB staging at least
-_KEEP_SLOTS = 32  # idle slots kept for reuse (pinned allocation costs milliseconds) ...
-_KEEP_WORDS = 8 << 20  # ... up to 64 MiB of pinned staging in all
 _FAST_NVLINK = 400e9  # bytes/s no intra-node copy beats: `wait` sleeps through most of the expected time
-
-
-class _Slot:
-    """What one in-flight transfer owns: pinned staging, the device descriptor table, a completion event
-    (and, when the agent times transfers, a start event recorded just before the descriptor upload)."""
-
-    def __init__(self, dev: drv.Device, words: int, timing: bool) -> None:
-        cu, _ = drv.load()
-        self.words = words
-        self.pinned = drv.PinnedBuffer(words * 8, dev)
-        self.table = drv.DeviceBuffer(words * 8, dev)
-        flags = 0 if timing else int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        with dev.current():
-            self.event = drv.check(cu.cuEventCreate(flags), "cuEventCreate")
-            self.start = drv.check(cu.cuEventCreate(flags), "cuEventCreate") if timing else None
-        self._dev = dev
-
-    def elapsed(self) -> float:
-        """Seconds between the start and completion events (both must have completed)."""
-        with self._dev.current():
-            ms = drv.check(drv.load()[0].cuEventElapsedTime(self.start, self.event), "cuEventElapsedTime")
-        return float(ms) / 1e3
-
-    def query(self) -> int:
-        """0 when the work recorded before the event is done, CUDA_ERROR_NOT_READY (600) while pending."""
-        with self._dev.current():
-            (err,) = drv.load()[0].cuEventQuery(self.event)
-        return int(err)
-
-    def free(self) -> None:
-        self.pinned.free()
-        self.table.free()
-        with self._dev.current():
-            drv.load()[0].cuEventDestroy(self.event)
-            if self.start is not None:
-                drv.load()[0].cuEventDestroy(self.start)
-
-
-class _Engine:
-    """Per local device: the agent's stream, the kernel, a pool of slots, releases waiting on the stream."""
-
-    def __init__(self, dev: drv.Device, timing: bool = False) -> None:
-        cu, _ = drv.load()
-        self.dev = dev
-        self.timing = timing
-        self.copier = FragmentCopier.get(dev)
-        with dev.current():
-            self.stream = drv.check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
-                                    "cuStreamCreate")
-        self._free: list[_Slot] = []
-        self._busy: list[_Slot] = []  # released by their handles while their kernel may still run
-        self._deferred: list[tuple[_Slot, object]] = []  # (fence slot, callable) run once the fence is done
-        self._lock = threading.Lock()
-
-    def acquire(self, words: int) -> _Slot:
-        with self._lock:
-            self._reap()
-            fits = [s for s in self._free if s.words >= words]
-            if fits:
-                slot = min(fits, key=lambda s: s.words)
-                self._free.remove(slot)
-                return slot
-        size = max(_MIN_SLOT_WORDS, 1 << (words - 1).bit_length())
-        return _Slot(self.dev, size, self.timing)
-
-    def recycle(self, slot: _Slot, done: bool) -> None:
-        with self._lock:
-            (self._free if done else self._busy).append(slot)
-            self._reap()
-
-    def defer(self, fn) -> None:
-        """Run `fn()` once everything enqueued on the stream so far has finished."""
-        slot = self.acquire(1)
-        cu, _ = drv.load()
-        with self.dev.current():
-            drv.check(cu.cuEventRecord(slot.event, self.stream), "cuEventRecord")
-        with self._lock:
-            self._deferred.append((slot, fn))
-            self._reap()
-
-    def _reap(self) -> None:  # under self._lock
-        done = [s for s in self._busy if s.query() != 600]
-        for s in done:
-            self._busy.remove(s)
-            self._free.append(s)
-        ready = [(s, fn) for s, fn in self._deferred if s.query() != 600]
-        for s, fn in ready:
-            self._deferred.remove((s, fn))
-            self._free.append(s)
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - a failed unmap must not break transfers
-                log.warning("deferred CUDA release failed: %s", e)
-        while len(self._free) > _KEEP_SLOTS or (len(self._free) > 1
-                                                 and sum(x.words for x in self._free) > _KEEP_WORDS):
-            self._free.remove(min(self._free, key=lambda x: x.words)).free()
-
-    def drain(self, timeout: float) -> bool:
-        """Wait (bounded) for the stream to go idle, then free everything; False if it did not in time."""
-        cu, _ = drv.load()
-        deadline = time.monotonic() + timeout
-        with self.dev.current():
-            while int(cu.cuStreamQuery(self.stream)[0]) == 600:
-                if time.monotonic() > deadline:
-                    log.warning("cuda_ipc: stream on device %d still busy after %.1f s; leaking its buffers",
-                                self.dev.ordinal, timeout)
-                    return False
-                time.sleep(1e-4)
-        with self._lock:
-            self._busy, free = [], self._busy + self._free + [s for s, _ in self._deferred]
-            fns, self._deferred, self._free = [fn for _, fn in self._deferred], [], []
-        for fn in fns:
-            fn()
-        for s in free:
-            s.free()
-        with self.dev.current():
-            cu.cuStreamDestroy(self.stream)
-        return True
 
 
 class CudaIpcTransfer(TransferHandle):
     """One posted copy kernel; `state()` queries its CUDA event (never blocks)."""
 
-    def __init__(self, engine: _Engine | None, slot: _Slot | None, ndesc: int, nbytes: int) -> None:
+    def __init__(self, engine: Engine | None, slot: Slot | None, ndesc: int, nbytes: int) -> None:
         super().__init__(ndesc, nbytes)
         self._engine, self._slot = engine, slot
         self._final: XferState | None = XferState.DONE if slot is None else None
@@ -182,7 +61,7 @@ class CudaIpcTransfer(TransferHandle):
         if self._final is not None or self._slot is None:
             return self._final or XferState.FAILED
         err = self._slot.query()
-        if err == 600:
+        if err == NOT_READY:
             return XferState.PENDING
         if err == 0 and not self._cancelled:
             self._final = XferState.DONE
@@ -219,7 +98,7 @@ class CudaIpcTransfer(TransferHandle):
             if self._final is None:
                 self._final = XferState.FAILED
                 self.error = "released before it finished"
-            self._engine.recycle(slot, done=slot.query() != 600)
+            self._engine.recycle(slot, done=slot.query() != NOT_READY)
 
 
 class _Peer:
@@ -366,7 +245,7 @@ class CudaIpcAgent(TransferAgent):
         self._host = drv.host_identity()
         self._exports: dict[int, tuple] = {}
         self._remote: dict[str, _Peer] = {}
-        self._engines: dict[int, _Engine] = {}
+        self._engines: dict[int, Engine] = {}
 
     # --- memory ---------------------------------------------------------------------------------------
     def _register(self, region: MemoryRegion, key: int) -> None:
@@ -447,11 +326,11 @@ class CudaIpcAgent(TransferAgent):
             e.defer(one_done)
 
     # --- transfers ------------------------------------------------------------------------------------
-    def _engine(self, device: int) -> _Engine:
+    def _engine(self, device: int) -> Engine:
         with self._lock:
             e = self._engines.get(device)
             if e is None:
-                e = self._engines[device] = _Engine(drv.Device.get(device), self._timing)
+                e = self._engines[device] = Engine(drv.Device.get(device), self._timing)
             return e
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
