@@ -1,7 +1,7 @@
 """The planner: (context blocks, generation blocks, mapping pieces) -> coalesced (src, dst, length) arrays.
 
 Everything here is vectorised: the cost is a few numpy operations per piece and per distinct segment
-length, never a Python step per block or per fragment.
+length, never a Python step per block or per fragment. Never touches memory: it only does address arithmetic.
 
 How a piece becomes fragments:
 1. Token segments. The request's tokens [0, n) are cut at every context block boundary and every generation
@@ -15,11 +15,17 @@ How a piece becomes fragments:
    a whole block) merge into one run; this is decided once over segments, then broadcast over the outer
    offsets, so no pass over the (possibly 100k) fragments is needed.
 
+Step 2 does not depend on block ids: it is cached per (piece, context pool, generation pool) as a plan
+template (pools are keyed by identity; a transceiver keeps one RankPool per peer session). A request then
+costs its block-id validation, the segment bases and one broadcast add per side into a single allocation.
+
 Block ids come from a peer: they are validated (range, count) here and raise PlanError naming the problem.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +35,7 @@ from ..errors import PlanError
 from .layout import KVLayout, PoolAddressing
 from .mapping import Piece
 
-__all__ = ["Fragments", "RankPool", "plan_piece", "plan_pieces", "coalesce"]
+__all__ = ["Fragments", "RankPool", "plan_piece", "plan_pieces", "coalesce", "plan_stats", "clear_plan_cache"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -47,6 +53,11 @@ class Fragments:
     def nbytes(self) -> int:
         return int(self.length.sum())
 
+    @property
+    def mean_bytes(self) -> float:
+        """Mean fragment size in bytes (0.0 when empty)."""
+        return self.nbytes / len(self) if len(self) else 0.0
+
     @staticmethod
     def empty() -> "Fragments":
         z = np.zeros(0, dtype=np.int64)
@@ -63,15 +74,26 @@ class Fragments:
                          np.concatenate([p.length for p in parts]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RankPool:
-    """One rank's KV pool as the planner sees it: its layout, rank and byte addressing."""
+    """One rank's KV pool as the planner sees it: its layout, rank and byte addressing.
+
+    Compared and hashed by identity (plan templates are cached per pool object).
+
+    Args:
+        tokens_per_block: tokens per block of this pool when it differs from the layout's (a staging buffer
+            holds a whole request as one block); 0 means the layout's.
+        extent: (global layers, global kv heads) the pool holds when not the rank's own (a staging buffer
+            holds one piece); None means the rank's stage layers and head range.
+    """
 
     layout: KVLayout
     rank: int
     addressing: PoolAddressing
     kind: MemoryKind = MemoryKind.DRAM
     device: int = 0
+    tokens_per_block: int = 0
+    extent: tuple[range, range] | None = None
 
     @classmethod
     def of(cls, layout: KVLayout, rank: int, bases, num_blocks: int, kind: MemoryKind = MemoryKind.DRAM,
@@ -81,6 +103,18 @@ class RankPool:
     @property
     def num_blocks(self) -> int:
         return self.addressing.num_blocks
+
+    @property
+    def tpb(self) -> int:
+        """Tokens per block of this pool."""
+        return self.tokens_per_block or self.layout.shape.tokens_per_block
+
+    def held(self) -> tuple[range, range]:
+        """(global layers, global kv heads) this pool holds."""
+        if self.extent is not None:
+            return self.extent
+        tp_rank, pp_rank = self.layout.coords(self.rank)
+        return self.layout.stage_layers(pp_rank), self.layout.head_range(tp_rank)
 
 
 def coalesce(f: Fragments) -> Fragments:
@@ -100,7 +134,7 @@ def coalesce(f: Fragments) -> Fragments:
     return Fragments(f.src[starts], f.dst[starts], np.add.reduceat(f.length, starts))
 
 
-def _check_blocks(blocks: np.ndarray, need: int, num_blocks: int, side: str) -> np.ndarray:
+def _check_blocks(blocks, need: int, num_blocks: int, side: str) -> np.ndarray:
     b = np.asarray(blocks)
     if b.ndim != 1 or (b.size and not np.issubdtype(b.dtype, np.integer)):
         raise PlanError(f"{side} block ids must be a 1-D integer array")
@@ -114,17 +148,17 @@ def _check_blocks(blocks: np.ndarray, need: int, num_blocks: int, side: str) -> 
     return b
 
 
-def _segments(n: int, tc: int, tg: int) -> tuple[np.ndarray, np.ndarray]:
-    """Start and length of the token segments of [0, n) cut at multiples of tc and of tg."""
+def _segment_groups(n: int, tc: int, tg: int) -> list[tuple[int, np.ndarray]]:
+    """Token segments of [0, n) cut at multiples of tc and of tg, grouped by length: [(length, starts)]."""
     if tc == tg:
-        starts = np.arange(0, n, tc, dtype=np.int64)
-    else:
-        starts = np.union1d(np.arange(0, n, tc, dtype=np.int64), np.arange(0, n, tg, dtype=np.int64))
-    ends = np.empty_like(starts)
-    ends[:-1] = starts[1:]
-    if starts.size:
-        ends[-1] = n
-    return starts, ends - starts
+        full, rem = divmod(n, tc)
+        out = [(tc, np.arange(0, full * tc, tc, dtype=np.int64))] if full else []
+        if rem:
+            out.append((rem, np.array([full * tc], dtype=np.int64)))
+        return out
+    starts = np.union1d(np.arange(0, n, tc, dtype=np.int64), np.arange(0, n, tg, dtype=np.int64))
+    lens = np.diff(np.append(starts, n))
+    return [(int(length), starts[lens == length]) for length in np.unique(lens)]
 
 
 def _regular(off: np.ndarray) -> int | None:
@@ -135,103 +169,219 @@ def _regular(off: np.ndarray) -> int | None:
     return int(d[0]) if (d == d[0]).all() else None
 
 
-def _piece_dims(piece: Piece, ctx: RankPool, gen: RankPool) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """Per-side offsets of the piece's layer, kv and head dimensions (token dim handled per segment)."""
-    cl, gl = ctx.layout, gen.layout
-    ca, ga = ctx.addressing, gen.addressing
-    c_tp, c_pp = cl.coords(ctx.rank)
-    g_tp, g_pp = gl.coords(gen.rank)
-    lc0 = piece.layers.start - cl.stage_layers(c_pp).start
-    lg0 = piece.layers.start - gl.stage_layers(g_pp).start
-    nl = len(piece.layers)
-    hc0 = piece.heads.start - cl.head_range(c_tp).start
-    hg0 = piece.heads.start - gl.head_range(g_tp).start
-    nh = len(piece.heads)
-    kv = np.arange(cl.shape.kv_factor, dtype=np.int64)
-    hs = np.arange(nh, dtype=np.int64)
-    dims = [
-        (ca.layer_base[lc0:lc0 + nl], ga.layer_base[lg0:lg0 + nl]),
-        (kv * ca.kv_stride, kv * ga.kv_stride),
-        ((hc0 + hs) * ca.head_stride, (hg0 + hs) * ga.head_stride),
-    ]
-    return dims, ca.row_bytes
+def _fold(dims: list[tuple[np.ndarray, np.ndarray, int | None, int | None]], unit: int
+          ) -> tuple[int, np.ndarray, np.ndarray]:
+    """Fold dims into the contiguous run where both sides allow; return (run bytes, src offs, dst offs).
 
-
-def _fold(dims: list[tuple[np.ndarray, np.ndarray]], unit: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """Fold dims into the contiguous run where both sides allow; return (run bytes, src offs, dst offs)."""
-    base_s = np.int64(0)
-    base_d = np.int64(0)
+    Each dim is (src offsets, dst offsets, src stride or None, dst stride or None).
+    """
+    base_s, base_d = 0, 0
     rest = []
-    for s, d in dims:
+    for s, d, rs, rd in dims:
         if s.size == 1:  # extent-1 dims are constants
-            base_s += s[0]
-            base_d += d[0]
+            base_s += int(s[0])
+            base_d += int(d[0])
         else:
-            rest.append((s, d))
+            rest.append((s, d, rs, rd))
     changed = True
     while changed:
         changed = False
-        for i, (s, d) in enumerate(rest):
-            if _regular(s) == unit and _regular(d) == unit:
-                base_s += s[0]
-                base_d += d[0]
+        for i, (s, d, rs, rd) in enumerate(rest):
+            if rs == unit and rd == unit:
+                base_s += int(s[0])
+                base_d += int(d[0])
                 unit *= s.size
                 rest.pop(i)
                 changed = True
                 break
     # enumerate what is left, outermost (largest source stride) first
-    rest.sort(key=lambda sd: -abs(int(sd[0][-1] - sd[0][0])) if sd[0].size > 1 else 0)
+    rest.sort(key=lambda sd: -abs(int(sd[0][-1] - sd[0][0])))
     off_s = np.array([base_s], dtype=np.int64)
     off_d = np.array([base_d], dtype=np.int64)
-    for s, d in rest:
+    for s, d, _, _ in rest:
         off_s = (off_s[:, None] + s[None, :]).ravel()
         off_d = (off_d[:, None] + d[None, :]).ravel()
     return unit, off_s, off_d
 
 
-def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks, num_tokens: int) -> Fragments:
-    """Fragments that copy `piece` of a request's first `num_tokens` tokens from ctx's blocks to gen's."""
+class _Template:
+    """A piece's plan between two pools minus block ids: folded dims and offsets per segment length."""
+
+    __slots__ = ("ctx", "gen", "dims", "row", "by_len", "lock")
+
+    def __init__(self, piece: Piece, ctx: RankPool, gen: RankPool) -> None:
+        (cl, ch), (gl, gh) = ctx.held(), gen.held()
+        for side, layers, heads in (("context", cl, ch), ("generation", gl, gh)):
+            if piece.layers.start < layers.start or piece.layers.stop > layers.stop or \
+                    piece.heads.start < heads.start or piece.heads.stop > heads.stop or not piece.layers or \
+                    not piece.heads:
+                raise PlanError(f"{piece!r} is not inside the {side} pool (layers {layers.start}.."
+                                f"{layers.stop - 1}, heads {heads.start}..{heads.stop - 1})")
+        ca, ga = ctx.addressing, gen.addressing
+        if ca.row_bytes != ga.row_bytes:
+            raise PlanError(f"row sizes differ: context {ca.row_bytes} bytes, generation {ga.row_bytes}")
+        lc0, lg0, nl = piece.layers.start - cl.start, piece.layers.start - gl.start, len(piece.layers)
+        hs = np.arange(len(piece.heads), dtype=np.int64)
+        hc, hg = piece.heads.start - ch.start + hs, piece.heads.start - gh.start + hs
+        kv = np.arange(ctx.layout.shape.kv_factor, dtype=np.int64)
+        self.ctx, self.gen, self.row = ctx, gen, ca.row_bytes
+        dims = [
+            (ca.layer_base[lc0:lc0 + nl], ga.layer_base[lg0:lg0 + nl]),
+            (kv * ca.kv_stride, kv * ga.kv_stride),
+            (hc * ca.head_stride, hg * ga.head_stride),
+        ]
+        self.dims = [(s, d, _regular(s), _regular(d)) for s, d in dims]
+        self.by_len: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        self.lock = threading.Lock()
+
+    def for_length(self, length: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(run bytes, src offsets, dst offsets) of a token segment of `length` tokens."""
+        got = self.by_len.get(length)
+        if got is None:
+            t = np.arange(length, dtype=np.int64)
+            ts_c, ts_g = self.ctx.addressing.token_stride, self.gen.addressing.token_stride
+            got = _fold(self.dims + [(t * ts_c, t * ts_g, ts_c, ts_g)], self.row)
+            with self.lock:
+                self.by_len[length] = got
+        return got
+
+
+_TEMPLATES: OrderedDict = OrderedDict()
+_TEMPLATES_MAX = 4096
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _template(piece: Piece, ctx: RankPool, gen: RankPool) -> _Template:
+    key = (ctx, gen, piece)  # pools hash by identity; the key keeps them alive, so ids are never reused
+    t = _TEMPLATES.get(key)
+    if t is None:
+        t = _Template(piece, ctx, gen)
+        with _TEMPLATES_LOCK:
+            _TEMPLATES[key] = t
+            while len(_TEMPLATES) > _TEMPLATES_MAX:
+                _TEMPLATES.popitem(last=False)
+    return t
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan template (e.g. when a peer's pools are dropped)."""
+    with _TEMPLATES_LOCK:
+        _TEMPLATES.clear()
+
+
+def _validate(ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks, num_tokens) -> tuple[int, np.ndarray,
+                                                                                            np.ndarray]:
     n = int(num_tokens)
     if n <= 0:
         raise PlanError(f"a request needs at least one token, got {num_tokens}")
+    cb = _check_blocks(ctx_blocks, -(-n // ctx.tpb), ctx.num_blocks, "context")
+    gb = _check_blocks(gen_blocks, -(-n // gen.tpb), gen.num_blocks, "generation")
+    return n, cb, gb
+
+
+def _prepare(piece: Piece, ctx: RankPool, gen: RankPool, cb: np.ndarray, gb: np.ndarray, n: int) -> list:
+    """Per segment length: (src offsets, dst offsets, segment bases per side, run bytes) of a piece's plan."""
+    tpl = _template(piece, ctx, gen)
     ca, ga = ctx.addressing, gen.addressing
-    tc, tg = ctx.layout.shape.tokens_per_block, gen.layout.shape.tokens_per_block
-    cb = _check_blocks(ctx_blocks, -(-n // tc), ca.num_blocks, "context")
-    gb = _check_blocks(gen_blocks, -(-n // tg), ga.num_blocks, "generation")
-    starts, lens = _segments(n, tc, tg)
-    seg_s = cb[starts // tc] * ca.block_stride + (starts % tc) * ca.token_stride
-    seg_d = gb[starts // tg] * ga.block_stride + (starts % tg) * ga.token_stride
-    dims, row = _piece_dims(piece, ctx, gen)
-    parts = []
-    for length in np.unique(lens):
-        sel = np.flatnonzero(lens == length)
-        t = np.arange(int(length), dtype=np.int64)
-        unit, off_s, off_d = _fold(dims + [(t * ca.token_stride, t * ga.token_stride)], row)
-        ss, sd = seg_s[sel], seg_d[sel]
-        # Consecutive segments contiguous on both sides (adjacent block ids) merge into one run; the test
-        # does not depend on the outer offset, so runs are found once over segments, not over fragments.
-        brk = np.ones(ss.size, dtype=bool)
-        brk[1:] = (np.diff(ss) != unit) | (np.diff(sd) != unit) | (np.diff(sel) != 1)
-        starts_ = np.flatnonzero(brk)
-        run_bytes = np.diff(np.append(starts_, ss.size)) * unit
-        k, r = off_s.size, starts_.size
-        src = np.empty((k, r), dtype=np.int64)
-        dst = np.empty((k, r), dtype=np.int64)
-        np.add(off_s[:, None], ss[starts_][None, :], out=src)
-        np.add(off_d[:, None], sd[starts_][None, :], out=dst)
-        if (run_bytes == run_bytes[0]).all():
-            length = np.full(k * r, run_bytes[0], dtype=np.int64)
+    tc, tg = ctx.tpb, gen.tpb
+    todo = []
+    for length, starts in _segment_groups(n, tc, tg):
+        unit, off_s, off_d = tpl.for_length(length)
+        if tc == tg:  # segments are whole blocks (the last one maybe partial): no in-block offsets
+            first = int(starts[0]) // tc
+            ss = cb[first:first + starts.size] * ca.block_stride
+            sd = gb[first:first + starts.size] * ga.block_stride
+            can_merge = starts.size > 1 and unit == ca.block_stride and unit == ga.block_stride
         else:
-            length = np.tile(run_bytes, k)
-        parts.append(Fragments(src.reshape(-1), dst.reshape(-1), length))
-    return Fragments.concat(parts)
+            ss = cb[starts // tc] * ca.block_stride + (starts % tc) * ca.token_stride
+            sd = gb[starts // tg] * ga.block_stride + (starts % tg) * ga.token_stride
+            can_merge = starts.size > 1
+        runs = unit
+        if can_merge:
+            # Consecutive segments contiguous on both sides merge into one run; the test does not depend on
+            # the outer offset, so runs are found once over segments, not over fragments.
+            brk = np.ones(ss.size, dtype=bool)
+            brk[1:] = (np.diff(ss) != unit) | (np.diff(sd) != unit) | (np.diff(starts) != length)
+            heads = np.flatnonzero(brk)
+            if heads.size < ss.size:
+                runs = np.diff(np.append(heads, ss.size)) * unit
+                ss, sd = ss[heads], sd[heads]
+        todo.append((off_s, off_d, ss, sd, runs))
+    return todo
+
+
+def _emit(todo: list, out: np.ndarray, pos: int) -> int:
+    """Write a prepared plan into out[:, pos:] (rows src, dst, length); return the end position."""
+    for off_s, off_d, ss, sd, runs in todo:
+        k, r = off_s.size, ss.size
+        np.add(off_s[:, None], ss[None, :], out=out[0, pos:pos + k * r].reshape(k, r))
+        np.add(off_d[:, None], sd[None, :], out=out[1, pos:pos + k * r].reshape(k, r))
+        if isinstance(runs, int):
+            out[2, pos:pos + k * r] = runs
+        else:
+            out[2, pos:pos + k * r].reshape(k, r)[:] = runs[None, :]
+        pos += k * r
+    return pos
+
+
+def _count(todo: list) -> int:
+    return sum(t[0].size * t[2].size for t in todo)
+
+
+def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks,
+               num_tokens: int) -> Fragments:
+    """Fragments that copy `piece` of a request's first `num_tokens` tokens from ctx's blocks to gen's.
+
+    Args:
+        piece: global layers and kv heads to copy; must lie inside both pools.
+        ctx, gen: source and destination pools.
+        ctx_blocks, gen_blocks: block ids of the request on each side (only the first ceil(n / tpb) are used).
+        num_tokens: the request's token count n.
+    Returns:
+        Fragments (src in ctx's pool, dst in gen's), adjacent runs already merged.
+    """
+    n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens)
+    todo = _prepare(piece, ctx, gen, cb, gb, n)
+    out = np.empty((3, _count(todo)), dtype=np.int64)
+    _emit(todo, out, 0)
+    return Fragments(out[0], out[1], out[2])
+
+
+def plan_stats(piece: Piece, ctx: RankPool, gen: RankPool, num_tokens: int) -> int:
+    """Fragments of `piece` before adjacent segments are merged (one per contiguous run per token segment)."""
+    tpl = _template(piece, ctx, gen)
+    return sum(tpl.for_length(length)[1].size * starts.size
+               for length, starts in _segment_groups(int(num_tokens), ctx.tpb, gen.tpb))
 
 
 def plan_pieces(pieces, ctx_pools: dict[int, RankPool], gen: RankPool, ctx_blocks, gen_blocks,
                 num_tokens: int) -> dict[int, Fragments]:
-    """Fragments per context rank for every piece a generation rank reads (one read per context rank)."""
-    by_rank: dict[int, list[Fragments]] = {}
+    """Fragments per context rank for every piece a generation rank reads (one read per context rank).
+
+    Args:
+        pieces: the generation rank's pieces (RankMapping.pieces).
+        ctx_pools: context rank -> its pool.
+        gen: the generation rank's pool.
+        ctx_blocks, gen_blocks, num_tokens: as for `plan_piece` (the same block ids on every context rank).
+    Returns:
+        context rank -> Fragments; all of them views into one allocation.
+    """
+    plans: dict[int, list] = {}
+    checked: dict[int, np.ndarray] = {}
+    n = gb = None
     for p in pieces:
-        by_rank.setdefault(p.ctx_rank, []).append(
-            plan_piece(p, ctx_pools[p.ctx_rank], gen, ctx_blocks, gen_blocks, num_tokens))
-    return {r: fs[0] if len(fs) == 1 else coalesce(Fragments.concat(fs)) for r, fs in by_rank.items()}
+        pool = ctx_pools[p.ctx_rank]
+        key = (pool.num_blocks, pool.tpb)
+        if key not in checked:
+            n, checked[key], gb = _validate(pool, gen, ctx_blocks, gen_blocks, num_tokens)
+        plans.setdefault(p.ctx_rank, []).append(_prepare(p, pool, gen, checked[key], gb, n))
+    total = sum(_count(t) for todos in plans.values() for t in todos)
+    out = np.empty((3, total), dtype=np.int64)
+    res, pos = {}, 0
+    for r, todos in plans.items():
+        start = pos
+        for t in todos:
+            pos = _emit(t, out, pos)
+        f = Fragments(out[0, start:pos], out[1, start:pos], out[2, start:pos])
+        res[r] = f if len(todos) == 1 else coalesce(f)
+    return res

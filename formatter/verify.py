@@ -60,6 +60,36 @@ class Arena:
         self.buf[dst] = self.buf[src]
 
 
+def _image(layout: KVLayout, layers: range, heads: range, num_blocks: int, tok_of: np.ndarray,
+           n_of: np.ndarray, salt_of: np.ndarray, background_salt: int) -> np.ndarray:
+    """Codes of `layers` x `heads` of a pool, in the layout's memory order, shape [..., itemsize] (uint8)."""
+    s = layout.shape
+    L, H = np.arange(layers.start, layers.stop), np.arange(heads.start, heads.stop)
+    K, T, D = np.arange(s.kv_factor), np.arange(s.tokens_per_block), np.arange(s.head_dim)
+    B = np.arange(num_blocks)
+    if layout.order == "block_major":  # [B, L, K, H, T, D]
+        b, l, k, h, t, d = np.ix_(B, L, K, H, T, D)
+    else:  # layer_pools, stacked as [L, B, K, T, H, D]
+        l, b, k, t, h, d = np.ix_(L, B, K, T, H, D)
+    tok = tok_of[b] + t
+    real = (tok_of[b] >= 0) & (tok < n_of[b])
+    codes = element_codes(l, k, h, np.where(real, tok, 0), d, s.itemsize, salt=salt_of[b] * 1000 + 17)
+    background = element_codes(l, k, h, b * s.tokens_per_block + t, d, s.itemsize, salt=background_salt)
+    return np.where(real[..., None], codes, background)
+
+
+def _block_state(layout: KVLayout, num_blocks: int, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tpb = layout.shape.tokens_per_block
+    tok_of = np.full(num_blocks, -1, dtype=np.int64)
+    n_of = np.zeros(num_blocks, dtype=np.int64)
+    salt_of = np.zeros(num_blocks, dtype=np.int64)
+    for blocks, n, salt in requests:
+        blocks = np.asarray(blocks, dtype=np.int64)[:-(-int(n) // tpb)]
+        tok_of[blocks] = np.arange(blocks.size, dtype=np.int64) * tpb
+        n_of[blocks], salt_of[blocks] = int(n), int(salt)
+    return tok_of, n_of, salt_of
+
+
 def pool_image(layout: KVLayout, rank: int, num_blocks: int, requests=(), background_salt: int = 1
                ) -> np.ndarray:
     """The bytes a rank's pool must hold (flat uint8).
@@ -69,46 +99,35 @@ def pool_image(layout: KVLayout, rank: int, num_blocks: int, requests=(), backgr
             `element_codes` of (layer, kv, head, token, dim) salted with the request's salt.
         background_salt: every other byte holds codes salted with this (position-dependent, never zeros).
     """
-    s = layout.shape
     tp_rank, pp_rank = layout.coords(rank)
-    L = np.arange(layout.stage_layers(pp_rank).start, layout.stage_layers(pp_rank).stop)
-    H = np.arange(layout.head_range(tp_rank).start, layout.head_range(tp_rank).stop)
-    K, T, D = np.arange(s.kv_factor), np.arange(s.tokens_per_block), np.arange(s.head_dim)
-    B = np.arange(num_blocks)
-    tok_of = np.full(num_blocks, -1, dtype=np.int64)
-    n_of = np.zeros(num_blocks, dtype=np.int64)
-    salt_of = np.zeros(num_blocks, dtype=np.int64)
-    for blocks, n, salt in requests:
-        blocks = np.asarray(blocks, dtype=np.int64)[:-(-int(n) // s.tokens_per_block)]
-        tok_of[blocks] = np.arange(blocks.size, dtype=np.int64) * s.tokens_per_block
-        n_of[blocks], salt_of[blocks] = int(n), int(salt)
-    if layout.order == "block_major":  # [B, L, K, H, T, D]
-        b, l, k, h, t, d = np.ix_(B, L, K, H, T, D)
-    else:  # layer_pools, stacked as [L, B, K, T, H, D]
-        l, b, k, t, h, d = np.ix_(L, B, K, T, H, D)
-    tok = tok_of[b] + t
-    real = (tok_of[b] >= 0) & (tok < n_of[b])
-    codes = element_codes(l, k, h, np.where(real, tok, 0), d, s.itemsize, salt=salt_of[b] * 1000 + 17)
-    background = element_codes(l, k, h, b * s.tokens_per_block + t, d, s.itemsize, salt=background_salt)
-    return np.where(real[..., None], codes, background).reshape(-1)
+    img = _image(layout, layout.stage_layers(pp_rank), layout.head_range(tp_rank), num_blocks,
+                 *_block_state(layout, num_blocks, requests), background_salt)
+    return img.reshape(-1)
 
 
-def _pool_codes(layout: KVLayout, rank: int, num_blocks: int, block_tokens: np.ndarray, n: int,
-                salt: int) -> np.ndarray:
-    blocks = np.argsort(np.where(block_tokens >= 0, block_tokens, np.iinfo(np.int64).max))
-    blocks = blocks[:int((block_tokens >= 0).sum())]
-    return pool_image(layout, rank, num_blocks, [(blocks, n, 0)] if blocks.size else [], salt)
+class _GlobalImage:
+    """Every layer and head of an executor's pools at once (its ranks share block ids); sliced per rank."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, requests, background_salt: int) -> None:
+        s = layout.shape
+        self.layout = layout
+        self.img = _image(layout, range(s.num_layers), range(1 if s.mla else s.num_kv_heads), num_blocks,
+                          *_block_state(layout, num_blocks, requests), background_salt)
+
+    def rank(self, rank: int) -> np.ndarray:
+        tp_rank, pp_rank = self.layout.coords(rank)
+        ls, hs = self.layout.stage_layers(pp_rank), self.layout.head_range(tp_rank)
+        ls, hs = slice(ls.start, ls.stop), slice(hs.start, hs.stop)
+        if self.layout.order == "block_major":
+            part = self.img[:, ls, :, hs]
+        else:
+            part = self.img[ls, :, :, :, hs]
+        return np.ascontiguousarray(part).reshape(-1)
 
 
 def pool_nbytes(layout: KVLayout, rank: int, num_blocks: int) -> int:
     """Bytes of all of a rank's pool memory (every layer pool for "layer_pools")."""
     return layout.block_bytes(rank) * num_blocks
-
-
-def _block_tokens(blocks: np.ndarray, num_blocks: int, tpb: int) -> np.ndarray:
-    bt = np.full(num_blocks, -1, dtype=np.int64)
-    bt[blocks] = np.arange(blocks.size, dtype=np.int64) * tpb
-    return bt
 
 
 def _pick_blocks(rng: np.random.Generator, pool: int, need: int) -> np.ndarray:
@@ -128,12 +147,22 @@ class VerifyResult:
 
     def summary(self) -> str:
         frags = ", ".join(f"gen{r}:{n}" for r, n in self.fragments.items())
-        state = "OK" if self.ok else "MISMATCH " + ", ".join(f"gen{r}:{n} bytes" for r, n in self.mismatches.items() if n)
+        bad = ", ".join(f"gen{r}:{n} bytes" for r, n in self.mismatches.items() if n)
+        state = "OK" if self.ok else "MISMATCH " + bad
         return f"{state}  strategy={self.strategy}  bytes={self.nbytes}  fragments[{frags}]"
 
 
 def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0) -> VerifyResult:
-    """Move one request of `num_tokens` tokens from every context rank to every generation rank; compare."""
+    """Move one request of `num_tokens` tokens from every context rank to every generation rank; compare.
+
+    Args:
+        ctx, gen: the two layouts (LayoutMismatchError / LayoutError if they cannot exchange KV).
+        num_tokens: the request's length.
+        seed: picks the block ids (a run of adjacent ones, then scattered ones) on both sides.
+    Returns:
+        VerifyResult: ok, the mapping strategy, fragments per generation rank and mismatching bytes per rank
+        (request tokens in place, every other byte of every generation pool untouched).
+    """
     rng = np.random.default_rng(seed)
     mapping = mapping_for(ctx, gen)
     tc, tg = ctx.shape.tokens_per_block, gen.shape.tokens_per_block
@@ -152,22 +181,22 @@ def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0
         per = int(np.prod(layout.pool_shape(rank, nb))) * layout.shape.itemsize
         return [arena.addr(i) + j * per for j in range(layout.local_layers(rank))]
 
+    ctx_img = _GlobalImage(ctx, nb_ctx, [(ctx_blocks, num_tokens, 0)], background_salt=1)
+    gen_before = _GlobalImage(gen, nb_gen, [], background_salt=2)
+    gen_after = _GlobalImage(gen, nb_gen, [(gen_blocks, num_tokens, 0)], background_salt=2)
     ctx_pools = {}
-    ctx_bt = _block_tokens(ctx_blocks, nb_ctx, tc)
     for r in range(ctx.world_size):
         ctx_pools[r] = RankPool.of(ctx, r, bases(ctx, r, r, nb_ctx), nb_ctx)
-        arena.view(r, sizes[r])[:] = _pool_codes(ctx, r, nb_ctx, ctx_bt, num_tokens, salt=1)
-    gen_bt = _block_tokens(gen_blocks, nb_gen, tg)
+        arena.view(r, sizes[r])[:] = ctx_img.rank(r)
     frag_counts, mism, total = {}, {}, 0
     for g in range(gen.world_size):
         i = ctx.world_size + g
-        arena.view(i, sizes[i])[:] = _pool_codes(gen, g, nb_gen, np.full(nb_gen, -1), num_tokens, salt=2)
+        arena.view(i, sizes[i])[:] = gen_before.rank(g)
         gpool = RankPool.of(gen, g, bases(gen, g, i, nb_gen), nb_gen)
         per_ctx = plan_pieces(mapping.pieces(g), ctx_pools, gpool, ctx_blocks, gen_blocks, num_tokens)
         for f in per_ctx.values():
             arena.execute(f)
             total += f.nbytes
         frag_counts[g] = sum(len(f) for f in per_ctx.values())
-        want = _pool_codes(gen, g, nb_gen, gen_bt, num_tokens, salt=2)
-        mism[g] = int(np.count_nonzero(arena.view(i, sizes[i]) != want))
+        mism[g] = int(np.count_nonzero(arena.view(i, sizes[i]) != gen_after.rank(g)))
     return VerifyResult(not any(mism.values()), mapping.strategy, frag_counts, total, mism)
