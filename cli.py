@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # name: (module:function, one-line help)
     "demo": ("kvbridge.demo:main", "run the end-to-end demo (what `make demo` runs)"),
     "generate": ("kvbridge.executor.generate:main", "run a prompt on the reference executor"),
+    "keys": ("kvbridge.transceiver.keys:main", "create a CurveZMQ key pair for the control plane"),
     "bench": ("kvbridge.bench.__main__:main", "benchmarks: `kvbridge bench transfer|plan ...` (JSON with --json)"),
 }
 

@@ -37,8 +37,12 @@ class CacheTransceiver:
         if role not in ("context", "generation"):
             raise KvBridgeError(f"role must be 'context' or 'generation', got {role!r}")
         self.role, self.pool, self.config = role, pool, config
-        self.sender = Sender(pool, config, instance) if role == "context" else None
-        self.receiver = Receiver(pool, config, instance) if role == "generation" else None
+        try:
+            self.sender = Sender(pool, config, instance) if role == "context" else None
+            self.receiver = Receiver(pool, config, instance) if role == "generation" else None
+        except BaseException:
+            pool.close()  # the agents and registrations made for this pool go with the failed transceiver
+            raise
 
     @classmethod
     def context(cls, buffers, layout: KVLayout, rank: int, num_blocks: int, config: TransceiverConfig | None = None,

@@ -94,7 +94,12 @@ class Sender:
         self.instance = instance or uuid.uuid4().hex
         self.layout = pool.layout
         self._zctx = zmq.Context()
-        self._router, self.endpoint = make_router(self._zctx, config)
+        try:
+            self._router, self.endpoint = make_router(self._zctx, config)
+        except BaseException:
+            stop_authenticator(self._zctx)
+            self._zctx.destroy(0)
+            raise
         self._wake_rx = self._zctx.socket(zmq.PAIR)
         self._wake_rx.bind(f"inproc://wake-{id(self)}")
         self._wake_tx = self._zctx.socket(zmq.PAIR)
