@@ -16,6 +16,7 @@ import numpy as np
 from .layout import KVLayout
 from .mapping import mapping_for
 from .planner import Fragments, RankPool, plan_pieces
+from .staging import plan_pack, plan_unpack, staged_read, staging_nbytes, staging_pool
 
 __all__ = ["element_codes", "pool_image", "pool_nbytes", "Arena", "VerifyResult", "verify_split"]
 
@@ -152,17 +153,22 @@ class VerifyResult:
         return f"{state}  strategy={self.strategy}  bytes={self.nbytes}  fragments[{frags}]"
 
 
-def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0) -> VerifyResult:
+def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0, path: str = "direct"
+                 ) -> VerifyResult:
     """Move one request of `num_tokens` tokens from every context rank to every generation rank; compare.
 
     Args:
         ctx, gen: the two layouts (LayoutMismatchError / LayoutError if they cannot exchange KV).
         num_tokens: the request's length.
         seed: picks the block ids (a run of adjacent ones, then scattered ones) on both sides.
+        path: "direct" (the generation rank's fragments, executed as they are) or "staged" (per piece: pack
+            into a context-side staging buffer, one copy of the whole buffer, unpack on the generation side).
     Returns:
-        VerifyResult: ok, the mapping strategy, fragments per generation rank and mismatching bytes per rank
-        (request tokens in place, every other byte of every generation pool untouched).
+        VerifyResult: ok, the mapping strategy, fragments per generation rank (of the direct plan, or of the
+        staged reads) and mismatching bytes per rank (request tokens in place, every other byte untouched).
     """
+    if path not in ("direct", "staged"):
+        raise ValueError(f"path must be 'direct' or 'staged', got {path!r}")
     rng = np.random.default_rng(seed)
     mapping = mapping_for(ctx, gen)
     tc, tg = ctx.shape.tokens_per_block, gen.shape.tokens_per_block
@@ -173,6 +179,12 @@ def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0
 
     sizes = [pool_nbytes(ctx, r, nb_ctx) for r in range(ctx.world_size)]
     sizes += [pool_nbytes(gen, r, nb_gen) for r in range(gen.world_size)]
+    stage_at = {}  # (gen rank, piece index) -> arena index of its context-side staging buffer
+    if path == "staged":
+        for g in range(gen.world_size):
+            for j, p in enumerate(mapping.pieces(g)):
+                stage_at[(g, j)] = len(sizes)
+                sizes += [staging_nbytes(ctx, p, num_tokens)] * 2  # context side, generation side
     arena = Arena(sizes)
 
     def bases(layout: KVLayout, rank: int, i: int, nb: int) -> list[int]:
@@ -193,10 +205,23 @@ def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0
         i = ctx.world_size + g
         arena.view(i, sizes[i])[:] = gen_before.rank(g)
         gpool = RankPool.of(gen, g, bases(gen, g, i, nb_gen), nb_gen)
-        per_ctx = plan_pieces(mapping.pieces(g), ctx_pools, gpool, ctx_blocks, gen_blocks, num_tokens)
-        for f in per_ctx.values():
-            arena.execute(f)
-            total += f.nbytes
-        frag_counts[g] = sum(len(f) for f in per_ctx.values())
+        if path == "direct":
+            per_ctx = plan_pieces(mapping.pieces(g), ctx_pools, gpool, ctx_blocks, gen_blocks, num_tokens)
+            for f in per_ctx.values():
+                arena.execute(f)
+                total += f.nbytes
+            frag_counts[g] = sum(len(f) for f in per_ctx.values())
+        else:
+            frag_counts[g] = 0
+            for j, p in enumerate(mapping.pieces(g)):
+                k = stage_at[(g, j)]
+                src = staging_pool(ctx, p, arena.addr(k), num_tokens)
+                dst = staging_pool(gen, p, arena.addr(k + 1), num_tokens)
+                arena.execute(plan_pack(p, ctx_pools[p.ctx_rank], src, ctx_blocks, num_tokens))
+                read = staged_read(src, dst)
+                arena.execute(read)
+                arena.execute(plan_unpack(p, dst, gpool, gen_blocks, num_tokens))
+                total += read.nbytes
+                frag_counts[g] += len(read)
         mism[g] = int(np.count_nonzero(arena.view(i, sizes[i]) != gen_after.rank(g)))
     return VerifyResult(not any(mism.values()), mapping.strategy, frag_counts, total, mism)
