@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvbridge.executor.generate:main", "run a prompt on the reference executor"),
     "keys": ("kvbridge.transceiver.keys:main", "create a CurveZMQ key pair for the control plane"),
     "bench": ("kvbridge.bench.__main__:main", "benchmarks: `kvbridge bench transfer|plan ...` (JSON with --json)"),
+    "verify-layout": ("kvbridge.formatter.cli:main", "check a ctx/gen TP/PP split byte-exact in-process"),
 }
 
 
