@@ -252,7 +252,9 @@ _TEMPLATES_LOCK = threading.Lock()
 
 
 def _template(piece: Piece, ctx: RankPool, gen: RankPool) -> _Template:
-    key = (ctx, gen, piece)  # pools hash by identity; the key keeps them alive, so ids are never reused
+    # pools hash by identity and the key keeps them alive, so ids are never reused; eviction is first-in
+    # first-out (a hit costs one dict lookup, no lock); an evicted template is rebuilt on its next use
+    key = (ctx, gen, piece)
     t = _TEMPLATES.get(key)
     if t is None:
         t = _Template(piece, ctx, gen)
