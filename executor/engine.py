@@ -58,6 +58,7 @@ class Request:
     num_cached: int = 0
     reserved: int = 0                       # blocks reserved to completion
     finish_reason: str | None = None
+    transfer: str = ""                      # generation-only: the transfer's stats note from the rank hooks
 
 
 class Engine:
@@ -119,7 +120,7 @@ class Engine:
         self.requests[req.request_id] = req
         self.waiting.append(req.request_id)
 
-    def kv_ready(self, request_id: int) -> None:
+    def kv_ready(self, request_id: int, note: str = "") -> None:
         r = self._get(request_id, "kv_ready")
         if r is None:
             return
@@ -128,6 +129,7 @@ class Engine:
             return
         self._ops.append(["ready", request_id])
         r.state, r.num_cached, r.output = "running", len(r.prompt), [int(r.first_token)]
+        r.transfer = note
         self._check_finished(r)
 
     def release(self, request_id: int) -> None:
@@ -142,7 +144,7 @@ class Engine:
         self._drop(r, "released")
         self._events.append({"t": "released", "rid": request_id})
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int, error: str = "") -> None:
         r = self._get(request_id, "abort")
         if r is None:
             return
@@ -155,7 +157,10 @@ class Engine:
         else:
             self._ops.append(["free", request_id])
             self._drop(r, "aborted")
-        self._events.append({"t": "done", "rid": request_id, "tokens": list(r.output), "reason": "aborted"})
+        ev = {"t": "done", "rid": request_id, "tokens": list(r.output), "reason": "aborted"}
+        if error:
+            ev["error"] = error
+        self._events.append(ev)
 
     def io(self, kind: str, request_id: int) -> bool:
         """Queue a KV read ("read": after the next step) or write ("write": before it) of a live request.
@@ -237,8 +242,10 @@ class Engine:
         if reason:
             self._ops.append(["free", r.request_id])
             self._drop(r, reason)
-            self._events.append({"t": "done", "rid": r.request_id, "tokens": list(r.output),
-                                 "reason": reason})
+            ev = {"t": "done", "rid": r.request_id, "tokens": list(r.output), "reason": reason}
+            if r.transfer:
+                ev["transfer"] = r.transfer
+            self._events.append(ev)
 
     def _drop(self, r: Request, reason: str) -> None:
         r.state, r.finish_reason = "finished", reason

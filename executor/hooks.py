@@ -15,6 +15,8 @@ step loop, in lockstep with the other ranks (all hooks run on the rank's main th
         "kv_ready"  a generation-only request's KV arrived here;
         "release"   this rank is done sending a context-only request's blocks;
         "abort"     a transfer failed here (a generation request is aborted, a context one released).
+        "notes"     optional [[request_id, text], ...]: why a request was aborted, or its transfer stats
+                    (short text; the leader passes it on in the request's "done" event).
         The leader acts once EVERY rank reported kv_ready / release for a request (any abort acts at once),
         so no rank decodes from, or frees, blocks another rank still uses.
     close()
@@ -87,6 +89,12 @@ def load_hook(spec: str, ctx: RankContext) -> RankHook:
 
 
 def validate_report(rep: Any, rank: int) -> dict[str, list[int]]:
+    notes = rep.pop("notes", []) if isinstance(rep, dict) else []
+    if not isinstance(notes, (list, tuple)) or not all(
+            isinstance(w, (list, tuple)) and len(w) == 2 and type(w[0]) is int and isinstance(w[1], str)
+            for w in notes):
+        raise ExecutorError(f"rank {rank}: hook poll()['notes'] must be [[request_id, text], ...], "
+                            f"got {notes!r:.200}")
     if not isinstance(rep, dict) or set(rep) - set(REPORT_KINDS):
         raise ExecutorError(f"rank {rank}: hook poll() must return a dict with keys from {REPORT_KINDS}, got "
                             f"{rep!r:.200}")
@@ -97,6 +105,7 @@ def validate_report(rep: Any, rank: int) -> dict[str, list[int]]:
             raise ExecutorError(f"rank {rank}: hook poll()[{k!r}] must be a list of request ids, "
                                 f"got {ids!r:.200}")
         out[k] = [int(i) for i in ids]
+    out["notes"] = [[int(w[0]), str(w[1])[:2000]] for w in notes]
     return out
 
 
@@ -126,11 +135,17 @@ class HookTally:
     def __init__(self, world: int) -> None:
         self.world = world
         self.seen: dict[tuple[str, int], set[int]] = {}
+        self.notes: dict[int, str] = {}  # abort reasons / transfer stats, kept until `take_note`
+        self._note_rank: dict[int, int] = {}
 
     def add(self, reports: list[dict[str, list[int]]]) -> dict[str, list[int]]:
         """Fold in one round of reports; returns the requests now agreed on ('abort': any rank suffices)."""
         done: dict[str, list[int]] = {k: [] for k in REPORT_KINDS}
         for rank, rep in enumerate(reports):
+            for rid, text in rep.get("notes", []):
+                if rid not in self._note_rank or rank < self._note_rank[rid]:  # the lowest rank's note wins
+                    self._note_rank[rid] = rank
+                    self.notes[rid] = text if rank == 0 else f"rank {rank}: {text}"
             for rid in rep["abort"]:
                 if rid not in done["abort"]:
                     done["abort"].append(rid)
@@ -145,3 +160,8 @@ class HookTally:
             for kind in ("kv_ready", "release"):
                 self.seen.pop((kind, rid), None)
         return done
+
+    def take_note(self, rid: int) -> str:
+        """The note reported for `rid` (lowest rank's), forgotten once taken."""
+        self._note_rank.pop(rid, None)
+        return self.notes.pop(rid, "")

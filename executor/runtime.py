@@ -94,6 +94,8 @@ class Completion:
     request_id: int
     tokens: list[int]
     finish_reason: str
+    error: str = ""  # why an aborted request was aborted (e.g. the KV transfer's error), when known
+    transfer: str = ""  # generation-only: the KV transfer's stats (JSON text from rank 0's hook)
 
 
 @dataclass
@@ -182,7 +184,8 @@ class Executor:
     def wait(self, request_id: int, timeout: float | None = None) -> Completion:
         """Wait for an aggregated or generation-only request to finish."""
         ev = self._wait_event(("done", request_id), timeout, f"request {request_id} to finish")
-        return Completion(request_id, list(ev["tokens"]), ev["reason"])
+        return Completion(request_id, list(ev["tokens"]), ev["reason"], str(ev.get("error", "")),
+                          str(ev.get("transfer", "")))
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 16,
                  sampling: SamplingParams | None = None,

@@ -277,11 +277,11 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
         if reports is not None:
             agreed = tally.add(reports)
             for rid in agreed["abort"]:
-                eng.abort(rid)
+                eng.abort(rid, tally.take_note(rid))
             for rid in agreed["release"]:
                 eng.release(rid)
             for rid in agreed["kv_ready"]:
-                eng.kv_ready(rid)
+                eng.kv_ready(rid, tally.take_note(rid))
     run.comm.broadcast_plan(codec.pack({"v": 1, "step": eng.step, "stop": True, "ops": [], "batch": [],
                                         "post": []}))
 

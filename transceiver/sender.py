@@ -114,6 +114,7 @@ class Sender:
         self._agents_wire = {k: a.metadata() for k, a in pool.agents.items()}
         self._host = local_host_id()
         self._verifying: list = []
+        self._early: dict[int, list] = {}  # Fetches that arrived before their request was published
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvb-verify")
         if config.verify:
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
@@ -226,6 +227,8 @@ class Sender:
             self._tomb.pop(rid, None)
             self._entries[rid] = _Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s)
             self._set_pinned()
+            for _, ident, msg in self._early.pop(rid, []):
+                self._on_fetch(ident, msg)
         elif op == "layers":
             e = self._entries.get(rid)
             if e is not None and cmd[2] > e.layers_ready:
@@ -264,7 +267,20 @@ class Sender:
             self._npinned = len(self._entries)
         metrics.set_pinned(self.pool.rank, self._npinned)
 
+    def _expire_early(self, now: float) -> None:
+        for rid in [r for r, lst in self._early.items() if any(d < now for d, _, _ in lst)]:
+            keep = []
+            for d, ident, msg in self._early.pop(rid):
+                if d < now:
+                    self._unknown(ident, rid, "fetch")
+                else:
+                    keep.append((d, ident, msg))
+            if keep:
+                self._early[rid] = keep
+
     def _expire(self, now: float) -> None:
+        if self._early:
+            self._expire_early(now)
         for e in [e for e in self._entries.values() if now > e.deadline]:
             what = "no generation rank fetched it" if not e.fetched else "readers stopped renewing the lease"
             self._finish(e, "expired", f"lease expired: {what}")
@@ -333,8 +349,8 @@ class Sender:
             self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"request {rid} is already finished ({status})", rid,
                         reply_to)
         else:
-            self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"context rank {self.pool.rank} has no request {rid}",
-                        rid, reply_to)
+            self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"context rank {self.pool.rank} has no request {rid} "
+                        f"(not published within {self.config.handshake_timeout_s:g} s of the fetch)", rid, reply_to)
 
     def _on_fetch(self, ident: bytes, msg: m.Fetch) -> None:
         s = self._session(ident, msg, msg.ctx_request_id)
@@ -342,7 +358,11 @@ class Sender:
             return
         e = self._entries.get(msg.ctx_request_id)
         if e is None:
-            self._unknown(ident, msg.ctx_request_id, "fetch")
+            if msg.ctx_request_id in self._tomb or len(self._early) >= _TOMBSTONES:
+                self._unknown(ident, msg.ctx_request_id, "fetch")
+            else:  # not published yet (the executor publishes after its step): answer when it is, or time out
+                self._early.setdefault(msg.ctx_request_id, []).append(
+                    (time.monotonic() + self.config.handshake_timeout_s, ident, msg))
             return
         if e.cancel_requested:
             self._error(ident, m.ErrorCode.CANCELLED, f"request {e.rid} was cancelled", e.rid, "fetch")
@@ -391,6 +411,8 @@ class Sender:
             ok = e is not None and ident in e.fetched.values()
             if ok:
                 e.deadline = max(e.deadline, now + self.config.lease_s)
+            else:  # a fetch waiting for its request to be published is alive too
+                ok = any(i == ident for _, i, _ in self._early.get(rid, ()))
             alive.append(ok)
         self._send(ident, m.HeartbeatAck(ids, alive).encode())
 

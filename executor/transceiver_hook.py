@@ -1,0 +1,120 @@
+"""The transceiver as a rank hook: every rank of an executor moves its own share of the KV.
+
+Start an executor with
+    rank_hook="kvbridge.executor.transceiver_hook:make",
+    rank_hook_args={"role": "context"|"generation", "instance": "<executor id>", "transceiver": {...config...},
+                    "run_dir": "<folder for endpoint files>"}
+and every rank builds a CacheTransceiver over its pool (registered once). Context ranks write their control
+endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
+when its prefill is done and report "release" once their readers confirmed (or the lease ran out).
+Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready",
+or "abort" with the transfer's error. The executor frees or starts a request only when every rank agrees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ExecutorError
+from ..transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
+from .hooks import RankContext
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TransceiverHook", "make", "context_endpoints"]
+
+
+@dataclass
+class _Req:
+    request_id: int
+    block_ids: Any
+    num_tokens: int
+    disagg_params: Any = None
+
+
+class TransceiverHook:
+    """One rank's CacheTransceiver, driven by the executor's step loop (see executor/hooks.py)."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        a = ctx.args
+        self.role = a.get("role")
+        if self.role not in ("context", "generation"):
+            raise ExecutorError(f"transceiver hook: role must be 'context' or 'generation', got {self.role!r}")
+        cfg = TransceiverConfig.from_dict(a.get("transceiver"))
+        if cfg.port:  # one port per rank: base + rank
+            cfg = cfg.with_(port=cfg.port + ctx.rank)
+        make = CacheTransceiver.context if self.role == "context" else CacheTransceiver.generation
+        self.tr = make(ctx.pool, ctx.layout, ctx.rank, ctx.kv.num_blocks, cfg, instance=a.get("instance"))
+        self.rank = ctx.rank
+        self._failed: list[tuple[int, str]] = []
+        if self.role == "context" and a.get("run_dir"):
+            path = os.path.join(a["run_dir"], f"endpoint-{ctx.rank}")
+            with open(path + ".tmp", "w") as f:
+                f.write(self.tr.endpoint)
+            os.replace(path + ".tmp", path)
+
+    def on_context_done(self, request_id: int, block_ids, num_tokens: int, first_token: int | None = None) -> None:
+        self.tr.respond_and_send_async(_Req(request_id, np.asarray(block_ids, dtype=np.int64), num_tokens))
+
+    def on_generation_alloc(self, request_id: int, block_ids, prompt_len: int, ctx_info: dict) -> None:
+        params = (ctx_info or {}).get("disagg_params")
+        if params is None:
+            self._failed.append((request_id, "no disagg_params in ctx_info"))
+            return
+        try:
+            p = params if isinstance(params, DisaggParams) else DisaggParams.from_dict(params)
+            self.tr.request_and_receive_async(_Req(request_id, np.asarray(block_ids, dtype=np.int64), prompt_len,
+                                                   p))
+        except Exception as e:  # noqa: BLE001 - bad params from a client: abort this request, keep serving
+            self._failed.append((request_id, f"{type(e).__name__}: {e}"))
+
+    def poll(self) -> dict[str, list]:
+        out: dict[str, list] = {"kv_ready": [], "release": [], "abort": [], "notes": []}
+        for rid, why in self._failed:
+            out["abort"].append(rid)
+            out["notes"].append([rid, why])
+        self._failed = []
+        if self.role == "context":
+            for r in self.tr.check_context_transfer_status():
+                out["release"].append(r.ctx_request_id)
+                if r.status != "complete":
+                    log.info("context request %d finished on rank %d as %s: %s", r.ctx_request_id, self.rank,
+                             r.status, r.detail)
+        else:
+            for r in self.tr.check_gen_transfer_status():
+                if r.ok:
+                    out["kv_ready"].append(r.request_id)
+                    out["notes"].append([r.request_id, json.dumps(
+                        {"bytes": r.nbytes, "fragments": r.fragments, "agents": list(r.agents),
+                         "ms": {k: round(v, 3) for k, v in r.timings_ms.items()}})])
+                else:
+                    out["abort"].append(r.request_id)
+                    out["notes"].append([r.request_id, f"KV transfer failed ({r.error_type}): {r.error}"])
+        return out
+
+    def close(self) -> None:
+        self.tr.close()
+
+
+def make(ctx: RankContext) -> TransceiverHook:
+    return TransceiverHook(ctx)
+
+
+def context_endpoints(run_dir: str, world_size: int, timeout: float = 60.0) -> tuple[str, ...]:
+    """The control endpoints the context ranks wrote to run_dir, in rank order (waits up to `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        paths = [os.path.join(run_dir, f"endpoint-{r}") for r in range(world_size)]
+        if all(os.path.exists(p) for p in paths):
+            return tuple(open(p).read().strip() for p in paths)
+        if time.monotonic() > deadline:
+            missing = [p for p in paths if not os.path.exists(p)]
+            raise ExecutorError(f"context ranks did not publish their endpoints within {timeout:g} s: {missing}")
+        time.sleep(0.05)

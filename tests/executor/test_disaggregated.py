@@ -1,0 +1,62 @@
+"""Disaggregated == aggregated: prefill in a context-only executor, KV moved by the transceiver (real ZeroMQ,
+real NIXL/UCX between rank processes) into a generation-only executor with a different split, decode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbridge.executor.runtime import Executor, ExecutorConfig
+from kvbridge.executor.transceiver_hook import context_endpoints
+from kvbridge.transceiver import DisaggParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(40, 77)), [3, 1, 4, 1, 5, 9, 2, 6]]
+XCFG = {"agents": ["nixl"], "transfer_timeout_s": 30}
+
+
+def _exec(tmp_path, role, tag, **kw) -> Executor:
+    run_dir = tmp_path / tag
+    run_dir.mkdir()
+    return Executor.start(ExecutorConfig(
+        model="seeded:tiny3", timeout_s=90, rank_hook="kvbridge.executor.transceiver_hook:make",
+        rank_hook_args={"role": role, "instance": f"{tag}-instance", "transceiver": XCFG, "run_dir": str(run_dir)},
+        **kw))
+
+
+@pytest.mark.parametrize("ctx_split, gen_split", [
+    ({"tp": 2, "tokens_per_block": 4}, {"tp": 1, "pp": 2, "tokens_per_block": 12}),
+    ({"tp": 1, "tokens_per_block": 8}, {"tp": 3, "tokens_per_block": 8}),
+], ids=["ctx_tp2_to_gen_pp2_blocks4to12", "ctx_tp1_to_gen_tp3"])
+def test_disaggregated_decoding_gives_exactly_the_aggregated_tokens(tmp_path, ctx_split, gen_split):
+    with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=64, tokens_per_block=8)) as agg:
+        want = agg.generate(PROMPTS, max_tokens=10)
+    with _exec(tmp_path, "context", "ctx", num_blocks=64, **ctx_split) as ctx, \
+            _exec(tmp_path, "generation", "gen", num_blocks=64, **gen_split) as gen:
+        endpoints = context_endpoints(str(tmp_path / "ctx"), ctx.cfg.tp * ctx.cfg.pp)
+        layout = ctx.layout
+        gen_ids = []
+        for prompt in PROMPTS:
+            res = ctx.prefill(prompt)
+            params = DisaggParams(res.request_id, "ctx-instance", endpoints, layout).to_dict()
+            gen_ids.append(gen.submit(prompt, max_tokens=10, mode="generation_only", first_token=res.first_token,
+                                      ctx_info={"disagg_params": params}))
+        got = [gen.wait(rid, timeout=60) for rid in gen_ids]
+        assert [c.tokens for c in got] == want, [(c.finish_reason, c.error) for c in got]
+        stats = json.loads(got[1].transfer)
+        assert stats["bytes"] > 0 and stats["fragments"] > 0 and stats["agents"] == ["nixl"]
+        assert ctx.free_blocks(timeout=30) == [64] * ctx.cfg.tp * ctx.cfg.pp  # released after confirmation
+        assert gen.free_blocks() == [64] * gen.cfg.tp * gen.cfg.pp
+
+
+def test_a_failed_transfer_aborts_with_its_reason_and_frees_blocks(tmp_path):
+    with _exec(tmp_path, "context", "ctx", num_blocks=32, tp=2, tokens_per_block=4) as ctx, \
+            _exec(tmp_path, "generation", "gen", num_blocks=32, tokens_per_block=4) as gen:
+        endpoints = context_endpoints(str(tmp_path / "ctx"), 2)
+        params = DisaggParams(424242, "ctx-instance", endpoints, ctx.layout).to_dict()  # no such request
+        rid = gen.submit(PROMPTS[0], max_tokens=4, mode="generation_only", first_token=1,
+                         ctx_info={"disagg_params": params})
+        c = gen.wait(rid, timeout=60)
+        assert c.finish_reason == "aborted"
+        assert "RequestNotFound" in c.error and "has no request 424242" in c.error
+        assert gen.free_blocks() == [32]
