@@ -1,4 +1,4 @@
-"""`kvbridge verify-layout`: exit 0 with fragment counts, 1 on a mismatch, 2 with the reason for an invalid split."""
+"""`kvbridge verify-layout`: exit 0 with fragment counts, 1 on a mismatch, 2 with the reason if invalid."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def test_valid_split_prints_ok_with_fragment_counts_per_generation_rank(capsys):
 def test_mla_and_uneven_explicit_layers_from_the_installed_command():
     exe = os.path.join(os.path.dirname(sys.executable), "kvbridge")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "kvbridge.cli"]
-    p = subprocess.run(cmd + BASE + ["--ctx", "tp=1,pp=4", "--ctx-layers", "8,8,7,7", "--gen", "tp=4", "--mla",
-                                     "--tokens", "100", "--mapping"], capture_output=True, text=True, timeout=120)
+    args = ["--ctx", "tp=1,pp=4", "--ctx-layers", "8,8,7,7", "--gen", "tp=4", "--mla", "--tokens", "100",
+            "--mapping"]
+    p = subprocess.run(cmd + BASE + args, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "MLA latent" in p.stdout and "gen rank 3:" in p.stdout and p.stdout.strip().endswith("OK")
 
