@@ -128,6 +128,16 @@ class DescriptorList:
     def __len__(self) -> int:
         return int(self.addrs.shape[0])
 
+    def __getitem__(self, sl: slice) -> "DescriptorList":
+        """A contiguous sub-list (views of the same arrays, no copy, no re-validation)."""
+        if not isinstance(sl, slice):
+            raise TypeError("DescriptorList supports slices only")
+        sub = object.__new__(DescriptorList)
+        for f, v in (("addrs", self.addrs[sl]), ("lengths", self.lengths[sl]), ("kind", self.kind),
+                     ("device", self.device)):
+            object.__setattr__(sub, f, v)
+        return sub
+
     @property
     def nbytes(self) -> int:
         return int(self.lengths.sum())
@@ -298,6 +308,49 @@ class TransferHandle(_Releasable, ABC):
         pass
 
 
+def _chunk_bounds(n: int, chunk: int) -> list[int]:
+    """End offsets of pipelined chunks: a first chunk of chunk/8 (data moves early), then `chunk` each."""
+    first = max(1, chunk // 8)
+    return [first] + list(range(first + chunk, n, chunk)) + [n] if n > first else [n]
+
+
+def _settle(parts: list["TransferHandle"], timeout: float = 30.0) -> None:
+    """Cancel posted parts and wait (bounded) until none is still moving data, then release them."""
+    for h in parts:
+        h.cancel()
+    deadline = time.monotonic() + timeout
+    for h in parts:
+        while h.state() is XferState.PENDING and time.monotonic() < deadline:
+            time.sleep(0.001)
+        h.release()
+
+
+class _ChunkedTransfer(TransferHandle):
+    """One transfer posted as several parts; DONE when all are, FAILED as soon as one fails."""
+
+    def __init__(self, parts: list[TransferHandle]) -> None:
+        super().__init__(sum(p.num_descriptors for p in parts), sum(p.nbytes for p in parts))
+        self._parts = parts
+
+    def state(self) -> XferState:
+        pending = False
+        for p in self._parts:
+            st = p.state()
+            if st is XferState.FAILED:
+                self.error = self.error or p.error
+                return XferState.FAILED
+            pending |= st is XferState.PENDING
+        return XferState.PENDING if pending else XferState.DONE
+
+    def _cancel(self) -> None:
+        for p in self._parts:
+            p.cancel()
+
+    def _do_release(self) -> None:
+        for p in self._parts:
+            p.release()
+
+
 class TransferAgent(ABC):
     """Base class of every byte mover. Subclasses implement the `_`-prefixed hooks; see the module docstring.
 
@@ -308,6 +361,7 @@ class TransferAgent(ABC):
 
     agent_kind: ClassVar[str] = "abstract"
     memory_kinds: ClassVar[frozenset[MemoryKind]] = frozenset({MemoryKind.DRAM})
+    post_chunk: ClassVar[int] = 0  # >0: post long descriptor lists as pipelined chunks of at most this many
 
     def __init__(self, name: str) -> None:
         if not name or not isinstance(name, str):
@@ -404,8 +458,24 @@ class TransferAgent(ABC):
         for d, side in ((local, "local"), (remote, "remote")):
             if d.kind not in self.memory_kinds:
                 raise AgentError(f"{op}: {self.agent_kind} agent cannot move {side} {d.kind.value} memory")
-        self._regions.check(local, f"{op} local side")
-        return self._post(op, peer, local, remote)
+        n = len(local)
+        if not self.post_chunk or n <= self.post_chunk:
+            self._regions.check(local, f"{op} local side")
+            return self._post(op, peer, local, remote)
+        # Pipelined posting: check and post the list chunk by chunk, so the host work on chunk i+1 overlaps
+        # the transfer of chunk i. The first chunk is small so data starts moving at once.
+        parts: list[TransferHandle] = []
+        a = 0
+        try:
+            for b in _chunk_bounds(n, self.post_chunk):
+                lo, ro = local[a:b], remote[a:b]
+                self._regions.check(lo, f"{op} local side (descriptors {a}..{b - 1})")
+                parts.append(self._post(op, peer, lo, ro))
+                a = b
+        except BaseException:
+            _settle(parts)  # nothing may still be moving when the caller sees the error
+            raise
+        return _ChunkedTransfer(parts)
 
     # --- teardown -------------------------------------------------------------------------------------
     def close(self) -> None:

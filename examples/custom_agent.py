@@ -50,6 +50,9 @@ class _Transfer(TransferHandle):
     def state(self) -> XferState:
         if not self._fut.done():
             return XferState.PENDING
+        if self._fut.cancelled():
+            self.error = "cancelled before it started"
+            return XferState.FAILED
         exc = self._fut.exception()
         if exc is not None:
             self.error = str(exc)

@@ -18,7 +18,8 @@ from kvbridge.errors import AgentError, PeerError, RegistrationError, TransferFa
 
 from .peer import Peer, alloc, descs, device_of, pattern, resolve, restore, to_numpy
 
-HOST_AGENTS = ["nixl", "examples.custom_agent:CmaAgent", "tcp", "gloo", "examples.custom_connection:UdsAgent"]
+HOST_AGENTS = ["nixl", "examples.custom_agent:CmaAgent", "tcp", "gloo", "examples.custom_connection:UdsAgent",
+               "tests.agents.chunked:ChunkedCmaAgent"]
 if os.environ.get("KVBRIDGE_CONFORMANCE_AGENTS"):
     HOST_AGENTS = os.environ["KVBRIDGE_CONFORMANCE_AGENTS"].split(",")
 
