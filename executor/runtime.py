@@ -45,7 +45,7 @@ class ExecutorConfig:
         model: a model spec (see sources.describe_models()).
         tp, pp, layers_per_stage: the split (rank = pp_rank * tp + tp_rank).
         num_blocks, tokens_per_block: every rank's pool.
-        device: "cpu", or "cuda" (rank r on cuda:r % device_count).
+        device: "cpu", "cuda" (rank r on cuda:r % device_count) or "cuda:N" (rank r on cuda:(N + r) % count).
         dtype: pool and weight dtype; default float32 on CPU, bfloat16 on CUDA.
         timeout_s: bound on start-up, every collective and every wait of this handle.
         threads_per_rank: torch intra-op threads per rank process.

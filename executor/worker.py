@@ -117,8 +117,9 @@ class _Runner:
         self.rank, self.pipes, self.inbox = rank, pipes, inbox
         self.timeout = float(cfg["timeout_s"])
         dev = cfg["device"]
-        if dev == "cuda":
-            dev = f"cuda:{rank % max(1, torch.cuda.device_count())}"
+        if dev.startswith("cuda"):  # "cuda": rank r on GPU r; "cuda:N": rank r on GPU N + r (mod the count)
+            base = int(dev.split(":", 1)[1]) if ":" in dev else 0
+            dev = f"cuda:{(base + rank) % max(1, torch.cuda.device_count())}"
         self.device = torch.device(dev)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
