@@ -1,0 +1,147 @@
+"""End to end on GPUs through the transceiver: a context executor's pools at TP2 (two processes on GPU1) pulled
+by a generation rank at TP1 on GPU0, and the reverse (TP1 on GPU1 -> TP2 on GPU0), 1 GiB per request.
+
+Pools hold position-dependent values made on the GPU. Every byte of the request is checked by verification
+mode (both sides hash every layer of what they hold, in canonical order, and compare); every byte outside the
+request's blocks is compared with its value before the pull. Prints achieved GB/s (read phase) per agent.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvbridge.formatter.layout import KVLayout, KVShape, ParallelSplit
+
+SHAPE = KVShape(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", tokens_per_block=16)
+TOKENS = 8192  # 512 blocks: 1 GiB of KV per request at TP1
+NB = 520
+RESULTS = os.environ.get("KVBRIDGE_GPU_RESULTS")  # optional JSON lines file for the run's record
+
+
+def _rank(conn, role: str, layout_wire: dict, rank: int, device: int, instance: str, cfg: dict) -> None:
+    import torch
+
+    from kvbridge.transceiver import CacheTransceiver, TransceiverConfig
+
+    torch.cuda.set_device(device)
+    layout = KVLayout.from_wire(layout_wire)
+    nbytes = layout.block_bytes(rank) * NB
+    pool = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    words = pool.view(torch.int64)
+    words.copy_(torch.arange(words.numel(), device=pool.device, dtype=torch.int64) * 0x9E3779B1
+                + (hash((role, rank)) & 0xFFFF) * (1 << 40) + 0x5DEECE66D)
+    torch.cuda.synchronize()
+    make = CacheTransceiver.context if role == "context" else CacheTransceiver.generation
+    tr = make(pool, layout, rank, NB, TransceiverConfig(**cfg), instance=instance)
+    conn.send(tr.endpoint if role == "context" else "ready")
+
+    class Req:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    while conn.poll(300):
+        cmd, arg = conn.recv()
+        if cmd == "publish":
+            rid, blocks, n = arg
+            tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n))
+            conn.send(True)
+        elif cmd == "pull":
+            rid, params, blocks, n = arg
+            before = pool.clone()
+            tr.request_and_receive_async(Req(request_id=rid, disagg_params=params, block_ids=np.asarray(blocks),
+                                             num_tokens=n))
+            (r,) = tr.check_gen_transfer_status(1, timeout_s=120)
+            torch.cuda.synchronize()
+            owner = torch.arange(nbytes, device=pool.device) // layout.block_bytes(rank)
+            outside = ~torch.isin(owner, torch.as_tensor(blocks, device=pool.device))
+            untouched = bool(torch.equal(pool[outside], before[outside]))
+            conn.send({**r.__dict__, "untouched": untouched})
+        elif cmd == "status":
+            conn.send(tr.sender.pinned)
+        elif cmd == "exit":
+            break
+    tr.close()
+    conn.send("bye")
+
+
+class _Proc:
+    def __init__(self, *args) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.p = ctx.Process(target=_rank, args=(child, *args), daemon=True)
+        self.p.start()
+        assert self.conn.poll(120), "rank did not start"
+        self.hello = self.conn.recv()
+
+    def call(self, cmd, arg=None, timeout=180):
+        self.conn.send((cmd, arg))
+        assert self.conn.poll(timeout), f"no answer to {cmd}"
+        return self.conn.recv()
+
+    def send(self, cmd, arg=None):
+        self.conn.send((cmd, arg))
+
+    def close(self):
+        try:
+            self.call("exit", timeout=30)
+        except (AssertionError, OSError, EOFError):
+            pass
+        self.p.join(20)
+        if self.p.is_alive():
+            self.p.kill()
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+@pytest.mark.parametrize("agents", [["cuda_ipc"], ["nixl"]])
+@pytest.mark.parametrize("ctx_tp, gen_tp", [(2, 1), (1, 2)], ids=["ctx_tp2_gpu1_to_gen_tp1_gpu0",
+                                                                   "ctx_tp1_gpu1_to_gen_tp2_gpu0"])
+def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
+    from kvbridge.transceiver import DisaggParams
+
+    ctx_l, gen_l = KVLayout(SHAPE, ParallelSplit(tp=ctx_tp)), KVLayout(SHAPE, ParallelSplit(tp=gen_tp))
+    cfg = {"agents": tuple(agents), "verify": True, "transfer_timeout_s": 120, "lease_s": 60, "heartbeat_s": 1}
+    inst = f"gpu-ctx-{time.monotonic_ns()}"
+    ctx = [_Proc("context", ctx_l.to_wire(), r, 1, inst, cfg) for r in range(ctx_tp)]
+    gen = [_Proc("generation", gen_l.to_wire(), r, 0, "gpu-gen", cfg) for r in range(gen_tp)]
+    try:
+        endpoints = tuple(p.hello for p in ctx)
+        rng = np.random.default_rng(0)
+        rows = []
+        for rid in (1, 2):  # the first pull also opens IPC handles and compiles the kernel: time the second
+            cblocks = rng.permutation(NB)[:TOKENS // 16].tolist()
+            gblocks = rng.permutation(NB)[:TOKENS // 16].tolist()
+            for p in ctx:
+                p.call("publish", (rid, cblocks, TOKENS))
+            params = DisaggParams(rid, inst, endpoints, ctx_l).to_dict()
+            for p in gen:
+                p.send("pull", (rid, params, gblocks, TOKENS))
+            res = [p.conn.recv() if p.conn.poll(180) else None for p in gen]
+            for r in res:
+                assert r is not None and r["ok"], r
+                assert r["untouched"]
+                assert r["agents"] == tuple(agents) or list(r["agents"]) == agents
+            nbytes = sum(r["nbytes"] for r in res)
+            read_ms = max(r["timings_ms"]["read"] for r in res)
+            rows.append({"ctx_tp": ctx_tp, "gen_tp": gen_tp, "agent": agents[0], "request": rid, "bytes": nbytes,
+                         "fragments": sum(r["fragments"] for r in res), "read_ms": round(read_ms, 3),
+                         "gbps": round(nbytes / read_ms / 1e6, 1),
+                         "total_ms": round(max(r["timings_ms"]["total"] for r in res), 1)})
+            print(json.dumps(rows[-1]))
+        deadline = time.monotonic() + 10
+        while any(p.call("status") for p in ctx) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(p.call("status") for p in ctx)
+        assert rows[-1]["bytes"] == SHAPE.num_layers * 2 * 8 * 128 * 2 * TOKENS  # 1 GiB
+        if RESULTS:
+            with open(RESULTS, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    finally:
+        for p in ctx + gen:
+            p.close()
