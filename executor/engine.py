@@ -22,6 +22,8 @@ Who calls what, when (the transceiver's view; `Executor` in runtime.py is the in
     both
         -> event "done": (request_id, tokens, finish_reason) when an aggregated or generation-only
            request finishes; its blocks are freed in the next step.
+        -> event "tok": (request_id, n, token) for a request submitted with stream=True, each time it has a
+           new token and is still running (n = its tokens so far; the last one comes in "done").
 
 Scheduling: FIFO admission while the pool can reserve every admitted request's blocks to completion (so a
 running request never runs out of blocks) and the step's prefill token budget allows; a request that could
@@ -59,6 +61,7 @@ class Request:
     reserved: int = 0                       # blocks reserved to completion
     finish_reason: str | None = None
     transfer: str = ""                      # generation-only: the transfer's stats note from the rank hooks
+    stream: bool = False                    # report each new token ("tok" events) before "done"
 
 
 class Engine:
@@ -131,6 +134,7 @@ class Engine:
         r.state, r.num_cached, r.output = "running", len(r.prompt), [int(r.first_token)]
         r.transfer = note
         self._check_finished(r)
+        self._stream(r)
 
     def release(self, request_id: int) -> None:
         r = self._get(request_id, "release")
@@ -229,6 +233,7 @@ class Engine:
                 continue
             r.state = "running"
             self._check_finished(r)
+            self._stream(r)
         ev, self._events = self._events, []
         return ev
 
@@ -246,6 +251,11 @@ class Engine:
             if r.transfer:
                 ev["transfer"] = r.transfer
             self._events.append(ev)
+
+    def _stream(self, r: Request) -> None:
+        """A streaming request still running: report its newest token (n = tokens so far)."""
+        if r.stream and r.state == "running":
+            self._events.append({"t": "tok", "rid": r.request_id, "n": len(r.output), "tok": r.output[-1]})
 
     def _drop(self, r: Request, reason: str) -> None:
         r.state, r.finish_reason = "finished", reason

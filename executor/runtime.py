@@ -13,6 +13,8 @@ The API (see engine.py for when each call is allowed):
     g = ex.add_generation(prompt, first_token, max_tokens) -> GenerationHandle(request_id, block_ids)
     ex.write_kv(g.request_id, kv); ex.kv_ready(g.request_id); ex.wait(g.request_id) -> Completion
     ex.free_blocks() -> free blocks per rank (all back to num_blocks when idle); ex.close()
+    rid = ex.submit(prompt, stream=True); ex.wait_tokens(rid, have, timeout) -> (tokens, Completion | None)
+    ex.take_released() -> context requests released since the last call (by the hook; not mixed with release)
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class Completion:
 class _State:
     events: dict = field(default_factory=dict)       # (kind, rid) -> event
     kv: dict = field(default_factory=dict)           # (rid, rank) -> tensor
+    partial: dict = field(default_factory=dict)      # rid -> tokens so far of a streaming request
     stats: dict = field(default_factory=dict)        # rank -> event
     ready: dict = field(default_factory=dict)        # rank -> event
     fatal: str | None = None
@@ -171,19 +174,71 @@ class Executor:
     def submit(self, prompt: list[int], *, max_tokens: int = 16, mode: str = "aggregated",
                sampling: SamplingParams | None = None, stop_ids: tuple[int, ...] | None = None,
                first_token: int | None = None, ctx_info: dict | None = None,
-               request_id: int | None = None) -> int:
-        """Queue a request; returns its id. stop_ids defaults to the model's EOS tokens."""
+               request_id: int | None = None, stream: bool = False) -> int:
+        """Queue a request; returns its id. stop_ids defaults to the model's EOS tokens.
+
+        stream=True: its tokens can be followed with `wait_tokens` while it runs.
+        """
         rid = next(self._ids) if request_id is None else int(request_id)
         stops = self.model_config.eos_token_ids if stop_ids is None else tuple(stop_ids)
         self._send({"t": "add", "rid": rid, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
                     "mode": mode, "sampling": (sampling or SamplingParams()).to_wire(),
                     "stop_ids": [int(t) for t in stops], "first_token": first_token,
-                    "ctx_info": ctx_info or {}})
+                    "ctx_info": ctx_info or {}, "stream": bool(stream)})
         return rid
 
     def wait(self, request_id: int, timeout: float | None = None) -> Completion:
         """Wait for an aggregated or generation-only request to finish."""
         ev = self._wait_event(("done", request_id), timeout, f"request {request_id} to finish")
+        return self._completion(request_id, ev)
+
+    def wait_tokens(self, request_id: int, have: int, timeout: float) -> tuple[list[int], Completion | None]:
+        """Wait up to `timeout` for a request to have more than `have` tokens, or to finish.
+
+        Args:
+            request_id: an aggregated or generation-only request (submitted with stream=True to see tokens
+                before it finishes).
+            have: how many of its tokens the caller has already seen.
+            timeout: seconds; returning with nothing new is not an error.
+        Returns:
+            (its tokens so far, its Completion once finished, else None).
+        Raises:
+            ExecutorError / KVCacheExhausted: the request was refused or the executor failed.
+        """
+        keys = (("done", request_id), ("refused", request_id), ("req_error", request_id))
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                ev = next((self._st.events.pop(k) for k in keys if k in self._st.events), None)
+                if ev is not None:
+                    break
+                toks = self._st.partial.get(request_id, ())
+                left = deadline - time.monotonic()
+                if len(toks) > have or left <= 0:
+                    return list(toks), None
+                if self._st.fatal:
+                    raise ExecutorError(f"while waiting for request {request_id}: {self._st.fatal}")
+                self._cv.wait(min(left, 0.5))
+        if ev["t"] == "refused":
+            raise KVCacheExhausted(ev["msg"]) if "blocks" in ev["msg"] else ExecutorError(ev["msg"])
+        if ev["t"] == "req_error":
+            raise ExecutorError(ev["msg"])
+        c = self._completion(request_id, ev)
+        return c.tokens, c
+
+    def take_released(self) -> list[int]:
+        """Context-only requests released since the last call (by the rank hooks). A server calls it now and
+        then so the release events do not pile up; do not call it while a `release` call waits."""
+        with self._cv:
+            ids = [rid for (t, rid) in self._st.events if t == "released"]
+            for rid in ids:
+                del self._st.events[("released", rid)]
+        return ids
+
+    def _completion(self, request_id: int, ev: dict) -> Completion:
+        with self._cv:  # a finished request leaves nothing behind
+            self._st.partial.pop(request_id, None)
+            self._st.events.pop(("gen_alloc", request_id), None)
         return Completion(request_id, list(ev["tokens"]), ev["reason"], str(ev.get("error", "")),
                           str(ev.get("transfer", "")))
 
@@ -329,6 +384,10 @@ class Executor:
             self._st.kv[(int(msg["rid"]), rank)] = x
         elif t == "stats":
             self._st.stats[rank] = msg
+        elif t == "tok":
+            toks = self._st.partial.setdefault(int(msg["rid"]), [])
+            if int(msg["n"]) == len(toks) + 1:
+                toks.append(int(msg["tok"]))
         elif t == "exit":
             pass
         else:

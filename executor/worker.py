@@ -301,7 +301,7 @@ def _apply_command(eng: Engine, c: dict, post: list) -> bool:
                                str(c["mode"]),
                                sp, tuple(int(x) for x in c.get("stop_ids", ())),
                                None if ft is None else int(ft),
-                               dict(c.get("ctx_info") or {})))
+                               dict(c.get("ctx_info") or {}), stream=bool(c.get("stream", False))))
         elif t == "kv_ready":
             eng.kv_ready(int(c["rid"]))
         elif t == "release":
