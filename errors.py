@@ -102,3 +102,12 @@ class KVCacheExhausted(KVCacheError):
 
 class ExecutorError(KvBridgeError):
     """The reference executor failed: a rank died, a step timed out, a model could not be loaded."""
+
+
+# --- serving ------------------------------------------------------------------------------------------
+class ServingError(KvBridgeError):
+    """A worker, the router or the launcher failed (a worker died, none is healthy, a hop ran out of time)."""
+
+
+class ServeConfigError(ServingError):
+    """The serving config (YAML) is invalid; the message names the bad key and what is accepted."""

@@ -164,6 +164,11 @@ class Executor:
             pass
         stop_processes(self._procs, timeout)
 
+    @property
+    def error(self) -> str | None:
+        """Why this executor can no longer serve (a rank died or failed, or it was closed); None while healthy."""
+        return self._st.fatal or ("the executor is closed" if self._closing else None)
+
     def __enter__(self) -> "Executor":
         return self
 
