@@ -160,8 +160,12 @@ class Receiver:
         socks = {p.sock: p for p in self._peers.values() if p.sock is not None}
         for s in socks:
             poller.register(s, zmq.POLLIN)
+        # While reads are in flight, completion is noticed by polling the handles: spin (a zero-timeout poll,
+        # yielding the GIL) so a finished read is seen within microseconds; otherwise sleep in the poll.
         busy = any(p.state == "read" or p.state == "drain" for p in self._pulls.values())
-        ready = dict(poller.poll(0.5 if busy else 20))
+        ready = dict(poller.poll(0 if busy else 20))
+        if busy and not ready:
+            time.sleep(0)
         if self._wake_rx in ready:
             while self._wake_rx.poll(0):
                 self._wake_rx.recv()
