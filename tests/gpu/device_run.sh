@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One round of GPU work on a 2-GPU device machine (see /work/notes/gpu_results.md): the GPU tests, then the
+# One round of GPU work on a 2-GPU device machine (see bench/RESULTS.md): the GPU tests, then the
 # transfer benchmark. Run from the repo root with $OUT set; needs the wheels from ../shared/tools/gpu-wheels.sh
 # in .whl/. Usage: bash tests/gpu/device_run.sh [pytest-args...]   (BENCH_ARGS adds benchmark options)
 set -uo pipefail
