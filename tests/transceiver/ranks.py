@@ -83,6 +83,12 @@ def _serve(conn) -> None:
             elif cmd == "cancel":
                 state["tr"].cancel_request(arg)
                 conn.send(True)
+            elif cmd == "gen_status":  # pulls this generation rank still has in flight
+                conn.send({"in_flight": state["tr"].receiver.in_flight})
+            elif cmd == "pool_digest":  # xxh3-64 of the whole pool: did anything write into it since?
+                import xxhash
+
+                conn.send(xxhash.xxh3_64_hexdigest(memoryview(state["buf"]).cast("B")))
             elif cmd in ("pull", "submit", "collect"):
                 # pull: submit the pulls (rid, params dict, blocks, n, salt[, timeout]) and collect them;
                 # submit: only submit (answers True); collect: wait for what was submitted.
