@@ -38,6 +38,7 @@ from .weights import stage_weights
 __all__ = ["rank_main", "Pipes"]
 
 HEARTBEAT_S = 0.2   # an idle leader still broadcasts an empty plan this often, so no rank's wait runs out
+HOOK_QUIET_S = 0.1  # idle rounds back off to this while no request exists (a command still wakes at once)
 MAX_FRAME = 1 << 31
 
 
@@ -241,9 +242,10 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
                  vocab_size=run.mcfg.vocab_size)
     tally = HookTally(run.layout.world_size)
     idle_wait = HOOK_IDLE_S if run.hook is not None else 0.02
+    quiet_wait = idle_wait  # grows while the engine holds no request (nothing a hook could report on)
     last_bcast = time.monotonic()
     while True:
-        wait = 0.0 if eng.has_work() else idle_wait
+        wait = 0.0 if eng.has_work() else quiet_wait
         cmds = []
         try:
             cmds.append(inbox.commands.get(timeout=wait) if wait else inbox.commands.get_nowait())
@@ -283,6 +285,7 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
                 eng.release(rid)
             for rid in agreed["kv_ready"]:
                 eng.kv_ready(rid, tally.take_note(rid))
+        quiet_wait = min(quiet_wait * 2, HOOK_QUIET_S) if idle and not eng.requests else idle_wait
     run.comm.broadcast_plan(codec.pack({"v": 1, "step": eng.step, "stop": True, "ops": [], "batch": [],
                                         "post": []}))
 
