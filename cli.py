@@ -15,6 +15,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvbridge.executor.generate:main", "run a prompt on the reference executor"),
     "keys": ("kvbridge.transceiver.keys:main", "create a CurveZMQ key pair for the control plane"),
     "bench": ("kvbridge.bench.__main__:main", "benchmarks: `kvbridge bench transfer|plan ...` (JSON with --json)"),
+    "serve": ("kvbridge.serving.launcher:main", "launch every worker and the router of a serving config (YAML)"),
+    "worker": ("kvbridge.serving.worker:main", "one context or generation worker of a serving config"),
+    "router": ("kvbridge.serving.router:main", "the OpenAI-compatible router of a serving config"),
     "verify-layout": ("kvbridge.formatter.cli:main", "check a ctx/gen TP/PP split byte-exact in-process"),
 }
 

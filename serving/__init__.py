@@ -1,0 +1,15 @@
+"""kvbridge.serving: disaggregated serving over HTTP — workers, an OpenAI-compatible router, a launcher.
+
+Modules:
+    config      the YAML serving config (model, context/generation servers, transceiver, router, executor)
+    protocol    OpenAI request parsing, response / stream chunk / error objects, `disaggregated_params`
+    text        tokenization, chat templates, incremental detokenization
+    backend     a worker's Executor seen from asyncio (bounded waits, aborts when the caller goes)
+    worker_app  a worker's FastAPI routes; worker: `kvbridge worker` (one executor + HTTP server)
+    router      `kvbridge router`: OpenAI endpoints, context hop then generation hop, retries, deadlines
+    balancer    worker pools: health, round-robin and least-loaded picks
+    launcher    `kvbridge serve CONFIG`: every worker and the router as process groups, health, shutdown
+    metrics     Prometheus metrics (workers in multiprocess mode so rank processes' metrics are merged)
+Imports the executor and transceiver; nothing below imports this package. Importing it is cheap (the CLI
+imports worker/router/launcher modules to run them; they import FastAPI and torch only in main).
+"""

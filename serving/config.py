@@ -1,0 +1,318 @@
+"""The serving config: one YAML file for the model, the context and generation servers, the transceiver, the
+router and executor options, in the spirit of `trtllm-serve disaggregated -c config.yaml`.
+
+Owns parsing and validation (every error names the key path, e.g. `context_servers.tp`), merging the shared
+sections with each server group's overrides, and turning one server into its ExecutorConfig. Never starts
+anything and never touches the network.
+
+    model: smollm2                      # a model spec (kvbridge generate --help lists them)
+    on_transfer_failure: fail           # or recompute: the generation worker prefills the prompt itself
+    executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}
+    transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
+    router: {host: 127.0.0.1, port: 8000, policy: round_robin}
+    context_servers: {instances: 1, tp: 3, urls: ["127.0.0.1:8001"]}
+    generation_servers: {instances: 1, tp: 1, urls: ["127.0.0.1:8002"], device: cuda:0}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from ..errors import KvBridgeError, ServeConfigError
+from ..executor.runtime import ExecutorConfig
+from ..transceiver import TransceiverConfig
+
+__all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_config", "ROLES", "POLICIES"]
+
+ROLES = ("context", "generation")
+POLICIES = ("round_robin", "least_loaded")
+FAILURE_MODES = ("fail", "recompute")
+HOOK = "kvbridge.executor.transceiver_hook:make"
+
+_TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
+        "generation_servers", "startup_timeout_s", "default_max_tokens"}
+_EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
+             "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int}
+_GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
+          "executor", "transceiver"}
+_ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
+           "health_interval_s", "connect_timeout_s"}
+_GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One worker: an executor of `tp` x `pp` ranks behind an HTTP server.
+
+    host/port: where the router reaches it (port 0: `kvbridge serve` picks a free one); bind_host: the
+    address its HTTP server binds. executor / transceiver: the merged settings for its ExecutorConfig and
+    TransceiverConfig.
+    """
+
+    role: str
+    index: int
+    host: str
+    port: int
+    bind_host: str
+    tp: int
+    pp: int
+    layers_per_stage: tuple[int, ...] | None
+    executor: dict[str, Any]
+    transceiver: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return f"{'ctx' if self.role == 'context' else 'gen'}{self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def executor_config(self, model: str, hook_args: dict[str, Any]) -> ExecutorConfig:
+        """The ExecutorConfig of this server, with the transceiver as its rank hook."""
+        return ExecutorConfig(model=model, tp=self.tp, pp=self.pp, layers_per_stage=self.layers_per_stage,
+                              rank_hook=HOOK, rank_hook_args=hook_args, **self.executor)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The router: where it listens, how it picks workers, and the deadline of every hop."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    bind_host: str = ""
+    policy: str = "round_robin"
+    request_timeout_s: float = 300.0   # a whole request, context hop + generation (streaming included)
+    context_timeout_s: float = 120.0   # one context hop (a prefill); a failed hop is retried elsewhere
+    health_interval_s: float = 2.0     # how often every worker's /health is polled
+    connect_timeout_s: float = 5.0     # opening a connection to a worker
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """A validated serving config. `raw` is the mapping it was parsed from (written back by `resolved`)."""
+
+    model: str
+    model_name: str
+    on_transfer_failure: str
+    context: tuple[ServerSpec, ...]
+    generation: tuple[ServerSpec, ...]
+    router: RouterSpec
+    startup_timeout_s: float
+    default_max_tokens: int
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def servers(self) -> tuple[ServerSpec, ...]:
+        return self.context + self.generation
+
+    def server(self, role: str, index: int) -> ServerSpec:
+        """The server `index` of `role`; ServeConfigError naming what exists otherwise."""
+        if role not in ROLES:
+            raise ServeConfigError(f"role {role!r} is not one of {ROLES}")
+        group = self.context if role == "context" else self.generation
+        if not 0 <= index < len(group):
+            raise ServeConfigError(f"{_GROUP_KEY[role]} has {len(group)} instance(s); there is no index "
+                                   f"{index}")
+        return group[index]
+
+    def resolved(self, ports: dict[str, int], router_port: int | None = None) -> "ServeConfig":
+        """A copy with the given ports ({server name: port}) written into its urls (and the router's port)."""
+        raw = _copy(self.raw)
+        for role, key in _GROUP_KEY.items():
+            group = self.context if role == "context" else self.generation
+            raw[key]["urls"] = [f"{s.host}:{ports.get(s.name, s.port)}" for s in group]
+            raw[key].pop("num_instances", None)
+            raw[key]["instances"] = len(group)
+        if router_port is not None:
+            raw.setdefault("router", {})["port"] = router_port
+        return parse_config(raw)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.raw, sort_keys=False)
+
+
+def load_config(path: str) -> ServeConfig:
+    """Read and validate a YAML serving config.
+
+    Raises:
+        ServeConfigError: the file cannot be read, is not YAML, or a key is unknown or has a bad value.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = yaml.safe_load(f)
+    except OSError as e:
+        raise ServeConfigError(f"{path}: cannot read the serving config ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ServeConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return parse_config(d)
+    except ServeConfigError as e:
+        raise ServeConfigError(f"{path}: {e}") from None
+
+
+def parse_config(d: Any) -> ServeConfig:
+    """Validate a serving config mapping (see the module docstring)."""
+    top = _map(d, "the config")
+    _known(top, _TOP, "")
+    model = _get(top, "model", str, "", required=True)
+    if not model:
+        raise ServeConfigError("model: must name a model (e.g. smollm2 or seeded:tiny)")
+    mode = _get(top, "on_transfer_failure", str, "", "fail")
+    if mode not in FAILURE_MODES:
+        raise ServeConfigError(f"on_transfer_failure: {mode!r} is not one of {FAILURE_MODES}")
+    executor = _executor(_map(top.get("executor", {}), "executor"), "executor")
+    transceiver = _map(top.get("transceiver", {}), "transceiver")
+    _transceiver(transceiver, "transceiver")
+    groups = {}
+    for role, key in _GROUP_KEY.items():
+        if key not in top:
+            raise ServeConfigError(f"{key}: missing (each config names its context and generation servers)")
+        groups[role] = _group(role, _map(top[key], key), key, executor, transceiver)
+    router = _router(_map(top.get("router", {}), "router"))
+    startup = _get(top, "startup_timeout_s", float, "", 300.0)
+    max_tokens = _get(top, "default_max_tokens", int, "", 256)
+    if startup <= 0 or max_tokens < 1:
+        raise ServeConfigError("startup_timeout_s must be > 0 and default_max_tokens >= 1")
+    return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
+                       groups["generation"], router, startup, max_tokens, _copy(top))
+
+
+# --- sections -------------------------------------------------------------------------------------------
+def _executor(d: dict, path: str, base: dict | None = None) -> dict[str, Any]:
+    _known(d, set(_EXECUTOR), path)
+    out = dict(base or {})
+    for k, t in _EXECUTOR.items():
+        if k in d:
+            out[k] = _get(d, k, t, path)
+    for k in ("num_blocks", "tokens_per_block", "max_batch_tokens", "max_batch_seqs", "threads_per_rank"):
+        if k in d and out[k] < 1:
+            raise ServeConfigError(f"{path}.{k}: must be >= 1, got {out[k]}")
+    if "timeout_s" in d and out["timeout_s"] <= 0:
+        raise ServeConfigError(f"{path}.timeout_s: must be > 0, got {out['timeout_s']}")
+    dev = out.get("device", "cpu")
+    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise ServeConfigError(f"{path}.device: {dev!r} is not cpu, cuda or cuda:N (N = the first GPU)")
+    return out
+
+
+def _transceiver(d: dict, path: str) -> None:
+    try:
+        TransceiverConfig.from_dict(d)
+    except (KvBridgeError, TypeError, ValueError) as e:
+        raise ServeConfigError(f"{path}: {e}") from None
+
+
+def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> tuple[ServerSpec, ...]:
+    _known(d, _GROUP, path)
+    if "instances" in d and "num_instances" in d:
+        raise ServeConfigError(f"{path}: give instances or num_instances, not both")
+    n = _get(d, "instances" if "instances" in d else "num_instances", int, path, 1)
+    if n < 1:
+        raise ServeConfigError(f"{path}.instances: must be >= 1, got {n}")
+    tp, pp = _get(d, "tp", int, path, 1), _get(d, "pp", int, path, 1)
+    if tp < 1 or pp < 1:
+        raise ServeConfigError(f"{path}: tp and pp must be >= 1, got tp={tp} pp={pp}")
+    lps = d.get("layers_per_stage")
+    if lps is not None:
+        if not isinstance(lps, list) or len(lps) != pp or not all(type(x) is int and x > 0 for x in lps):
+            raise ServeConfigError(f"{path}.layers_per_stage: must be a list of {pp} positive integers (one "
+                                   f"per pipeline stage), got {lps!r}")
+        lps = tuple(lps)
+    urls = d.get("urls", ["127.0.0.1:0"] * n)
+    if not isinstance(urls, list) or len(urls) != n:
+        raise ServeConfigError(f"{path}.urls: must list one 'host:port' per instance ({n}), got {urls!r}")
+    devices = d.get("device")
+    if isinstance(devices, list):
+        if len(devices) != n:
+            raise ServeConfigError(f"{path}.device: a list must give one device per instance ({n})")
+    elif devices is not None:
+        devices = [devices] * n
+    ex = _executor(_map(d.get("executor", {}), f"{path}.executor"), f"{path}.executor", executor)
+    tr = {**transceiver, **_map(d.get("transceiver", {}), f"{path}.transceiver")}
+    _transceiver(tr, f"{path}.transceiver")
+    out = []
+    for i, u in enumerate(urls):
+        host, port = _host_port(u, f"{path}.urls[{i}]")
+        exi = ex if devices is None else _executor({"device": devices[i]}, f"{path}.device[{i}]", ex)
+        bind = _get(d, "bind_host", str, path, host)
+        out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tr))
+    return tuple(out)
+
+
+def _router(d: dict) -> RouterSpec:
+    _known(d, _ROUTER, "router")
+    r = RouterSpec(host=_get(d, "host", str, "router", "127.0.0.1"),
+                   port=_get(d, "port", int, "router", 8000),
+                   bind_host=_get(d, "bind_host", str, "router", ""),
+                   policy=_get(d, "policy", str, "router", "round_robin"),
+                   request_timeout_s=_get(d, "request_timeout_s", float, "router", 300.0),
+                   context_timeout_s=_get(d, "context_timeout_s", float, "router", 120.0),
+                   health_interval_s=_get(d, "health_interval_s", float, "router", 2.0),
+                   connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0))
+    if r.policy not in POLICIES:
+        raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
+    if not 0 <= r.port < 65536:
+        raise ServeConfigError(f"router.port: {r.port} is not a TCP port")
+    for k in ("request_timeout_s", "context_timeout_s", "health_interval_s", "connect_timeout_s"):
+        if getattr(r, k) <= 0:
+            raise ServeConfigError(f"router.{k}: must be > 0 seconds, got {getattr(r, k)}")
+    return r if r.bind_host else RouterSpec(**{**r.__dict__, "bind_host": r.host})
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+def _map(v: Any, path: str) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ServeConfigError(f"{path}: expected a mapping, got {type(v).__name__}")
+    return v
+
+
+def _known(d: dict, known: set, path: str) -> None:
+    bad = sorted(str(k) for k in d if k not in known)
+    if bad:
+        where = f"{path}." if path else ""
+        raise ServeConfigError(f"{where}{bad[0]}: unknown key" + (f" (also {bad[1:]})" if bad[1:] else "") +
+                               f"; known keys{' of ' + path if path else ''}: {sorted(known)}")
+
+
+def _get(d: dict, key: str, t, path: str, default: Any = None, required: bool = False) -> Any:
+    where = f"{path}.{key}" if path else key
+    if key not in d:
+        if required:
+            raise ServeConfigError(f"{where}: missing")
+        return default
+    v = d[key]
+    if t is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    types = t if isinstance(t, tuple) else (t,)
+    if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, float) and not math.isfinite(v)):
+        names = " or ".join("null" if x is type(None) else x.__name__ for x in types)
+        raise ServeConfigError(f"{where}: expected {names}, got {v!r}")
+    return v
+
+
+def _host_port(u: Any, path: str) -> tuple[str, int]:
+    if not isinstance(u, str):
+        raise ServeConfigError(f"{path}: expected 'host:port', got {u!r}")
+    s = u.removeprefix("http://").rstrip("/")
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ServeConfigError(f"{path}: {u!r} is not 'host:port' (port 0: pick a free one)")
+    return host, int(port)
+
+
+def _copy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_copy(v) for v in d]
+    return d

@@ -1,0 +1,114 @@
+"""`kvbridge worker --config CONFIG --role context|generation [--index i]`: one worker process.
+
+Starts the Executor of one server of the config (its rank processes spawn, rank 0 leads, every rank runs
+the transceiver as its rank hook), waits until the context ranks published their control endpoints, then
+serves HTTP (worker_app.py) on the server's bind_host:port until SIGINT/SIGTERM or until its executor fails
+(then it exits 1, so `kvbridge serve` notices). `kvbridge serve` starts these; on other hosts start them by
+hand with the same config.
+
+Owns the order of start-up and shut-down: metrics in multiprocess mode before anything imports
+prometheus_client, the executor closed (its ranks reaped) after the HTTP server stopped, temporary folders
+removed. This module imports nothing heavy at import time (the `kvbridge` CLI imports it to run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+
+__all__ = ["main"]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kvbridge worker", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="the serving config (YAML)")
+    ap.add_argument("--role", required=True, choices=("context", "generation"))
+    ap.add_argument("--index", type=int, default=0, help="which server of its role (default 0)")
+    ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    from .launcher import die_with_parent
+    from .metrics import remove_dir, use_multiprocess_dir
+
+    die_with_parent()
+
+    prom_dir = use_multiprocess_dir()  # before prometheus_client is imported, so the ranks inherit it
+    try:
+        return _run(a)
+    finally:
+        remove_dir(prom_dir)
+
+
+def _run(a) -> int:
+    from ..errors import KvBridgeError
+    from .config import load_config
+
+    try:
+        cfg = load_config(a.config)
+        spec = cfg.server(a.role, a.index)
+    except KvBridgeError as e:
+        print(f"kvbridge worker: {e}", file=sys.stderr)
+        return 2
+    if spec.port == 0:
+        print(f"kvbridge worker: {spec.name} has port 0 in {a.config}; give it a port (kvbridge serve picks "
+              f"free ports itself)", file=sys.stderr)
+        return 2
+    run_dir = tempfile.mkdtemp(prefix=f"kvbridge-{spec.name}-")
+    try:
+        return _serve(cfg, spec, run_dir, a.log_level)
+    except KvBridgeError as e:
+        print(f"kvbridge worker {spec.name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _serve(cfg, spec, run_dir: str, log_level: str) -> int:
+    import uvicorn
+
+    from ..executor.runtime import Executor
+    from ..executor.transceiver_hook import context_endpoints
+    from .backend import Backend
+    from .text import TextCodec
+    from .worker_app import WorkerState, build_app
+
+    instance = f"{spec.name}-{uuid.uuid4().hex[:12]}"  # changes whenever the worker restarts
+    t0 = time.monotonic()
+    codec = TextCodec(cfg.model)
+    hook_args = {"role": spec.role, "instance": instance, "transceiver": spec.transceiver, "run_dir": run_dir}
+    ex = Executor.start(spec.executor_config(cfg.model, hook_args))
+    be = None
+    try:
+        world = spec.tp * spec.pp
+        eps = context_endpoints(run_dir, world, timeout=ex.cfg.timeout_s) if spec.role == "context" else ()
+        be = Backend(ex)
+        st = WorkerState(cfg, spec, be, codec, instance, eps)
+        server = None
+        app = build_app(st, on_fatal=lambda: setattr(server, "should_exit", True))
+        server = uvicorn.Server(uvicorn.Config(app, host=spec.bind_host, port=spec.port, log_level=log_level,
+                                               timeout_graceful_shutdown=5, lifespan="on"))
+
+        print(f"[{spec.name}] {spec.role} worker ready at {spec.url}: {cfg.model} TP{spec.tp}xPP{spec.pp} "
+              f"on {ex.cfg.device}, pid {os.getpid()}, started in {time.monotonic() - t0:.1f}s"
+              + (f"; transceiver {', '.join(eps)}" if eps else ""), flush=True)
+        server.run()
+        if st.failed:
+            print(f"[{spec.name}] stopped: its executor failed: {st.failed.splitlines()[0]}", file=sys.stderr,
+                  flush=True)
+            return 1
+        if not server.started:
+            print(f"[{spec.name}] could not serve on {spec.bind_host}:{spec.port}", file=sys.stderr,
+                  flush=True)
+            return 1
+        return 0
+    finally:
+        if be is not None:
+            be.close()
+        ex.close()

@@ -1,0 +1,305 @@
+"""A worker's HTTP server: one Executor (its rank processes, the transceiver in each) behind FastAPI.
+
+Routes:
+    POST /v1/completions, /v1/chat/completions   OpenAI requests; with disaggregated_params
+        {"request_type": "context_only"}    (context worker) prefill, answer the first token and
+                                            disaggregated_params for the generation side (DisaggParams inside)
+        {"request_type": "generation_only", ...}  (generation worker) pull the KV, decode, answer / stream
+        none                                aggregated on this worker's executor (either role)
+    GET /health (503 once the executor failed), /metrics (Prometheus, every rank process merged),
+        /v1/models, /debug/free_blocks (free blocks per rank, pinned context requests)
+
+Owns request handling and the generation side's failure policy (`on_transfer_failure`: fail returns the
+transfer's error; recompute prefills the prompt here, aggregated). Never frees KV itself (backend.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import KvBridgeError
+from ..executor.sampling import SamplingParams
+from ..transceiver import DisaggParams
+from .backend import Backend
+from .config import ServeConfig, ServerSpec
+from .metrics import WorkerMetrics, render
+from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, chunk, new_id,
+                       parse_request, response, sse, usage_chunk)
+from .text import Detokenizer, TextCodec
+
+log = logging.getLogger("kvbridge.serving.worker")
+
+__all__ = ["WorkerState", "build_app"]
+
+
+@dataclass
+class WorkerState:
+    cfg: ServeConfig
+    spec: ServerSpec
+    backend: Backend
+    codec: TextCodec
+    instance: str
+    endpoints: tuple[str, ...] = ()
+    started: float = field(default_factory=time.time)
+    failed: str | None = None
+
+
+def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
+    """The worker's FastAPI application over a started executor.
+
+    Args:
+        st: the worker's state (its executor already started).
+        on_fatal: called once if the executor fails while serving (the worker should stop).
+    """
+    cfg, spec, be = st.cfg, st.spec, st.backend
+    metrics = WorkerMetrics(spec.role)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        task = asyncio.create_task(housekeeping(st, on_fatal))
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title=f"kvbridge worker {spec.name}", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        err = st.failed or be.ex.error
+        body = {"status": "failed" if err else "ok", "name": spec.name, "role": spec.role,
+                "model": cfg.model_name, "instance": st.instance, "tp": spec.tp, "pp": spec.pp,
+                "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned)}
+        if err:
+            body["error"] = err.splitlines()[0]
+        return JSONResponse(body, status_code=503 if err else 200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        data, ctype = render()
+        return Response(data, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model",
+                                            "created": int(st.started), "owned_by": "kvbridge"}]}
+
+    @app.get("/debug/free_blocks")
+    async def free_blocks() -> dict:
+        free = await be.free_blocks()
+        return {"free_blocks": free, "num_blocks": be.ex.cfg.num_blocks, "pinned_context_requests":
+                be.collect_released() if spec.role == "context" else 0}
+
+    async def handle(request: Request, kind: str):
+        t0 = time.monotonic()
+        outcome, phase = "ok", "generate"
+        be.in_flight += 1
+        metrics.in_flight.inc()
+        try:
+            req = parse_request(await _json(request), kind, cfg.default_max_tokens)
+            if req.model and req.model not in (cfg.model_name, cfg.model):
+                raise ApiError(404, f"model {req.model!r} is not served here; this server has "
+                                    f"{cfg.model_name!r}", code="model_not_found", param="model")
+            deadline = t0 + _timeout(request, cfg.router.request_timeout_s)
+            if req.disagg is not None and req.disagg.request_type == "context_only":
+                phase = "prefill"
+                return await _context(st, req, deadline)
+            return await _generate(st, request, req, deadline, metrics)
+        except ApiError as e:
+            outcome = e.code or e.type
+            raise
+        finally:
+            be.in_flight -= 1
+            metrics.in_flight.dec()
+            dt = time.monotonic() - t0
+            metrics.done(kind, outcome, dt, phase, dt)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, "chat")
+
+    return app
+
+
+# --- the two halves -------------------------------------------------------------------------------------
+async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[str, Any]:
+    spec, be = st.spec, st.backend
+    if spec.role != "context":
+        raise ApiError(400, f"{spec.name} is a generation worker; send context_only requests to a context "
+                            f"worker", code="wrong_role", param="disaggregated_params")
+    prompt = _prompt_ids(st, req)
+    seed = req.disagg.seed if req.disagg and req.disagg.seed is not None else req.seed
+    seed = secrets.randbits(31) if seed is None else seed
+    sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed)
+    t0 = time.monotonic()
+    res = await be.prefill(prompt, sampling, max(0.1, deadline - t0))
+    params = DisaggParams(res.request_id, st.instance, st.endpoints, be.ex.layout).to_dict()
+    out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name)
+    return {"id": new_id(req.kind), "object": "text_completion", "created": int(time.time()),
+            "model": st.cfg.model_name,
+            "choices": [{"index": 0, "text": st.codec.decode([res.first_token]), "finish_reason": None}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1},
+            "disaggregated_params": out.to_dict(),
+            "kvbridge": {"context_worker": spec.name, "prefill_ms": round((time.monotonic() - t0) * 1e3, 3)}}
+
+
+async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline: float,
+                    metrics: WorkerMetrics):
+    spec, be, cfg = st.spec, st.backend, st.cfg
+    d = req.disagg
+    extra: dict[str, Any] = {"generation_worker": spec.name}
+    if d is not None:  # generation_only
+        if spec.role != "generation":
+            raise ApiError(400, f"{spec.name} is a context worker; send generation_only requests to a "
+                                f"generation worker", code="wrong_role", param="disaggregated_params")
+        try:
+            DisaggParams.from_dict(d.ctx_params)
+        except KvBridgeError as e:
+            raise ApiError(400, f"disaggregated_params.ctx_params: {e}", code="invalid_disaggregated_params",
+                           param="disaggregated_params") from None
+        prompt, seed = d.prompt_token_ids, (d.seed if d.seed is not None else req.seed or 0)
+        extra["context_worker"] = d.context_worker
+    else:
+        prompt, seed = _prompt_ids(st, req), (secrets.randbits(31) if req.seed is None else req.seed)
+    sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed)
+    gone = None if req.stream else request.is_disconnected
+
+    def submit(aggregated: bool) -> int:
+        try:
+            if aggregated:
+                return be.ex.submit(prompt, max_tokens=req.max_tokens, sampling=sampling, stream=req.stream)
+            return be.ex.submit(prompt, max_tokens=req.max_tokens, mode="generation_only", sampling=sampling,
+                                first_token=d.first_token, ctx_info={"disagg_params": d.ctx_params},
+                                stream=req.stream)
+        except KvBridgeError as e:
+            raise be.error(e, "submit") from None
+
+    events = be.follow(submit(d is None), deadline, gone)
+    toks, done = await anext(events)
+    if done is not None and done.finish_reason == "aborted" and d is not None and not toks:
+        reason = done.error or "the KV transfer was aborted"
+        if cfg.on_transfer_failure != "recompute":
+            src = d.context_worker or "the context worker"
+            raise ApiError(502, f"KV transfer from {src} failed: {reason}", "server_error",
+                           "kv_transfer_failed")
+        log.warning("%s: KV transfer failed (%s); recomputing the prompt here", spec.name, reason)
+        metrics.recomputes.inc()
+        extra.update(recomputed=True, transfer_error=reason)
+        events = be.follow(submit(True), deadline, gone)
+        toks, done = await anext(events)
+    if done is not None and done.finish_reason == "aborted":
+        raise ApiError(500, f"the request was aborted: {done.error or 'no reason given'}", "server_error",
+                       "aborted")
+    extra.setdefault("recomputed", False)
+    rid = new_id(req.kind)
+    if req.stream:
+        return StreamingResponse(_stream(st, req, rid, prompt, toks, done, events, extra, metrics),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    while done is None:
+        toks, done = await anext(events)
+    _finish_extra(extra, done, metrics)
+    text = st.codec.decode(toks)
+    return response(rid, req, cfg.model_name, text, done.finish_reason, len(prompt), len(toks), extra)
+
+
+async def _stream(st: WorkerState, req: GenRequest, rid: str, prompt: list[int], toks: list[int], done,
+                  events, extra: dict[str, Any], metrics: WorkerMetrics):
+    detok, sent, first, model = Detokenizer(st.codec), 0, True, st.cfg.model_name
+    try:
+        while True:
+            new, sent = toks[sent:], len(toks)
+            text = detok.delta(toks, final=done is not None)
+            if done is not None:
+                _finish_extra(extra, done, metrics)
+                last = {**extra, "token_ids": new}
+                yield sse(chunk(rid, req, model, text, done.finish_reason, last, first))
+                if req.include_usage:
+                    yield sse(usage_chunk(rid, req, model, len(prompt), len(toks)))
+                yield SSE_DONE
+                return
+            if new:
+                yield sse(chunk(rid, req, model, text, None, {"token_ids": new}, first))
+                first = False
+            toks, done = await anext(events)
+    except ApiError as e:
+        yield sse(e.body())
+    finally:
+        await events.aclose()
+
+
+def _finish_extra(extra: dict[str, Any], done, metrics: WorkerMetrics) -> None:
+    extra["token_ids"] = list(done.tokens)
+    if done.transfer:
+        try:
+            extra["transfer"] = json.loads(done.transfer)
+            metrics.transfer.observe(float(extra["transfer"]["ms"]["total"]) / 1e3)
+        except (ValueError, KeyError, TypeError):
+            extra["transfer"] = {"raw": done.transfer}
+
+
+def _prompt_ids(st: WorkerState, req: GenRequest) -> list[int]:
+    if req.kind == "chat":
+        try:
+            text = st.codec.chat_prompt(req.messages or [])
+        except KvBridgeError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = st.codec.encode(text)
+    else:
+        ids = list(req.prompt) if isinstance(req.prompt, list) else st.codec.encode(req.prompt or "")
+    mc = st.backend.ex.model_config
+    bad = next((t for t in ids if t >= mc.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt: token id {bad} is outside the model's vocabulary "
+                            f"0..{mc.vocab_size - 1}", param="prompt")
+    if len(ids) + req.max_tokens > mc.max_position:
+        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
+                            f"{mc.max_position} positions", code="context_length_exceeded",
+                       param="max_tokens")
+    return ids
+
+
+def _timeout(request: Request, default: float) -> float:
+    v = request.headers.get(DEADLINE_HEADER)
+    try:
+        return min(default, max(0.0, float(v))) if v else default
+    except ValueError:
+        raise ApiError(400, f"header {DEADLINE_HEADER}: {v!r} is not a number of seconds") from None
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not JSON: {e}") from None
+
+
+async def housekeeping(st: WorkerState, on_fatal) -> None:
+    """Every half second: fold in released context requests; stop the worker once its executor failed."""
+    while True:
+        await asyncio.sleep(0.5)
+        if st.spec.role == "context":
+            st.backend.collect_released()
+        err = st.backend.ex.error
+        if err:
+            st.failed = err
+            log.error("%s: the executor failed, stopping the worker: %s", st.spec.name, err.splitlines()[0])
+            on_fatal()
+            return
