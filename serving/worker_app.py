@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
         err = st.failed or be.ex.error
         body = {"status": "failed" if err else "ok", "name": spec.name, "role": spec.role,
                 "model": cfg.model_name, "instance": st.instance, "tp": spec.tp, "pp": spec.pp,
-                "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned)}
+                "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid()}
         if err:
             body["error"] = err.splitlines()[0]
         return JSONResponse(body, status_code=503 if err else 200)
@@ -106,9 +107,16 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
 
     async def handle(request: Request, kind: str):
         t0 = time.monotonic()
-        outcome, phase = "ok", "generate"
+        outcome, phase, streaming = "ok", "generate", False
         be.in_flight += 1
         metrics.in_flight.inc()
+
+        def end(result: str) -> None:  # once per request; a stream ends when its generator does
+            be.in_flight -= 1
+            metrics.in_flight.dec()
+            dt = time.monotonic() - t0
+            metrics.done(kind, result, dt, phase, dt)
+
         try:
             req = parse_request(await _json(request), kind, cfg.default_max_tokens)
             if req.model and req.model not in (cfg.model_name, cfg.model):
@@ -118,15 +126,15 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
             if req.disagg is not None and req.disagg.request_type == "context_only":
                 phase = "prefill"
                 return await _context(st, req, deadline)
-            return await _generate(st, request, req, deadline, metrics)
+            resp = await _generate(st, request, req, deadline, metrics, end)
+            streaming = isinstance(resp, StreamingResponse)
+            return resp
         except ApiError as e:
             outcome = e.code or e.type
             raise
         finally:
-            be.in_flight -= 1
-            metrics.in_flight.dec()
-            dt = time.monotonic() - t0
-            metrics.done(kind, outcome, dt, phase, dt)
+            if not streaming:
+                end(outcome)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -162,7 +170,7 @@ async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[st
 
 
 async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline: float,
-                    metrics: WorkerMetrics):
+                    metrics: WorkerMetrics, end):
     spec, be, cfg = st.spec, st.backend, st.cfg
     d = req.disagg
     extra: dict[str, Any] = {"generation_worker": spec.name}
@@ -211,7 +219,7 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
     extra.setdefault("recomputed", False)
     rid = new_id(req.kind)
     if req.stream:
-        return StreamingResponse(_stream(st, req, rid, prompt, toks, done, events, extra, metrics),
+        return StreamingResponse(_stream(st, req, rid, prompt, toks, done, events, extra, metrics, end),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     while done is None:
         toks, done = await anext(events)
@@ -221,8 +229,10 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
 
 
 async def _stream(st: WorkerState, req: GenRequest, rid: str, prompt: list[int], toks: list[int], done,
-                  events, extra: dict[str, Any], metrics: WorkerMetrics):
+                  events, extra: dict[str, Any], metrics: WorkerMetrics, end):
+    """The SSE body; `end(outcome)` is called once it finished, failed, or its client went away."""
     detok, sent, first, model = Detokenizer(st.codec), 0, True, st.cfg.model_name
+    outcome = "client_closed"
     try:
         while True:
             new, sent = toks[sent:], len(toks)
@@ -234,15 +244,18 @@ async def _stream(st: WorkerState, req: GenRequest, rid: str, prompt: list[int],
                 if req.include_usage:
                     yield sse(usage_chunk(rid, req, model, len(prompt), len(toks)))
                 yield SSE_DONE
+                outcome = "ok"
                 return
             if new:
                 yield sse(chunk(rid, req, model, text, None, {"token_ids": new}, first))
                 first = False
             toks, done = await anext(events)
     except ApiError as e:
+        outcome = e.code or e.type
         yield sse(e.body())
     finally:
         await events.aclose()
+        end(outcome)
 
 
 def _finish_extra(extra: dict[str, Any], done, metrics: WorkerMetrics) -> None:

@@ -1,0 +1,112 @@
+"""Test helpers for serving: launch a config's workers and router (real processes, real HTTP), start one
+worker by hand, compute the aggregated reference, read server-sent events, poll pools back to full."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import yaml
+
+from kvbridge.executor.runtime import Executor, ExecutorConfig
+from kvbridge.serving.config import parse_config
+from kvbridge.serving.launcher import Cluster
+
+MODEL = "seeded:tiny3"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(40, 77)), [3, 1, 4, 1, 5, 9, 2, 6]]
+# generous for a busy 2-core box: a context rank starved for a few seconds must not fail a test's transfer
+PATIENT = {"transfer_timeout_s": 60, "peer_timeout_s": 30, "lease_s": 30, "heartbeat_s": 1}
+
+
+def config(tmp_path, name: str, d: dict) -> str:
+    path = os.path.join(str(tmp_path), f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(d, f)
+    return path
+
+
+def launch(d: dict, log_dir: str) -> Cluster:
+    """Start every worker and the router of config `d` (ports 0 become free ports); wait until healthy."""
+    c = Cluster(parse_config(d), log_dir=log_dir)
+    try:
+        c.start()
+        c.wait_healthy(240)
+    except BaseException:
+        c.stop()
+        raise
+    return c
+
+
+def start_process(args: list[str], log_path: str) -> subprocess.Popen:
+    """`kvbridge <args>` in its own process group, output to log_path."""
+    with open(log_path, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_process(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(5)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy within {timeout}s")
+
+
+def reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """What one aggregated executor answers, greedy (the tokens every disaggregated answer must equal)."""
+    with Executor.start(ExecutorConfig(model=MODEL, num_blocks=128, tokens_per_block=8, timeout_s=120)) as ex:
+        return ex.generate(prompts, max_tokens=max_tokens, timeout=120)
+
+
+def sse_events(resp: httpx.Response) -> list[dict | str]:
+    """Every `data:` event of a streamed response ('[DONE]' kept as a string)."""
+    out: list[dict | str] = []
+    for line in resp.iter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def streamed_tokens(events: list[dict | str]) -> list[int]:
+    return [t for e in events if isinstance(e, dict) and e.get("choices") for t in e["kvbridge"]["token_ids"]]
+
+
+def free_blocks(url: str) -> list[int]:
+    return httpx.get(url + "/debug/free_blocks", timeout=60).json()["free_blocks"]
+
+
+def wait_pool_full(url: str, num_blocks: int, world: int, timeout: float = 60) -> list[int]:
+    """Poll a worker until every rank's pool is back to num_blocks (released KV is freed asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = free_blocks(url)
+        if got == [num_blocks] * world or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)

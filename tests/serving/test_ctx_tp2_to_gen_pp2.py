@@ -1,0 +1,152 @@
+"""A context worker at TP2 and a generation worker at TP1/PP2 (different block sizes) behind the router, over
+real HTTP, the transceiver moving KV between real processes (tcp agent). on_transfer_failure: recompute."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from kvbridge.executor.launch import free_port
+
+from .cluster import MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, start_process, \
+    stop_process, streamed_tokens, wait_healthy, wait_pool_full
+from .conftest import CHAT, MAX_TOKENS
+
+CTX_BLOCKS, GEN_BLOCKS = 256, 96
+CFG = {
+    "model": MODEL, "on_transfer_failure": "recompute",
+    "executor": {"num_blocks": CTX_BLOCKS, "tokens_per_block": 4, "threads_per_rank": 1, "timeout_s": 120},
+    "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
+    "router": {"port": 0, "policy": "least_loaded", "request_timeout_s": 120},
+    "context_servers": {"tp": 2},
+    "generation_servers": {"pp": 2, "executor": {"num_blocks": GEN_BLOCKS, "tokens_per_block": 12}},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = launch(CFG, str(tmp_path_factory.mktemp("logs")))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def urls(cluster):
+    return {"router": cluster.router_url + "/v1", "ctx": cluster.cfg.context[0].url,
+            "gen": cluster.cfg.generation[0].url}
+
+
+def _complete(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_disaggregated_completions_give_exactly_the_aggregated_tokens(urls, want):
+    for prompt, tokens in zip(PROMPTS, want["prompts"]):
+        out = _complete(urls["router"], {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                         "temperature": 0})
+        kb = out["kvbridge"]
+        assert kb["token_ids"] == tokens
+        assert kb["recomputed"] is False and kb["context_worker"] == "ctx0" and kb["generation_worker"] == "gen0"
+        assert kb["transfer"]["bytes"] > 0 and kb["transfer"]["fragments"] > 0 and kb["transfer"]["agents"] == ["tcp"]
+        assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": MAX_TOKENS,
+                                "total_tokens": len(prompt) + MAX_TOKENS}
+        assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_streaming_sends_the_aggregated_tokens_in_pieces_then_done(urls, want):
+    body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    with httpx.stream("POST", urls["router"] + "/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and len(events) > 2
+    assert streamed_tokens(events) == want["prompts"][1]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["kvbridge"]["transfer"]["bytes"] > 0
+
+    chat = {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", urls["router"] + "/chat/completions", json=chat, timeout=120) as r:
+        events = sse_events(r)
+    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert streamed_tokens(events) == want["chat"]
+    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS and events[-1] == "[DONE]"
+
+
+def test_32_concurrent_requests_are_all_answered_and_both_pools_end_full(urls, want):
+    async def one(client, i):
+        p = PROMPTS[i % len(PROMPTS)]
+        r = await client.post(urls["router"] + "/completions", json={"prompt": p, "max_tokens": 6, "temperature": 0})
+        return i, r.status_code, r.json()
+
+    async def all32():
+        async with httpx.AsyncClient(timeout=180) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    for i, status, body in asyncio.run(all32()):
+        assert status == 200, body
+        assert body["kvbridge"]["token_ids"] == want["prompts"][i % len(PROMPTS)][:6]
+    assert wait_pool_full(urls["ctx"], CTX_BLOCKS, 2) == [CTX_BLOCKS] * 2  # released after confirmation
+    assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
+
+
+def test_a_client_that_goes_away_mid_stream_aborts_its_generation(urls):
+    body = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", urls["router"] + "/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # one chunk, then hang up
+    deadline = time.monotonic() + 60
+    while "client_closed" not in httpx.get(urls["gen"] + "/metrics").text and time.monotonic() < deadline:
+        time.sleep(0.3)
+    metrics = httpx.get(urls["gen"] + "/metrics").text
+    assert 'outcome="client_closed"' in metrics  # the generation worker saw the router hang up and aborted
+    assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
+
+
+def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want, tmp_path):
+    """Fault: a context worker advertising its transceiver on 127.0.0.2, where nothing listens."""
+    ctx_port, router_port = free_port(), free_port()
+    bad = {**CFG, "transceiver": {**CFG["transceiver"], "advertise_host": "127.0.0.2", "pickup_timeout_s": 3},
+           "context_servers": {"tp": 1, "urls": [f"127.0.0.1:{ctx_port}"],
+                               "executor": {"num_blocks": 32, "tokens_per_block": 4}},
+           "generation_servers": {"pp": 2, "urls": [urls["gen"].removeprefix("http://")]},
+           "router": {"port": router_port}}
+    path = config(tmp_path, "bad", bad)
+    ctx = start_process(["worker", "--config", path, "--role", "context"], str(tmp_path / "ctx.log"))
+    router = start_process(["router", "--config", path], str(tmp_path / "router.log"))
+    try:
+        bad_ctx = f"http://127.0.0.1:{ctx_port}"
+        wait_healthy(bad_ctx, ctx)
+        wait_healthy(f"http://127.0.0.1:{router_port}", router)
+        out = _complete(f"http://127.0.0.1:{router_port}/v1", {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                                                               "temperature": 0})
+        kb = out["kvbridge"]
+        assert kb["recomputed"] is True and "127.0.0.2" in kb["transfer_error"], kb
+        assert kb["token_ids"] == want["prompts"][0]
+        assert wait_pool_full(bad_ctx, 32, 1, timeout=30) == [32]  # nobody picked it up: pickup timeout frees it
+        assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
+        assert "kvbridge_serving_recomputes_total 1.0" in httpx.get(urls["gen"] + "/metrics").text
+    finally:
+        stop_process(router)
+        stop_process(ctx)
+
+
+def test_bad_requests_get_openai_error_objects_through_the_router(urls):
+    r = httpx.post(urls["router"] + "/completions", json={"prompt": [], "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "prompt" and "prompt" in err["message"]
+    r = httpx.post(urls["router"] + "/completions", json={"model": "gpt-9", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(urls["router"] + "/completions", json={"prompt": [1, 999], "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and "999" in r.json()["error"]["message"]
+    models = httpx.get(urls["router"] + "/models").json()
+    assert models["data"][0]["id"] == MODEL
+    assert json.loads(httpx.get(urls["router"].removesuffix("/v1") + "/health").text)["status"] == "ok"
+    assert free_blocks(urls["ctx"]) == [CTX_BLOCKS] * 2  # a refused request pinned nothing
