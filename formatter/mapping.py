@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from ..errors import LayoutError, LayoutMismatchError
 from .layout import KVLayout
 
-__all__ = ["Piece", "RankMapping", "Strategy", "Identity", "SameHeads", "RegroupedHeads", "check_compatible",
+# Bumped whenever which context rank serves which piece changes (e.g. the replica choice): both sides must
+# compute the same mapping, or a context rank waits for a reader that reads elsewhere. Checked at handshake.
+MAPPING_VERSION = 2
+
+__all__ = ["MAPPING_VERSION", "Piece", "RankMapping", "Strategy", "Identity", "SameHeads", "RegroupedHeads", "check_compatible",
            "mapping_for"]
 
 

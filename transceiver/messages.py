@@ -108,6 +108,7 @@ class Hello(Message):
     gen_layout: dict = msg(dict)
     agents: list = msg(list)  # agent kinds the generation rank can use, in preference order
     host: str = msg(str, default="")
+    mapping_version: int = msg(int, default=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,7 +123,7 @@ class Pull:
     def result(self, agents: tuple[str, ...]) -> ReceiveResult:
         end = time.monotonic()
         t = {"total": (end - self.submitted) * 1e3}
-        if "fetched" in self.marks:
+        if "fetched" in self.marks:  # the first context rank's block ids arrived; reads start from here
             t["handshake+fetch"] = (self.marks["fetched"] - self.submitted) * 1e3
         if "plan_s" in self.marks:
             t["plan"] = self.marks["plan_s"] * 1e3

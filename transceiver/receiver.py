@@ -27,7 +27,7 @@ from ..agents import MemoryKind
 from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, PeerError, ProtocolError, RequestCancelled,
                       RequestNotFound, TransceiverError)
 from ..formatter.layout import KVLayout
-from ..formatter.mapping import check_compatible, mapping_for
+from ..formatter.mapping import MAPPING_VERSION, check_compatible, mapping_for
 from ..formatter.planner import RankPool
 from . import messages as m
 from . import metrics
@@ -225,7 +225,8 @@ class Receiver:
             if peer.sock is None:
                 ident = f"{self.instance}:{self.pool.rank}:{uuid.uuid4().hex[:6]}".encode()
                 peer.sock = make_dealer(self._zctx, self.config, endpoint, ident)
-            hello = m.Hello(self.instance, self.pool.rank, self.layout.to_wire(), list(self.pool.agents), self._host)
+            hello = m.Hello(self.instance, self.pool.rank, self.layout.to_wire(), list(self.pool.agents), self._host,
+                            MAPPING_VERSION)
             self._send(peer, hello.encode())
             if peer.state != "hello":
                 peer.first_hello = now
@@ -385,8 +386,10 @@ class Receiver:
                     self._send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers).encode())
                     leg.fetch_sent = True
                     peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
+                if leg.fetched and not leg.handles:  # start this leg's reads now; others may still be fetching
+                    pull.mark("fetched")
+                    pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
             if all(leg.fetched for leg in pull.legs.values()):
-                pull.mark("fetched")
                 pull.state = "read"
         if pull.state == "read":
             for leg in pull.legs.values():

@@ -30,7 +30,7 @@ import zmq
 
 from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError
 from ..formatter.layout import KVLayout
-from ..formatter.mapping import check_compatible, mapping_for
+from ..formatter.mapping import MAPPING_VERSION, check_compatible, mapping_for
 from . import messages as m
 from . import metrics
 from .config import TransceiverConfig, local_host_id
@@ -320,6 +320,10 @@ class Sender:
             check_compatible(self.layout, gen_layout)
             if not 0 <= msg.gen_rank < gen_layout.world_size:
                 raise ProtocolError(f"hello: gen_rank {msg.gen_rank} outside its layout's {gen_layout.world_size}")
+            if msg.mapping_version != MAPPING_VERSION:
+                raise LayoutMismatchError(f"context and generation map ranks differently (mapping version: "
+                                          f"context {MAPPING_VERSION}, generation {msg.mapping_version}); "
+                                          f"run the same kvbridge version on both sides")
         except LayoutMismatchError as e:
             self._error(ident, m.ErrorCode.LAYOUT_MISMATCH, str(e), reply_to="hello")
             return

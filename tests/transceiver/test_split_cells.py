@@ -15,7 +15,7 @@ from kvbridge.formatter.mapping import mapping_for
 
 from .ranks import Cluster
 
-CONFIG = {"agents": ["nixl"], "lease_s": 10.0, "heartbeat_s": 0.5}
+CONFIG = {"agents": ["nixl"], "lease_s": 30.0, "heartbeat_s": 0.5, "peer_timeout_s": 30.0}  # loaded CI boxes
 CTX_BLOCKS, GEN_BLOCKS = 48, 40
 LENGTHS = (1, 37, 150, 96)  # one token, a partial block, many blocks, a whole number of blocks
 

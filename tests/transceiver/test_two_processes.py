@@ -19,7 +19,9 @@ CTX_BLOCKS, GEN_BLOCKS = 400, 480
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(2)
-    c.setup(LAYOUT, LAYOUT, CTX_BLOCKS, GEN_BLOCKS, {"agents": ["nixl"], "lease_s": 5.0, "heartbeat_s": 0.5})
+    # generous silence bounds: on a loaded 2-core box the harness itself can hold a rank's GIL for seconds
+    c.setup(LAYOUT, LAYOUT, CTX_BLOCKS, GEN_BLOCKS, {"agents": ["nixl"], "lease_s": 30.0, "heartbeat_s": 0.5,
+                                                    "peer_timeout_s": 30.0})
     yield c
     c.close()
 
@@ -118,3 +120,12 @@ def test_mismatched_layout_is_refused_with_both_layouts_shown(cluster):
     assert "context layout:" in ans.message and "generation layout:" in ans.message
     sock.close()
     _assert_still_serving(cluster, 5004)
+
+
+def test_a_generation_rank_with_another_mapping_version_is_refused(cluster):
+    sock = _raw_dealer(cluster.endpoints[0])
+    ans = _answer(sock, m.Hello("old-gen", 0, LAYOUT.to_wire(), ["nixl"], "", 1).encode())
+    assert isinstance(ans, m.Error) and ans.code == "layout_mismatch"
+    assert "mapping version: context 2, generation 1" in ans.message
+    sock.close()
+    _assert_still_serving(cluster, 5005)
