@@ -14,7 +14,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="session")
 def want() -> dict:
-    """Greedy tokens of one aggregated executor: 'prompts' (PROMPTS) and 'chat' (CHAT through the template)."""
+    """Greedy tokens of one aggregated executor: 'prompts' (PROMPTS), 'chat' (CHAT through the template)."""
     codec = TextCodec(MODEL)
     chat_ids = codec.encode(codec.chat_prompt(CHAT))
     got = reference(PROMPTS + [chat_ids], MAX_TOKENS)

@@ -52,8 +52,10 @@ def test_disaggregated_completions_give_exactly_the_aggregated_tokens(urls, want
                                          "temperature": 0})
         kb = out["kvbridge"]
         assert kb["token_ids"] == tokens
-        assert kb["recomputed"] is False and kb["context_worker"] == "ctx0" and kb["generation_worker"] == "gen0"
-        assert kb["transfer"]["bytes"] > 0 and kb["transfer"]["fragments"] > 0 and kb["transfer"]["agents"] == ["tcp"]
+        assert kb["recomputed"] is False
+        assert kb["context_worker"] == "ctx0" and kb["generation_worker"] == "gen0"
+        assert kb["transfer"]["bytes"] > 0 and kb["transfer"]["fragments"] > 0
+        assert kb["transfer"]["agents"] == ["tcp"]
         assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": MAX_TOKENS,
                                 "total_tokens": len(prompt) + MAX_TOKENS}
         assert out["choices"][0]["finish_reason"] == "length"
@@ -73,7 +75,8 @@ def test_streaming_sends_the_aggregated_tokens_in_pieces_then_done(urls, want):
             "stream_options": {"include_usage": True}}
     with httpx.stream("POST", urls["router"] + "/chat/completions", json=chat, timeout=120) as r:
         events = sse_events(r)
-    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert streamed_tokens(events) == want["chat"]
     assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS and events[-1] == "[DONE]"
 
@@ -81,7 +84,8 @@ def test_streaming_sends_the_aggregated_tokens_in_pieces_then_done(urls, want):
 def test_32_concurrent_requests_are_all_answered_and_both_pools_end_full(urls, want):
     async def one(client, i):
         p = PROMPTS[i % len(PROMPTS)]
-        r = await client.post(urls["router"] + "/completions", json={"prompt": p, "max_tokens": 6, "temperature": 0})
+        body = {"prompt": p, "max_tokens": 6, "temperature": 0}
+        r = await client.post(urls["router"] + "/completions", json=body)
         return i, r.status_code, r.json()
 
     async def all32():
@@ -129,7 +133,7 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         kb = out["kvbridge"]
         assert kb["recomputed"] is True and "127.0.0.2" in kb["transfer_error"], kb
         assert kb["token_ids"] == want["prompts"][0]
-        assert wait_pool_full(bad_ctx, 32, 1, timeout=30) == [32]  # nobody picked it up: pickup timeout frees it
+        assert wait_pool_full(bad_ctx, 32, 1, timeout=30) == [32]  # never picked up: pickup timeout frees it
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
         assert "kvbridge_serving_recomputes_total 1.0" in httpx.get(urls["gen"] + "/metrics").text
     finally:
