@@ -1,0 +1,164 @@
+"""Handles: a registration and a posted transfer, both released explicitly (a finalizer warns, never crashes),
+and the composite handle of a transfer posted in pipelined chunks.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from ..errors import TransferFailed, TransferTimeout
+from .memory import MemoryRegion, XferState
+
+if TYPE_CHECKING:
+    from .base import TransferAgent
+
+__all__ = ["Registration", "TransferHandle"]
+
+
+class _Releasable:
+    """Explicit release, idempotent, with a warning (not a crash) when garbage-collected unreleased."""
+
+    _released: bool = True
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._do_release()
+
+    def _do_release(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_released", True):
+            warnings.warn(f"{type(self).__name__} was not released; releasing it now", ResourceWarning,
+                          stacklevel=2)
+            try:
+                self.release()
+            except Exception:  # noqa: BLE001 - never raise from a finalizer
+                pass
+
+
+class Registration(_Releasable):
+    """A registered memory region; `release()` deregisters it."""
+
+    def __init__(self, agent: "TransferAgent", region: MemoryRegion, key: int) -> None:
+        self.agent = agent
+        self.region = region
+        self.key = key
+        self._released = False
+
+    def _do_release(self) -> None:
+        self.agent._deregister(self)
+
+    def __repr__(self) -> str:
+        return f"Registration({self.region}, released={self._released})"
+
+
+class TransferHandle(_Releasable, ABC):
+    """One posted READ or WRITE. Poll `state()`, or `wait(timeout)`; always `release()` it."""
+
+    def __init__(self, num_descriptors: int, nbytes: int) -> None:
+        self.num_descriptors = num_descriptors
+        self.nbytes = nbytes
+        self.error: str | None = None
+        self.posted_at = time.monotonic()
+        self._released = False
+
+    @abstractmethod
+    def state(self) -> XferState:
+        """PENDING, DONE or FAILED; never blocks. After FAILED, `error` says why."""
+
+    def cancel(self) -> None:
+        """Abort the transfer if it is still running (best effort); its state becomes FAILED."""
+        if self.state() is XferState.PENDING:
+            self._cancel()
+            self.error = self.error or "cancelled"
+
+    def _cancel(self) -> None:  # pragma: no cover - overridden where the transport can abort
+        pass
+
+    def wait(self, timeout: float, poll_interval: float = 0.0) -> None:
+        """Block until DONE; raise TransferFailed if it fails, TransferTimeout once `timeout` seconds pass.
+
+        Args:
+            timeout: seconds to wait at most (required: no unbounded waits in kvbridge).
+            poll_interval: seconds to sleep between polls; 0 spins with a yield (lowest latency).
+        """
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        spins = 0
+        while True:
+            st = self.state()
+            if st is XferState.DONE:
+                return
+            if st is XferState.FAILED:
+                raise TransferFailed(f"transfer of {self.nbytes} bytes in {self.num_descriptors} descriptors "
+                                     f"failed: {self.error or 'backend reported an error'}")
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"transfer of {self.nbytes} bytes in {self.num_descriptors} descriptors "
+                                      f"not done after {timeout:.3g} s")
+            spins += 1
+            if poll_interval > 0:
+                time.sleep(poll_interval)
+            elif spins > 1000:
+                time.sleep(50e-6)  # back off after a burst of spinning; keeps the GIL available
+            else:
+                time.sleep(0)
+
+    def _do_release(self) -> None:
+        pass
+
+
+def _chunk_bounds(n: int, chunk: int) -> list[int]:
+    """End offsets of pipelined chunks: a first chunk of chunk/8 (data moves early), then `chunk` each."""
+    first = max(1, chunk // 8)
+    return [first] + list(range(first + chunk, n, chunk)) + [n] if n > first else [n]
+
+
+def _settle(parts: list["TransferHandle"], timeout: float = 30.0) -> None:
+    """Cancel posted parts and wait (bounded) until none is still moving data, then release them."""
+    for h in parts:
+        h.cancel()
+    deadline = time.monotonic() + timeout
+    for h in parts:
+        while h.state() is XferState.PENDING and time.monotonic() < deadline:
+            time.sleep(0.001)
+        h.release()
+
+
+class _ChunkedTransfer(TransferHandle):
+    """One transfer posted as several parts; DONE when all are, FAILED as soon as one fails."""
+
+    def __init__(self, parts: list[TransferHandle]) -> None:
+        super().__init__(sum(p.num_descriptors for p in parts), sum(p.nbytes for p in parts))
+        self._parts = parts
+
+    def state(self) -> XferState:
+        pending = False
+        for p in self._parts:
+            st = p.state()
+            if st is XferState.FAILED:
+                self.error = self.error or p.error
+                return XferState.FAILED
+            pending |= st is XferState.PENDING
+        return XferState.PENDING if pending else XferState.DONE
+
+    def _cancel(self) -> None:
+        for p in self._parts:
+            p.cancel()
+
+    def _do_release(self) -> None:
+        for p in self._parts:
+            p.release()

@@ -1,0 +1,165 @@
+"""Memory and descriptors: where bytes live (MemoryRegion), what to move (DescriptorList), and vectorised
+bounds checks against registered memory (RegionTable). Plain values and numpy; no transport.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import AgentError, RegistrationError
+
+__all__ = ["MemoryKind", "XferState", "MemoryRegion", "DescriptorList", "RegionTable"]
+
+
+class MemoryKind(str, enum.Enum):
+    """Where a region lives: host memory or the memory of one CUDA device."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class XferState(str, enum.Enum):
+    """The whole state vocabulary of a transfer."""
+
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRegion:
+    """A contiguous range of bytes: `length` bytes at `addr`, on `device` (0 for DRAM)."""
+
+    addr: int
+    length: int
+    kind: MemoryKind = MemoryKind.DRAM
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        if self.addr <= 0 or self.length <= 0:
+            raise RegistrationError(f"a memory region needs addr > 0 and length > 0, got {self}")
+        if self.kind is MemoryKind.DRAM and self.device != 0:
+            raise RegistrationError(f"DRAM regions have device 0, got device {self.device}")
+
+    @classmethod
+    def of(cls, buffer) -> "MemoryRegion":
+        """The region of a contiguous torch tensor or numpy array (CUDA tensors give VRAM regions)."""
+        if isinstance(buffer, np.ndarray):
+            if not buffer.flags.c_contiguous:
+                raise RegistrationError("only contiguous numpy arrays can be registered")
+            return cls(int(buffer.ctypes.data), int(buffer.nbytes))
+        if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):
+            if not buffer.is_contiguous():
+                raise RegistrationError("only contiguous tensors can be registered")
+            nbytes = buffer.numel() * buffer.element_size()
+            if buffer.device.type == "cuda":
+                return cls(int(buffer.data_ptr()), int(nbytes), MemoryKind.VRAM, int(buffer.device.index or 0))
+            if buffer.device.type == "cpu":
+                return cls(int(buffer.data_ptr()), int(nbytes))
+            raise RegistrationError(f"cannot register memory on device {buffer.device}")
+        raise RegistrationError(f"cannot register a {type(buffer).__name__}; pass a tensor or ndarray")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DescriptorList:
+    """`len(addrs)` byte ranges on one memory kind/device: range i is `lengths[i]` bytes at `addrs[i]`."""
+
+    addrs: np.ndarray
+    lengths: np.ndarray
+    kind: MemoryKind = MemoryKind.DRAM
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        addrs = np.ascontiguousarray(self.addrs, dtype=np.int64)
+        lengths = np.ascontiguousarray(self.lengths, dtype=np.int64)
+        if addrs.ndim != 1 or lengths.shape != addrs.shape:
+            raise AgentError(
+                f"descriptor arrays must be 1-D and of equal length, got {addrs.shape} and {lengths.shape}"
+            )
+        if addrs.size and (lengths.min() <= 0 or addrs.min() <= 0):
+            raise AgentError("descriptors need positive addresses and lengths")
+        object.__setattr__(self, "addrs", addrs)
+        object.__setattr__(self, "lengths", lengths)
+
+    def __len__(self) -> int:
+        return int(self.addrs.shape[0])
+
+    def __getitem__(self, sl: slice) -> "DescriptorList":
+        """A contiguous sub-list (views of the same arrays, no copy, no re-validation)."""
+        if not isinstance(sl, slice):
+            raise TypeError("DescriptorList supports slices only")
+        sub = object.__new__(DescriptorList)
+        for f, v in (("addrs", self.addrs[sl]), ("lengths", self.lengths[sl]), ("kind", self.kind),
+                     ("device", self.device)):
+            object.__setattr__(sub, f, v)
+        return sub
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def as_nixl(self) -> np.ndarray:
+        """The N x 3 (addr, len, device) array that NIXL's descriptor lists take."""
+        out = np.empty((len(self), 3), dtype=np.uint64)
+        out[:, 0] = self.addrs
+        out[:, 1] = self.lengths
+        out[:, 2] = self.device
+        return out
+
+
+class RegionTable:
+    """Registered regions of one memory kind/device, for vectorised "does every descriptor fit?" checks."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, MemoryRegion] = {}
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def add(self, key: int, region: MemoryRegion) -> None:
+        with self._lock:
+            self._regions[key] = region
+            self._cache.clear()
+
+    def remove(self, key: int) -> MemoryRegion | None:
+        with self._lock:
+            self._cache.clear()
+            return self._regions.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def regions(self) -> list[MemoryRegion]:
+        with self._lock:
+            return list(self._regions.values())
+
+    def _sorted(self, kind: MemoryKind, device: int) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            hit = self._cache.get((kind, device))
+            if hit is None:
+                rs = sorted((r.addr, r.addr + r.length) for r in self._regions.values()
+                            if r.kind is kind and r.device == device)
+                starts = np.array([a for a, _ in rs], dtype=np.int64)
+                ends = np.array([e for _, e in rs], dtype=np.int64)
+                hit = self._cache[(kind, device)] = (starts, ends)
+            return hit
+
+    def check(self, descs: DescriptorList, what: str) -> None:
+        """Raise RegistrationError unless every descriptor lies inside one registered region."""
+        if not len(descs):
+            return
+        starts, ends = self._sorted(descs.kind, descs.device)
+        if not starts.size:
+            raise RegistrationError(f"{what}: no {descs.kind.value} memory registered on device {descs.device}")
+        idx = np.searchsorted(starts, descs.addrs, side="right") - 1
+        ok = idx >= 0
+        ok &= descs.addrs + descs.lengths <= ends[np.maximum(idx, 0)]
+        if not ok.all():
+            bad = int(np.argmin(ok))
+            raise RegistrationError(
+                f"{what}: descriptor {bad} ({descs.lengths[bad]} bytes at {descs.addrs[bad]:#x}) is outside "
+                f"every registered {descs.kind.value} region on device {descs.device}"
+            )
