@@ -34,6 +34,7 @@ import numpy as np
 
 from ..codec import pack, unpack
 from ..errors import ProtocolError
+from ..formatter.mapping import MAPPING_VERSION
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 << 20  # 2M block ids fit; a larger frame is refused before decoding
@@ -108,7 +109,7 @@ class Hello(Message):
     gen_layout: dict = msg(dict)
     agents: list = msg(list)  # agent kinds the generation rank can use, in preference order
     host: str = msg(str, default="")
-    mapping_version: int = msg(int, default=1)
+    mapping_version: int = msg(int, default=MAPPING_VERSION)
 
 
 @dataclass(frozen=True, slots=True)

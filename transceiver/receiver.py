@@ -23,15 +23,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from ..agents import MemoryKind
-from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, PeerError, ProtocolError, RequestCancelled,
+from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, ProtocolError, RequestCancelled,
                       RequestNotFound, TransceiverError)
-from ..formatter.layout import KVLayout
-from ..formatter.mapping import MAPPING_VERSION, check_compatible, mapping_for
+from ..formatter.mapping import MAPPING_VERSION, mapping_for
 from ..formatter.planner import RankPool
 from . import messages as m
 from . import metrics
 from .config import TransceiverConfig, local_host_id
+from .handshake import accept_welcome
 from .params import DisaggParams
 from .pool import LocalPool
 from .pull import Leg, Pull, ReceiveResult
@@ -252,34 +251,11 @@ class Receiver:
 
     def _on_welcome(self, peer: _Peer, w: m.Welcome) -> None:
         try:
-            layout = KVLayout.from_wire(w.ctx_layout)
-            check_compatible(layout, self.layout)
-            bases = m.int_list(w.pool_bases, "welcome pool_bases", 100000)
-            kind = MemoryKind(w.pool_kind) if w.pool_kind in ("DRAM", "VRAM") else None
-            if kind is None:
-                raise ProtocolError(f"welcome: pool_kind {w.pool_kind!r} is not DRAM or VRAM")
-            remote = RankPool.of(layout, w.ctx_rank, bases, w.num_blocks, kind, w.pool_device)
-        except (LayoutMismatchError, ProtocolError, KvBridgeError) as e:
+            remote, kind, name = accept_welcome(self.pool, w, peer.endpoint)
+        except KvBridgeError as e:
             peer.state, peer.error = "failed", (type(e).__name__, f"context rank at {peer.endpoint}: {e}")
             return
-        chosen, tried = None, []
-        for kind_name, agent in self.pool.agents.items():
-            blob = w.agents.get(kind_name)
-            if not isinstance(blob, bytes):
-                continue
-            try:
-                peer.peer_name = agent.connect(blob)
-                chosen = kind_name
-                break
-            except (PeerError, KvBridgeError) as e:
-                tried.append(f"{kind_name}: {e}")
-        if chosen is None:
-            peer.state = "failed"
-            peer.error = ("PeerError", f"no transfer agent in common with context rank at {peer.endpoint}: this rank "
-                          f"offers {list(self.pool.agents)}, it offers {sorted(w.agents)}; " + "; ".join(tried))
-            return
-        log.info("gen rank %d <- ctx rank %d (%s): agent %s", self.pool.rank, w.ctx_rank, peer.endpoint, chosen)
-        peer.state, peer.welcome, peer.remote, peer.agent_kind = "ready", w, remote, chosen
+        peer.state, peer.welcome, peer.remote, peer.agent_kind, peer.peer_name = "ready", w, remote, kind, name
 
     # --- frames from context ranks -------------------------------------------------------------------
     def _on_frame(self, peer: _Peer, frame: bytes) -> None:

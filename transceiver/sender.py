@@ -34,6 +34,7 @@ from ..formatter.mapping import MAPPING_VERSION, check_compatible, mapping_for
 from . import messages as m
 from . import metrics
 from .config import TransceiverConfig, local_host_id
+from .handshake import context_digests
 from .pool import LocalPool
 from .sockets import make_router, stop_authenticator
 
@@ -389,12 +390,7 @@ class Sender:
 
     def _check_digests(self, e: _Entry, s: _Session, digests: list) -> tuple[bool, str]:
         """Verification mode: hash this rank's copy of what the reader read and compare with its digests."""
-        from ..formatter.digest import piece_digests  # torch + xxhash, only in verification mode
-
-        pieces = [p for p in mapping_for(self.layout, s.layout).pieces(s.gen_rank) if p.ctx_rank == self.pool.rank]
-        mine = [d for p in pieces for d in piece_digests(self.pool.buffers, self.pool.rank_pool, p, e.blocks,
-                                                         e.num_tokens)]
-        layers = [layer for p in pieces for layer in p.layers]
+        mine, layers = context_digests(self.pool, s.layout, s.gen_rank, e.blocks, e.num_tokens)
         if len(digests) != len(mine) or not all(isinstance(d, bytes) for d in digests):
             return False, f"integrity: {len(digests)} digests sent, {len(mine)} expected"
         bad = [layers[i] for i, (a, b) in enumerate(zip(mine, digests)) if a != b]
