@@ -22,9 +22,9 @@ class WorkerRef:
     name: str
     url: str
     role: str
-    healthy: bool = True
+    healthy: bool = False  # until its /health answered 200 (requests still try it when none is healthy)
     in_flight: int = 0
-    last_error: str = ""
+    last_error: str = "not checked yet"
 
     @classmethod
     def of(cls, spec: ServerSpec) -> "WorkerRef":

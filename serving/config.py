@@ -197,10 +197,16 @@ def _executor(d: dict, path: str, base: dict | None = None) -> dict[str, Any]:
             raise ServeConfigError(f"{path}.{k}: must be >= 1, got {out[k]}")
     if "timeout_s" in d and out["timeout_s"] <= 0:
         raise ServeConfigError(f"{path}.timeout_s: must be > 0, got {out['timeout_s']}")
-    dev = out.get("device", "cpu")
-    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise ServeConfigError(f"{path}.device: {dev!r} is not cpu, cuda or cuda:N (N = the first GPU)")
+    if "device" in d:
+        _device(out["device"], f"{path}.device")
     return out
+
+
+def _device(dev: Any, where: str) -> str:
+    ok = isinstance(dev, str) and (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()))
+    if not ok:
+        raise ServeConfigError(f"{where}: {dev!r} is not cpu, cuda or cuda:N (rank r on GPU N + r)")
+    return dev
 
 
 def _transceiver(d: dict, path: str) -> None:
@@ -233,15 +239,16 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> 
     if isinstance(devices, list):
         if len(devices) != n:
             raise ServeConfigError(f"{path}.device: a list must give one device per instance ({n})")
+        devices = [_device(v, f"{path}.device[{i}]") for i, v in enumerate(devices)]
     elif devices is not None:
-        devices = [devices] * n
+        devices = [_device(devices, f"{path}.device")] * n
     ex = _executor(_map(d.get("executor", {}), f"{path}.executor"), f"{path}.executor", executor)
     tr = {**transceiver, **_map(d.get("transceiver", {}), f"{path}.transceiver")}
     _transceiver(tr, f"{path}.transceiver")
     out = []
     for i, u in enumerate(urls):
         host, port = _host_port(u, f"{path}.urls[{i}]")
-        exi = ex if devices is None else _executor({"device": devices[i]}, f"{path}.device[{i}]", ex)
+        exi = ex if devices is None else {**ex, "device": devices[i]}
         bind = _get(d, "bind_host", str, path, host)
         out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tr))
     return tuple(out)

@@ -238,7 +238,7 @@ def main(argv: list[str]) -> int:
                 code = 1
                 break
     except ServingError as e:
-        print(f"kvbridge serve: {e}; stopping the others", file=sys.stderr, flush=True)
+        print(f"kvbridge serve: {e}\nkvbridge serve: stopping the others", file=sys.stderr, flush=True)
         code = 1
     except KeyboardInterrupt:
         print("kvbridge serve: stopping", file=sys.stderr, flush=True)

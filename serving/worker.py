@@ -63,8 +63,8 @@ def _run(a) -> int:
     run_dir = tempfile.mkdtemp(prefix=f"kvbridge-{spec.name}-")
     try:
         return _serve(cfg, spec, run_dir, a.log_level)
-    except KvBridgeError as e:
-        print(f"kvbridge worker {spec.name}: {type(e).__name__}: {e}", file=sys.stderr)
+    except KvBridgeError as e:  # the first line says why (a rank's traceback follows in the message)
+        print(f"kvbridge worker {spec.name}: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
