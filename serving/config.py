@@ -250,7 +250,10 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> 
         host, port = _host_port(u, f"{path}.urls[{i}]")
         exi = ex if devices is None else {**ex, "device": devices[i]}
         bind = _get(d, "bind_host", str, path, host)
-        out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tr))
+        tri = tr
+        if tr.get("bind_host") in ("0.0.0.0", "::") and not tr.get("advertise_host"):
+            tri = {**tr, "advertise_host": host}  # reachable where the router reaches the worker
+        out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tri))
     return tuple(out)
 
 

@@ -75,6 +75,13 @@ def test_group_settings_override_the_shared_ones_per_server():
     assert cfg.on_transfer_failure == "fail" and cfg.router.policy == "round_robin"
 
 
+def test_a_transceiver_bound_to_every_interface_advertises_the_workers_own_host():
+    cfg = parse_config(_base(transceiver={"bind_host": "0.0.0.0"},
+                             context_servers={"instances": 2, "urls": ["10.0.0.1:8001", "10.0.0.2:8001"]},
+                             generation_servers={"transceiver": {"advertise_host": "gen.example"}}))
+    assert [s.transceiver["advertise_host"] for s in cfg.servers()] == ["10.0.0.1", "10.0.0.2", "gen.example"]
+
+
 def test_resolved_ports_round_trip_through_yaml(tmp_path):
     cfg = parse_config(_base()).resolved({"ctx0": 9001, "gen0": 9002}, router_port=9000)
     path = tmp_path / "r.yaml"
