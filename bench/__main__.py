@@ -8,6 +8,7 @@ import sys
 BENCHES = {
     "transfer": "kvbridge.bench.transfer",
     "plan": "kvbridge.bench.plan",
+    "soak": "kvbridge.bench.soak",
 }
 
 
