@@ -19,8 +19,11 @@ from kvbridge.serving.launcher import Cluster
 
 MODEL = "seeded:tiny3"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(40, 77)), [3, 1, 4, 1, 5, 9, 2, 6]]
-# generous for a busy 2-core box: a context rank starved for a few seconds must not fail a test's transfer
-PATIENT = {"transfer_timeout_s": 60, "peer_timeout_s": 30, "lease_s": 30, "heartbeat_s": 1}
+# Generous for a busy 2-core box: a context rank starved for a few seconds must not fail a test's transfer.
+# peer_timeout_s also outlasts the idle gaps between a module's tests: transceiver/receiver.py counts a peer's
+# silence from its last frame even across an idle spell, so the first pull after an idle gap longer than
+# peer_timeout_s fails with PeerGone (reported to the transceiver's owner).
+PATIENT = {"transfer_timeout_s": 60, "peer_timeout_s": 300, "lease_s": 30, "heartbeat_s": 1}
 
 
 def config(tmp_path, name: str, d: dict) -> str:
