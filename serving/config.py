@@ -23,8 +23,7 @@ from typing import Any
 import yaml
 
 from ..errors import KvBridgeError, ServeConfigError
-from ..executor.runtime import ExecutorConfig
-from ..transceiver import TransceiverConfig
+from ..transceiver.config import TransceiverConfig
 
 __all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_config", "ROLES", "POLICIES"]
 
@@ -72,8 +71,10 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def executor_config(self, model: str, hook_args: dict[str, Any]) -> ExecutorConfig:
+    def executor_config(self, model: str, hook_args: dict[str, Any]):
         """The ExecutorConfig of this server, with the transceiver as its rank hook."""
+        from ..executor.runtime import ExecutorConfig  # imports torch: only where an executor starts
+
         return ExecutorConfig(model=model, tp=self.tp, pp=self.pp, layers_per_stage=self.layers_per_stage,
                               rank_hook=HOOK, rank_hook_args=hook_args, **self.executor)
 
