@@ -26,6 +26,7 @@ _BUILTIN: dict[str, str] = {
     "gloo": "kvbridge.agents.dist_connection:GlooAgent",
     "nccl": "kvbridge.agents.dist_connection:NcclAgent",
     "cuda_ipc": "kvbridge.agents.cuda_ipc:CudaIpcAgent",
+    "file": "kvbridge.agents.file_agent:FileAgent",
 }
 _registered: dict[str, type[TransferAgent] | str] = {}
 _lock = threading.Lock()
