@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import Counter, defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -26,11 +26,46 @@ LAY = KVLayout(KVShape(2, 2, 8, "float32", 16))
 LAY_TP2 = KVLayout.from_wire({**LAY.to_wire(), "tp": 2})
 
 # category -> weight (per mille); "bomb" and "oversized" are counted apart (see FrameMutator.bombs)
-WEIGHTS = {"bitflip": 250, "bytes": 150, "truncate": 100, "splice": 100, "random": 100, "fields": 150,
-           "type": 30, "version": 30, "declared_len": 40, "deep": 25, "ext": 25}
-_ODD_VALUES = [None, True, False, 0, -1, 1 << 40, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1, 1.5, float("nan"),
-               float("inf"), "", "x" * 300, "\u00e9", b"", b"\x00" * 9, b"\xff" * 17, [], [1, 2, 3], [None], {},
-               {"a": 1}, {"num_layers": 2}, list(range(50))]
+WEIGHTS = {
+    "bitflip": 250,
+    "bytes": 150,
+    "truncate": 100,
+    "splice": 100,
+    "random": 100,
+    "fields": 150,
+    "type": 30,
+    "version": 30,
+    "declared_len": 40,
+    "deep": 25,
+    "ext": 25,
+}
+_ODD_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1 << 40,
+    (1 << 63) - 1,
+    -(1 << 63),
+    (1 << 64) - 1,
+    1.5,
+    float("nan"),
+    float("inf"),
+    "",
+    "x" * 300,
+    "\u00e9",
+    b"",
+    b"\x00" * 9,
+    b"\xff" * 17,
+    [],
+    [1, 2, 3],
+    [None],
+    {},
+    {"a": 1},
+    {"num_layers": 2},
+    list(range(50)),
+]
 
 
 def valid_frames() -> list[bytes]:
@@ -40,14 +75,23 @@ def valid_frames() -> list[bytes]:
         m.Hello("gen-a", 0, lw, ["nixl"], mapping_version=MAPPING_VERSION),
         m.Hello("gen-b", 1, lw2, ["nixl", "cuda_ipc"], "host/boot", MAPPING_VERSION),
         m.Welcome("ctx", 0, lw, {"nixl": b"\x01" * 40}, [1 << 40], 8, "DRAM", 0, 5.0),
-        m.Welcome("ctx", 1, lw2, {"nixl": b"x", "cuda_ipc": b"y"}, [1 << 41, 1 << 42], 1024, "VRAM", 1, 2.5, "h"),
-        m.Fetch(7, 0), m.Fetch(1 << 40, 3, True),
-        m.Blocks(7, np.arange(9), 130, 2, 5.0), m.Blocks(8, np.arange(1000)[::-1], 16000, 0, 1.0),
-        m.LayersReady(7, 1), m.Heartbeat([1, 2, 3]), m.Heartbeat(list(range(200))),
+        m.Welcome(
+            "ctx", 1, lw2, {"nixl": b"x", "cuda_ipc": b"y"}, [1 << 41, 1 << 42], 1024, "VRAM", 1, 2.5, "h"
+        ),
+        m.Fetch(7, 0),
+        m.Fetch(1 << 40, 3, True),
+        m.Blocks(7, np.arange(9), 130, 2, 5.0),
+        m.Blocks(8, np.arange(1000)[::-1], 16000, 0, 1.0),
+        m.LayersReady(7, 1),
+        m.Heartbeat([1, 2, 3]),
+        m.Heartbeat(list(range(200))),
         m.HeartbeatAck([1, 2], [True, False]),
-        m.Done(7, 0, True, "", [b"12345678", b"abcdefgh"]), m.Done(7, 1, False, "read failed: peer gone"),
-        m.DoneAck(7, True), m.DoneAck(7, False, "lease expired", False),
-        m.Error("malformed", "bad frame"), m.Error("lease_expired", "request 7 expired", 7, "fetch"),
+        m.Done(7, 0, True, "", [b"12345678", b"abcdefgh"]),
+        m.Done(7, 1, False, "read failed: peer gone"),
+        m.DoneAck(7, True),
+        m.DoneAck(7, False, "lease expired", False),
+        m.Error("malformed", "bad frame"),
+        m.Error("lease_expired", "request 7 expired", 7, "fetch"),
     ]
     frames = [x.encode() for x in out]
     if {m.decode(f).TYPE for f in frames} != set(m.MESSAGE_TYPES):
@@ -94,11 +138,11 @@ class FrameMutator:
 
     def _splice(self) -> bytes:
         a, b = self._pick(), self._pick()
-        return a[: int(self.rng.integers(0, len(a) + 1))] + b[int(self.rng.integers(0, len(b))):]
+        return a[: int(self.rng.integers(0, len(a) + 1))] + b[int(self.rng.integers(0, len(b))) :]
 
     def _random(self) -> bytes:
         n = int(self.rng.integers(0, 513))
-        head = bytes([int(self.rng.choice([0x80, 0x81, 0x85, 0x8f, 0xde, 0xdf, 0x90, 0xdc, 0xc4, 0xd9]))])
+        head = bytes([int(self.rng.choice([0x80, 0x81, 0x85, 0x8F, 0xDE, 0xDF, 0x90, 0xDC, 0xC4, 0xD9]))])
         body = self.rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         return head + body if self.rng.random() < 0.5 else body
 
@@ -111,19 +155,23 @@ class FrameMutator:
         elif op < 0.8 and keys:
             del d[keys[int(self.rng.integers(len(keys)))]]
         else:
-            d["extra%d" % int(self.rng.integers(100))] = _ODD_VALUES[int(self.rng.integers(len(_ODD_VALUES)))]
+            d[f"extra{int(self.rng.integers(100))}"] = _ODD_VALUES[int(self.rng.integers(len(_ODD_VALUES)))]
         if isinstance(d.get("gen_layout"), dict) and d["gen_layout"] and self.rng.random() < 0.5:
             lay = dict(d["gen_layout"])
             k = list(lay)[int(self.rng.integers(len(lay)))]
-            lay[k] = _ODD_VALUES[int(self.rng.integers(len(_ODD_VALUES)))] if self.rng.random() < 0.5 else \
-                int(self.rng.integers(-3, 70))
+            lay[k] = (
+                _ODD_VALUES[int(self.rng.integers(len(_ODD_VALUES)))]
+                if self.rng.random() < 0.5
+                else int(self.rng.integers(-3, 70))
+            )
             d["gen_layout"] = lay
         return pack(d)
 
     def _type(self) -> bytes:
         d = dict(self.maps[int(self.rng.integers(len(self.maps)))])
         d["t"] = [None, 7, "", "hello ", "HELLO", "fetch\x00", "done_ack2", b"fetch", ["fetch"]][
-            int(self.rng.integers(9))]
+            int(self.rng.integers(9))
+        ]
         return pack(d)
 
     def _version(self) -> bytes:
@@ -137,7 +185,9 @@ class FrameMutator:
 
     def _declared_len(self) -> bytes:
         """Headers that claim far more bytes/items than the frame holds."""
-        tag = [b"\xc6", b"\xdb", b"\xdd", b"\xdf", b"\xc9", b"\xc5", b"\xda", b"\xdc", b"\xde"][int(self.rng.integers(9))]
+        tag = [b"\xc6", b"\xdb", b"\xdd", b"\xdf", b"\xc9", b"\xc5", b"\xda", b"\xdc", b"\xde"][
+            int(self.rng.integers(9))
+        ]
         wide = tag in (b"\xc6", b"\xdb", b"\xdd", b"\xdf", b"\xc9")
         n = int(self.rng.integers(1 << 20, 1 << 32)) if wide else int(self.rng.integers(256, 1 << 16))
         head = tag + (struct.pack(">I", n) if wide else struct.pack(">H", n))
@@ -156,7 +206,9 @@ class FrameMutator:
 
     def _ext(self) -> bytes:
         code = int(self.rng.choice([-1, -1, 0, 1, 5, 127, -128]))
-        payload = self.rng.integers(0, 256, int(self.rng.choice([1, 2, 4, 8, 12, 16])), dtype=np.uint8).tobytes()
+        payload = self.rng.integers(
+            0, 256, int(self.rng.choice([1, 2, 4, 8, 12, 16])), dtype=np.uint8
+        ).tobytes()
         ext = _ext_bytes(code, payload)
         d = pack({"v": 1, "t": "fetch", "ctx_request_id": 1, "gen_rank": 0})
         if self.rng.random() < 0.5:
@@ -169,21 +221,28 @@ class FrameMutator:
         for n in (1 << 16, 1 << 18, 1 << 20):
             for el, name in ((b"\x80", "empty maps"), (b"\x90", "empty lists"), (b"\xc0", "nils")):
                 head = pack({"v": 1, "t": "fetch", "ctx_request_id": 1, "gen_rank": 0})
-                out.append((f"bomb {n} {name}", bytes([0x85]) + head[1:] + pack("x") + b"\xdd"
-                            + struct.pack(">I", n) + el * n))
+                out.append(
+                    (
+                        f"bomb {n} {name}",
+                        bytes([0x85]) + head[1:] + pack("x") + b"\xdd" + struct.pack(">I", n) + el * n,
+                    )
+                )
         return out
 
     def oversized(self, count: int) -> Iterator[tuple[str, bytes]]:
-        """Frames just over and well over the control-frame limit (a few shared buffers, no per-frame copy)."""
-        bigs = [bytes([0x81, 0xa1, 0x78, 0xc6]) + struct.pack(">I", m.MAX_FRAME_BYTES) + bytes(m.MAX_FRAME_BYTES),
-                self._pick() + bytes(m.MAX_FRAME_BYTES), bytes(m.MAX_FRAME_BYTES + 1)]
+        """Frames just over and far over the control-frame limit (a few shared buffers, no copy per frame)."""
+        bigs = [
+            bytes([0x81, 0xA1, 0x78, 0xC6]) + struct.pack(">I", m.MAX_FRAME_BYTES) + bytes(m.MAX_FRAME_BYTES),
+            self._pick() + bytes(m.MAX_FRAME_BYTES),
+            bytes(m.MAX_FRAME_BYTES + 1),
+        ]
         for i in range(count):
             yield "oversized", bigs[i % len(bigs)]
 
 
 def _ext_bytes(code: int, payload: bytes) -> bytes:
     n = len(payload)
-    fix = {1: 0xd4, 2: 0xd5, 4: 0xd6, 8: 0xd7, 16: 0xd8}
+    fix = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
     c = struct.pack(">b", code)
     if n in fix:
         return bytes([fix[n]]) + c + payload
@@ -202,7 +261,7 @@ def _validate(msg: m.Message) -> None:
 
 
 class DecodeStats:
-    """Counts per category: frames, decoded, refused, crashes, hangs, max and total seconds."""
+    """Per category: frames, decoded, crashes, hangs (best of up to 3 timings over the bound), max, mean."""
 
     def __init__(self, bound_s: float) -> None:
         self.bound_s = bound_s
@@ -210,6 +269,7 @@ class DecodeStats:
         self.decoded: Counter = Counter()
         self.crashes: list[dict] = []
         self.hangs: list[dict] = []
+        self.retimed: list[dict] = []  # over the bound once, then timed again
         self.max_s: dict[str, float] = defaultdict(float)
         self.total_s: dict[str, float] = defaultdict(float)
 
@@ -227,27 +287,58 @@ class DecodeStats:
             pass
         except Exception as e:  # noqa: BLE001 - that is what we count
             if len(self.crashes) < 20:
-                self.crashes.append({"category": cat, "error": f"{type(e).__name__}: {e}"[:300],
-                                     "frame_head": frame[:48].hex()})
+                self.crashes.append(
+                    {
+                        "category": cat,
+                        "error": f"{type(e).__name__}: {e}"[:300],
+                        "frame_head": frame[:48].hex(),
+                    }
+                )
             else:
                 self.crashes.append({"category": cat})
         dt = time.perf_counter() - t0
+        if (
+            dt > self.bound_s
+        ):  # a slow decode is timed again: a busy machine preempts, a slow frame stays slow
+            first = dt
+            for _ in range(2):
+                dt = min(dt, self._retime(frame))
+                if dt <= self.bound_s:
+                    break
+            self.retimed.append({"category": cat, "first_s": round(first, 3), "best_s": round(dt, 4)})
         self.n[key] += 1
         self.total_s[key] += dt
         self.max_s[key] = max(self.max_s[key], dt)
         if dt > self.bound_s:
             self.hangs.append({"category": cat, "seconds": round(dt, 3), "bytes": len(frame)})
 
+    @staticmethod
+    def _retime(frame: bytes) -> float:
+        t0 = time.perf_counter()
+        try:
+            _validate(m.decode(frame))
+        except Exception:  # noqa: BLE001, S110 - the first decode already classified it
+            pass
+        return time.perf_counter() - t0
+
     def rows(self) -> list[dict]:
-        return [{"category": k, "frames": self.n[k], "decoded": self.decoded[k],
-                 "crashes": sum(1 for c in self.crashes if c["category"].split(" ")[0] == k),
-                 "hangs": sum(1 for h in self.hangs if h["category"].split(" ")[0] == k),
-                 "max_ms": round(self.max_s[k] * 1e3, 3), "mean_us": round(self.total_s[k] / self.n[k] * 1e6, 2)}
-                for k in sorted(self.n)]
+        return [
+            {
+                "category": k,
+                "frames": self.n[k],
+                "decoded": self.decoded[k],
+                "crashes": sum(1 for c in self.crashes if c["category"].split(" ")[0] == k),
+                "hangs": sum(1 for h in self.hangs if h["category"].split(" ")[0] == k),
+                "max_ms": round(self.max_s[k] * 1e3, 3),
+                "mean_us": round(self.total_s[k] / self.n[k] * 1e6, 2),
+            }
+            for k in sorted(self.n)
+        ]
 
 
-def run_decoder(frames: int, seed: int, bound_s: float, bombs: bool = True, oversized: int = 1000,
-                progress=None) -> DecodeStats:
+def run_decoder(
+    frames: int, seed: int, bound_s: float, bombs: bool = True, oversized: int = 1000, progress=None
+) -> DecodeStats:
     """Feed `frames` mutated frames (plus oversized frames and, optionally, the expansion bombs)."""
     mut = FrameMutator(seed)
     st = DecodeStats(bound_s)

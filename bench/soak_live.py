@@ -1,4 +1,4 @@
-"""Soak, part A2: a live context rank hammered with mutated frames while a generation rank pulls real requests.
+"""Soak, part A2: a live context rank hammered with mutated frames while a generation rank pulls requests.
 
 This process is the context rank (CacheTransceiver.context over a pool of position-dependent codes). A
 spawned hammer process sends mutated frames (soak_frames.FrameMutator) from 8 DEALER sockets, each opening
@@ -42,9 +42,18 @@ def _gen_main(conn, endpoint: str, instance: str) -> None:
             if cmd == "exit":
                 break
             for rid, cslot, gslot in items:
-                gen.request_and_receive_async(type("R", (), {
-                    "request_id": rid, "block_ids": np.array(_blocks(gslot)), "num_tokens": TOKENS,
-                    "disagg_params": DisaggParams(rid, instance, (endpoint,), LAY)})())
+                gen.request_and_receive_async(
+                    type(
+                        "R",
+                        (),
+                        {
+                            "request_id": rid,
+                            "block_ids": np.array(_blocks(gslot)),
+                            "num_tokens": TOKENS,
+                            "disagg_params": DisaggParams(rid, instance, (endpoint,), LAY),
+                        },
+                    )()
+                )
             try:
                 res = gen.check_gen_transfer_status(len(items), timeout_s=60)
             except Exception as e:  # noqa: BLE001 - report, the parent counts it
@@ -62,8 +71,13 @@ def _gen_main(conn, endpoint: str, instance: str) -> None:
                     dirty.add(g)
             image = pool_image(LAY, 0, nb, [(_blocks(g), TOKENS, s) for g, s in salts.items()], 9)
             skip = np.isin(owner, [b for g in dirty for b in _blocks(g)])
-            conn.send({"ok": sum(r.ok for r in res), "failed": failed,
-                       "mismatched_bytes": int(np.count_nonzero((buf != image) & ~skip))})
+            conn.send(
+                {
+                    "ok": sum(r.ok for r in res),
+                    "failed": failed,
+                    "mismatched_bytes": int(np.count_nonzero((buf != image) & ~skip)),
+                }
+            )
 
 
 def _hammer_main(conn, endpoint: str, frames: int, seed: int) -> None:
@@ -128,7 +142,7 @@ def _hammer_main(conn, endpoint: str, frames: int, seed: int) -> None:
 
 
 def run_live(frames: int, seed: int, batch: int = 4, progress=None) -> dict:
-    """Hammer a live context rank with `frames` mutated frames while real requests are pulled; return counts."""
+    """Hammer a live context rank with `frames` mutated frames while real requests are pulled; counts."""
     nb = 2 * K_CTX
     buf = pool_image(LAY, 0, nb, [(_blocks(c), TOKENS, c + 1) for c in range(K_CTX)], 1).copy()
     spawn = mp.get_context("spawn")
@@ -145,12 +159,19 @@ def run_live(frames: int, seed: int, batch: int = 4, progress=None) -> dict:
         rid = RID_BASE
         hammer = None
         try:
-            while hammer is None or out["requests"] < 64:  # at least 64 real requests, however fast the hammer
+            while (
+                hammer is None or out["requests"] < 64
+            ):  # at least 64 real requests, however fast the hammer
                 items = []
                 for j in range(batch):
                     cslot, gslot = (rid - RID_BASE) % K_CTX, ((rid - RID_BASE) // batch * batch + j) % K_GEN
-                    ctx.respond_and_send_async(type("R", (), {"request_id": rid, "block_ids": np.array(
-                        _blocks(cslot)), "num_tokens": TOKENS})())
+                    ctx.respond_and_send_async(
+                        type(
+                            "R",
+                            (),
+                            {"request_id": rid, "block_ids": np.array(_blocks(cslot)), "num_tokens": TOKENS},
+                        )()
+                    )
                     items.append((rid, cslot, gslot))
                     rid += 1
                 gconn.send(("pull", items))

@@ -27,10 +27,19 @@ from ..transceiver import DisaggParams
 
 MODEL = "seeded:tiny3"
 CTX_SPLIT = {"tp": 2, "tokens_per_block": 4, "num_blocks": 256}
-GEN_SPLIT = {"tp": 1, "pp": 2, "tokens_per_block": 12}  # num_blocks: 4 per client thread (a request needs <= 4),
-                                                          # so freed blocks are reused at once
-XCFG = {"agents": ["nixl"], "lease_s": 2.0, "heartbeat_s": 0.5, "pickup_timeout_s": 3.0, "peer_timeout_s": 2.0,
-        "handshake_timeout_s": 3.0, "transfer_timeout_s": 20.0, "drain_timeout_s": 1.0}
+# The generation pool gets 4 blocks per client thread (a request needs at most 4): freed blocks are reused
+# at once.
+GEN_SPLIT = {"tp": 1, "pp": 2, "tokens_per_block": 12}
+XCFG = {
+    "agents": ["nixl"],
+    "lease_s": 3.0,
+    "heartbeat_s": 0.5,
+    "pickup_timeout_s": 3.0,
+    "peer_timeout_s": 4.0,
+    "handshake_timeout_s": 3.0,
+    "transfer_timeout_s": 20.0,
+    "drain_timeout_s": 1.0,
+}
 
 
 def prompts(n: int = 50, seed: int = 0) -> list[list[int]]:
@@ -47,14 +56,16 @@ def prompts(n: int = 50, seed: int = 0) -> list[list[int]]:
 class Tally:
     requests: int = 0
     completed: int = 0
-    aborted: int = 0           # generation requests that ended "aborted" by a client abort
-    expired: int = 0           # context requests left unfetched, released by their lease
-    restart_failed: int = 0    # in flight on the generation executor when it was restarted
-    failed: int = 0            # any other terminal failure (named in errors)
+    aborted: int = 0  # generation requests that ended "aborted" by a client abort
+    expired: int = 0  # context requests left unfetched, released by their lease
+    restart_failed: int = 0  # in flight on the generation executor when it was restarted
+    failed: int = 0  # any other terminal failure (named in errors)
     lost: int = 0
     corrupted: int = 0
     late_abort_completed: int = 0  # an abort that came after the request had finished: it completed normally
     errors: Counter = field(default_factory=Counter)
+    log: list = field(default_factory=list)  # (seconds into the run, what) of the first 50 failures
+    t0: float = field(default_factory=time.monotonic)
     corrupted_prompts: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -63,6 +74,8 @@ class Tally:
             for k, v in kw.items():
                 if k == "error":
                     self.errors[re.sub(r"\d+", "N", v)[:200]] += 1
+                    if len(self.log) < 50:
+                        self.log.append((round(time.monotonic() - self.t0, 2), v[:300]))
                 elif k == "corrupted_prompt":
                     self.corrupted_prompts[v] += 1
                 else:
@@ -74,9 +87,19 @@ class RequestSoak:
     requests aborted by the client / left unfetched); restart (restart the generation executor once, at
     half of the requests); max_tokens; deadline_s (per request); run_dir (context endpoint files)."""
 
-    def __init__(self, requests: int, seed: int, run_dir: str, concurrency: int = 24, abort_p: float = 0.1,
-                 expire_p: float = 0.05, restart: bool = True, max_tokens: int = 4, deadline_s: float = 60.0,
-                 progress=None) -> None:
+    def __init__(
+        self,
+        requests: int,
+        seed: int,
+        run_dir: str,
+        concurrency: int = 24,
+        abort_p: float = 0.1,
+        expire_p: float = 0.05,
+        restart: bool = True,
+        max_tokens: int = 4,
+        deadline_s: float = 60.0,
+        progress=None,
+    ) -> None:
         self.n, self.seed, self.run_dir = requests, seed, run_dir
         self.concurrency, self.abort_p, self.expire_p = concurrency, abort_p, expire_p
         self.restart_at = requests // 2 if restart else -1
@@ -91,6 +114,7 @@ class RequestSoak:
         self._gen: Executor | None = None
         self._closed: set[int] = set()  # id() of generation executors closed by the restart
         self.restarts = 0
+        self.restart_t: list[float] = []  # seconds into the run: closed, back
         self._released: set[int] = set()
         self._rel_lock = threading.Lock()
 
@@ -98,10 +122,20 @@ class RequestSoak:
     def _start(self, role: str, tag: str, split: dict) -> Executor:
         d = os.path.join(self.run_dir, tag)
         os.makedirs(d, exist_ok=True)
-        return Executor.start(ExecutorConfig(
-            model=MODEL, timeout_s=120, rank_hook="kvbridge.executor.transceiver_hook:make",
-            rank_hook_args={"role": role, "instance": f"{tag}-instance", "transceiver": XCFG, "run_dir": d},
-            **split))
+        return Executor.start(
+            ExecutorConfig(
+                model=MODEL,
+                timeout_s=120,
+                rank_hook="kvbridge.executor.transceiver_hook:make",
+                rank_hook_args={
+                    "role": role,
+                    "instance": f"{tag}-instance",
+                    "transceiver": XCFG,
+                    "run_dir": d,
+                },
+                **split,
+            )
+        )
 
     def expected(self) -> list[list[int]]:
         """Aggregated decoding of every prompt (one batch), the reference for `corrupted`."""
@@ -118,9 +152,11 @@ class RequestSoak:
         try:
             self.endpoints = context_endpoints(os.path.join(self.run_dir, "ctx"), self.ctx.layout.world_size)
             free0 = (self.ctx.free_blocks(), self._gen.free_blocks())
-            t1 = time.monotonic()
-            workers = [threading.Thread(target=self._worker, args=(w,), daemon=True, name=f"soak-{w}")
-                       for w in range(self.concurrency)]
+            t1 = self.tally.t0 = time.monotonic()
+            workers = [
+                threading.Thread(target=self._worker, args=(w,), daemon=True, name=f"soak-{w}")
+                for w in range(self.concurrency)
+            ]
             for w in workers:
                 w.start()
             bound = time.monotonic() + self.n * 2.0 + 300  # far beyond any sane run: a stuck client thread
@@ -135,25 +171,48 @@ class RequestSoak:
                 if self._gen is not None:
                     self._gen.close()
         t = self.tally
-        return {"requests": t.requests, "completed": t.completed, "aborted": t.aborted, "expired": t.expired,
-                "restarts": self.restarts, "restart_failed": t.restart_failed, "failed": t.failed,
-                "late_abort_completed": t.late_abort_completed, "lost": t.lost + stuck, "stuck_clients": stuck,
-                "leaked_blocks": leaked, "corrupted": t.corrupted,
-                "corrupted_prompts": dict(t.corrupted_prompts), "errors": dict(t.errors.most_common(12)),
-                "requests_per_s": round(t.requests / run_s, 2), "run_s": round(run_s, 1),
-                "expected_s": round(t_expected, 1), "concurrency": self.concurrency, "max_tokens": self.max_tokens,
-                "abort_p": self.abort_p, "expire_p": self.expire_p,
-                "ctx_split": CTX_SPLIT, "gen_split": self.gen_split, "transceiver": XCFG}
+        return {
+            "requests": t.requests,
+            "completed": t.completed,
+            "aborted": t.aborted,
+            "expired": t.expired,
+            "restarts": self.restarts,
+            "restart_failed": t.restart_failed,
+            "failed": t.failed,
+            "late_abort_completed": t.late_abort_completed,
+            "lost": t.lost + stuck,
+            "stuck_clients": stuck,
+            "leaked_blocks": leaked,
+            "corrupted": t.corrupted,
+            "corrupted_prompts": dict(t.corrupted_prompts),
+            "errors": dict(t.errors.most_common(12)),
+            "error_log": t.log,
+            "restart_at_s": self.restart_t,
+            "requests_per_s": round(t.requests / run_s, 2),
+            "run_s": round(run_s, 1),
+            "expected_s": round(t_expected, 1),
+            "concurrency": self.concurrency,
+            "max_tokens": self.max_tokens,
+            "abort_p": self.abort_p,
+            "expire_p": self.expire_p,
+            "ctx_split": CTX_SPLIT,
+            "gen_split": self.gen_split,
+            "transceiver": XCFG,
+        }
 
     def _leaks(self, free0) -> int:
         """Free blocks back to the start on every rank? Waits out leases (bounded); returns blocks missing."""
         deadline = time.monotonic() + XCFG["pickup_timeout_s"] + XCFG["lease_s"] * 3 + 10
         while True:
             ctx_free, gen_free = self.ctx.free_blocks(), self._gen.free_blocks()
-            missing = sum(a - b for a, b in zip(free0[0], ctx_free)) + sum(a - b for a, b in zip(free0[1], gen_free))
+            missing = sum(a - b for a, b in zip(free0[0], ctx_free)) + sum(
+                a - b for a, b in zip(free0[1], gen_free)
+            )
             if missing == 0 or time.monotonic() > deadline:
                 if missing:
-                    self.tally.add(error=f"leak: ctx free {ctx_free} of {free0[0]}, gen free {gen_free} of {free0[1]}")
+                    self.tally.add(
+                        error=f"leak: ctx free {ctx_free} of {free0[0]}, gen free {gen_free} of {free0[1]}"
+                    )
                 return missing
             time.sleep(0.25)
 
@@ -184,7 +243,7 @@ class RequestSoak:
         deadline = time.monotonic() + self.deadline_s
         self.tally.add(requests=1)
         gen = self._current_gen() if fate >= self.expire_p else None  # before the prefill: a restart in
-        try:                                                           # between fails the request cleanly
+        try:  # between fails the request cleanly
             res = self.ctx.prefill(prompt, timeout=self.deadline_s)
         except ExecutorError as e:
             self.tally.add(failed=1, error=f"prefill: {e}")
@@ -197,8 +256,13 @@ class RequestSoak:
             return
         params = DisaggParams(res.request_id, "ctx-instance", self.endpoints, self.ctx.layout).to_dict()
         try:
-            rid = gen.submit(prompt, max_tokens=self.max_tokens, mode="generation_only",
-                             first_token=res.first_token, ctx_info={"disagg_params": params})
+            rid = gen.submit(
+                prompt,
+                max_tokens=self.max_tokens,
+                mode="generation_only",
+                first_token=res.first_token,
+                ctx_info={"disagg_params": params},
+            )
             if fate < self.expire_p + self.abort_p:
                 time.sleep(rng.random() * 0.08)  # anywhere from before admission to after the last token
                 gen.abort(rid)
@@ -220,7 +284,9 @@ class RequestSoak:
                     self._ended_by_error(gen, e)
                     return
                 if time.monotonic() > deadline:
-                    self.tally.add(lost=1, error=f"generation request {rid} not finished within {self.deadline_s} s")
+                    self.tally.add(
+                        lost=1, error=f"generation request {rid} not finished within {self.deadline_s} s"
+                    )
                     return
         if c.finish_reason == "aborted":
             if aborted_by_client:
@@ -247,16 +313,18 @@ class RequestSoak:
             return self._gen
 
     def _restart(self) -> None:
-        """Close the generation executor with requests in flight, start a new one (new instance, new ports)."""
+        """Close the generation executor with requests in flight; start a new one (new instance and ports)."""
         with self._gen_cv:
             old, self._gen = self._gen, None
         self._closed.add(id(old))
+        self.restart_t = [round(time.monotonic() - self.tally.t0, 2)]
         old.close()
         self.progress("restart: generation executor closed")
         new = self._start("generation", "gen1", self.gen_split)
         with self._gen_cv:
             self._gen = new
             self.restarts += 1
+            self.restart_t.append(round(time.monotonic() - self.tally.t0, 2))
             self._gen_cv.notify_all()
         self.progress("restart: generation executor back")
 

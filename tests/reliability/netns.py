@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 
 from .netns_rank import LineConn
@@ -63,7 +62,10 @@ class Link:
             _ip("link", "add", self.ctx_dev, "type", "veth", "peer", "name", self.gen_dev)
             _ip("link", "set", self.ctx_dev, "netns", self.ctx_ns)
             _ip("link", "set", self.gen_dev, "netns", self.gen_ns)
-            for ns, dev, ip in ((self.ctx_ns, self.ctx_dev, self.ctx_ip), (self.gen_ns, self.gen_dev, self.gen_ip)):
+            for ns, dev, ip in (
+                (self.ctx_ns, self.ctx_dev, self.ctx_ip),
+                (self.gen_ns, self.gen_dev, self.gen_ip),
+            ):
                 _ip("addr", "add", f"{ip}/24", "dev", dev, ns=ns)
                 _ip("link", "set", dev, "up", ns=ns)
                 _ip("link", "set", "lo", "up", ns=ns)
@@ -77,9 +79,31 @@ class Link:
 
     def limit_ctx_rate(self, rate: str) -> None:
         """Shape what the context side sends (the KV of a READ) to `rate` (tc syntax, e.g. "16mbit")."""
-        subprocess.run(["ip", "netns", "exec", self.ctx_ns, "tc", "qdisc", "add", "dev", self.ctx_dev, "root", "tbf",
-                        "rate", rate, "burst", "64kb", "latency", "200ms"], capture_output=True, text=True,
-                       timeout=20, check=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.ctx_ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                self.ctx_dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "64kb",
+                "latency",
+                "200ms",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
 
     def bytes_moved(self) -> int:
         """Bytes received on the generation side's veth so far."""
@@ -97,9 +121,14 @@ class NsRank:
     """A rank process in a namespace, with the interface of tests/transceiver/ranks.py's RankProc."""
 
     def __init__(self, ns: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.join(HERE, "netns_rank.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     env={**os.environ, **env})
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, os.path.join(HERE, "netns_rank.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **env},
+        )
         self.conn = LineConn(self.proc.stdout, self.proc.stdin)
 
     def call(self, cmd: str, arg=None, timeout: float = 120):

@@ -4,7 +4,6 @@ executor reuses its blocks. Real executors (rank processes, ZeroMQ, NIXL) and th
 from __future__ import annotations
 
 import pytest
-
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 from kvbridge.executor.transceiver_hook import context_endpoints
 from kvbridge.transceiver import DisaggParams
@@ -18,31 +17,50 @@ FILL = [(7 * i) % 250 + 1 for i in range(239)]  # 30 blocks of 8, finished at on
 def _exec(tmp_path, role, **kw) -> Executor:
     run_dir = tmp_path / role
     run_dir.mkdir()
-    return Executor.start(ExecutorConfig(
-        model="seeded:tiny3", timeout_s=90, tokens_per_block=8, rank_hook="kvbridge.executor.transceiver_hook:make",
-        rank_hook_args={"role": role, "instance": f"{role}-instance", "transceiver": XCFG, "run_dir": str(run_dir)},
-        **kw))
+    return Executor.start(
+        ExecutorConfig(
+            model="seeded:tiny3",
+            timeout_s=90,
+            tokens_per_block=8,
+            rank_hook="kvbridge.executor.transceiver_hook:make",
+            rank_hook_args={
+                "role": role,
+                "instance": f"{role}-instance",
+                "transceiver": XCFG,
+                "run_dir": str(run_dir),
+            },
+            **kw,
+        )
+    )
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (executor/engine.py abort, executor/hooks.py): Executor.abort of a "
-                   "generation-only request awaiting KV frees its blocks while the transceiver's pull of them "
-                   "goes on; see the test's docstring")
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG (executor/engine.py abort, executor/hooks.py): Executor.abort of a "
+    "generation-only request awaiting KV frees its blocks while the transceiver's pull of them "
+    "goes on; see the test's docstring",
+)
 def test_abort_while_the_kv_is_being_pulled_never_lets_the_pull_write_into_reused_blocks(tmp_path):
-    """A waits for context request 1000 (not prefilled yet) in blocks [0, 1]; the client aborts A, its blocks go
-    back to the free list, B gets them and starts a long decode; then request 1000 is prefilled. The engine's
-    abort sent only a "free" op: no hook was told, so A's pull is still alive, fetches 1000 and writes P1's KV
-    over B's prompt KV mid-decode. B's tokens then differ from aggregated decoding of P2.
+    """A waits for context request 1000 (not prefilled yet) in blocks [0, 1]; the client aborts A, its blocks
+    go back to the free list, B gets them and starts a long decode; then request 1000 is prefilled. The
+    engine's abort sent only a "free" op: no hook was told, so A's pull is still alive, fetches 1000 and
+    writes P1's KV over B's prompt KV mid-decode. B's tokens then differ from aggregated decoding of P2.
 
     Fix: an abort of a request in state awaiting_kv must tell every rank's hook (a new hook call, e.g.
     on_abort(request_id) -> CacheTransceiver.cancel_request) and keep the blocks reserved until every rank's
     hook reported the pull finished ("abort" after the receiver drained); only then the "free" op."""
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=64, tokens_per_block=8)) as agg:
         want = agg.generate([P2], max_tokens=150, stop_ids=())[0]
-    with _exec(tmp_path, "context", num_blocks=64) as ctx, _exec(tmp_path, "generation", num_blocks=32) as gen:
+    with (
+        _exec(tmp_path, "context", num_blocks=64) as ctx,
+        _exec(tmp_path, "generation", num_blocks=32) as gen,
+    ):
         endpoints = context_endpoints(str(tmp_path / "context"), 1)
 
         def params(ctx_rid):
-            return {"disagg_params": DisaggParams(ctx_rid, "context-instance", endpoints, ctx.layout).to_dict()}
+            return {
+                "disagg_params": DisaggParams(ctx_rid, "context-instance", endpoints, ctx.layout).to_dict()
+            }
 
         a = gen.add_generation(P1, 1, max_tokens=3, ctx_info=params(1000))
         assert a.block_ids == (0, 1)

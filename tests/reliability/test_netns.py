@@ -2,8 +2,9 @@
 so the control plane (ZeroMQ) and the KV reads (NIXL/UCX over TCP) cross a real link that can be cut.
 
 UCX is told UCX_TLS=tcp and UCX_NET_DEVICES=<the veth>: left to itself it sees one host (shared IPC and PID
-namespaces) and moves the bulk data through CMA, bypassing the link (measured: 2.5 KB on the veth for a 315 KiB
-read); with TCP the veth carries every byte. Needs root and `ip netns`; skips with the reason otherwise.
+namespaces) and moves the bulk data through CMA, bypassing the link (measured: 2.5 KB on the veth for a
+315 KiB read); with TCP the veth carries every byte. Needs root and `ip netns`; skips with the reason
+otherwise.
 """
 
 from __future__ import annotations
@@ -11,15 +12,22 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from kvbridge.formatter.layout import KVLayout, KVShape
 
 from ..transceiver.ranks import Cluster
 from .netns import Link, NsRank, netns_unavailable
 
 LAYOUT = KVLayout(KVShape(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=16))
-FAST = {"agents": ["nixl"], "lease_s": 1.0, "heartbeat_s": 0.25, "peer_timeout_s": 1.0, "pickup_timeout_s": 2.0,
-        "handshake_timeout_s": 1.0, "transfer_timeout_s": 6.0, "drain_timeout_s": 1.0}
+FAST = {
+    "agents": ["nixl"],
+    "lease_s": 1.0,
+    "heartbeat_s": 0.25,
+    "peer_timeout_s": 1.0,
+    "pickup_timeout_s": 2.0,
+    "handshake_timeout_s": 1.0,
+    "transfer_timeout_s": 6.0,
+    "drain_timeout_s": 1.0,
+}
 NB = 64
 
 
@@ -31,8 +39,10 @@ def net():
     link = Link()
     c = Cluster(0)
     try:
-        c.procs = [NsRank(link.ctx_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.ctx_dev}),
-                   NsRank(link.gen_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.gen_dev})]
+        c.procs = [
+            NsRank(link.ctx_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.ctx_dev}),
+            NsRank(link.gen_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.gen_dev}),
+        ]
         c.setup(LAYOUT, LAYOUT, NB, NB, {**FAST, "bind_host": link.ctx_ip})
         yield link, c
     finally:
@@ -94,17 +104,22 @@ def test_cutting_the_link_mid_transfer_is_detected_and_a_later_request_succeeds(
     assert c.ctx_status()[0]["pinned"] == 0 and gen.call("gen_status")["in_flight"] == 0
 
 
-BIG = KVLayout(KVShape(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", tokens_per_block=16))  # 256 KiB
+BIG = KVLayout(
+    KVShape(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", tokens_per_block=16)
+)  # 256 KiB
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (agents/nixl_agent.py, transceiver/receiver.py): a cancelled NIXL "
-                   "READ over UCX/TCP keeps writing after the pull reported failure; see the docstring")
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG (agents/nixl_agent.py, transceiver/receiver.py): a cancelled NIXL "
+    "READ over UCX/TCP keeps writing after the pull reported failure; see the docstring",
+)
 def test_a_read_cut_mid_data_writes_nothing_after_its_failure_is_reported():
-    """A 4 MiB READ on a link shaped to 16 Mbit/s is cut 0.8 s in. The pull fails (PeerGone) and reports it, the
-    executor would free its blocks -- but NixlTransfer.cancel() only releases the NIXL handle (UCX cannot
+    """A 4 MiB READ on a link shaped to 16 Mbit/s is cut 0.8 s in. The pull fails (PeerGone) and reports it,
+    the executor would free its blocks -- but NixlTransfer.cancel() only releases the NIXL handle (UCX cannot
     cancel an RMA get) and the receiver then removes the remote agent; neither stops the get. When the link
-    comes back the remaining bytes land in blocks that are no longer the pull's (measured: 1.5 MB written before
-    the cut, all 4 MiB after the restore, 10+ s after the failure was reported).
+    comes back the remaining bytes land in blocks that are no longer the pull's (measured: 1.5 MB written
+    before the cut, all 4 MiB after the restore, 10+ s after the failure was reported).
 
     The invariant pinned here: once a generation rank reports a pull finished, no byte of its pool changes."""
     why = netns_unavailable()
@@ -113,8 +128,10 @@ def test_a_read_cut_mid_data_writes_nothing_after_its_failure_is_reported():
     cfg = {**FAST, "lease_s": 2.0, "peer_timeout_s": 2.0, "pickup_timeout_s": 4.0, "transfer_timeout_s": 30.0}
     link, c = Link(), Cluster(0)
     try:
-        c.procs = [NsRank(link.ctx_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.ctx_dev}),
-                   NsRank(link.gen_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.gen_dev})]
+        c.procs = [
+            NsRank(link.ctx_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.ctx_dev}),
+            NsRank(link.gen_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.gen_dev}),
+        ]
         c.setup(BIG, BIG, 24, 24, {**cfg, "bind_host": link.ctx_ip})
         ctx, gen = c.ctx[0], c.gen[0]
         link.limit_ctx_rate("16mbit")
@@ -132,7 +149,9 @@ def test_a_read_cut_mid_data_writes_nothing_after_its_failure_is_reported():
         assert not r["ok"] and r["error_type"] == "PeerGone", r
         after_report = gen.call("pool_digest")
         time.sleep(6)  # TCP retransmits resume within a few seconds of the restore
-        assert gen.call("pool_digest") == after_report, "bytes landed in the pool after the pull reported failure"
+        assert gen.call("pool_digest") == after_report, (
+            "bytes landed in the pool after the pull reported failure"
+        )
         assert gen.call("gen_status")["in_flight"] == 0
     finally:
         c.close()

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
 from kvbridge.codec import pack, unpack
 from kvbridge.errors import ProtocolError
 from kvbridge.transceiver import messages as m
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (transceiver/messages.py): bool/float versions pass; see docstring")
+@pytest.mark.xfail(
+    strict=True, reason="BUG (transceiver/messages.py): bool/float versions pass; see docstring"
+)
 @pytest.mark.parametrize("v", [True, 1.0], ids=["true", "float"])
 def test_a_version_that_is_not_the_integer_1_is_refused(v):
     with pytest.raises(ProtocolError, match="protocol version"):
