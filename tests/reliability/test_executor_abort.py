@@ -4,6 +4,7 @@ executor reuses its blocks. Real executors (rank processes, ZeroMQ, NIXL) and th
 from __future__ import annotations
 
 import pytest
+
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 from kvbridge.executor.transceiver_hook import context_endpoints
 from kvbridge.transceiver import DisaggParams

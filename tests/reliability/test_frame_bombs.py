@@ -22,6 +22,7 @@ import struct
 import time
 
 import pytest
+
 from kvbridge.codec import pack
 from kvbridge.errors import ProtocolError
 from kvbridge.transceiver import messages as m

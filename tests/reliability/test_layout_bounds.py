@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import zmq
+
 from kvbridge.errors import KvBridgeError
 from kvbridge.formatter.layout import KVLayout, KVShape
 from kvbridge.formatter.mapping import MAPPING_VERSION

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from kvbridge.formatter.layout import KVLayout, KVShape
 
 from ..transceiver.ranks import Cluster

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+
 from kvbridge.codec import pack, unpack
 from kvbridge.errors import ProtocolError
 from kvbridge.transceiver import messages as m
