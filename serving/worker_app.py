@@ -85,7 +85,7 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
         body = {"status": "failed" if err else "ok", "name": spec.name, "role": spec.role,
                 "model": cfg.model_name, "instance": st.instance, "tp": spec.tp, "pp": spec.pp,
                 "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid(),
-                "layout": be.ex.layout.to_wire()}
+                "device": be.ex.cfg.device, "layout": be.ex.layout.to_wire()}
         if err:
             body["error"] = err.splitlines()[0]
         return JSONResponse(body, status_code=503 if err else 200)
