@@ -27,7 +27,8 @@ BLOCKS = 128
 
 def _config(agent: str) -> dict:
     return {"model": "smollm2", "on_transfer_failure": "fail",  # a failed transfer must show, not be hidden
-            "executor": {"num_blocks": BLOCKS, "tokens_per_block": 16, "threads_per_rank": 1, "timeout_s": 240},
+            "executor": {"num_blocks": BLOCKS, "tokens_per_block": 16, "threads_per_rank": 1,
+                         "timeout_s": 240},
             "transceiver": {"agent": agent, "transfer_timeout_s": 120, "peer_timeout_s": 60, "lease_s": 60,
                             "heartbeat_s": 1},
             "router": {"port": 0, "request_timeout_s": 300, "context_timeout_s": 240},
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (default 24)")
     ap.add_argument("--agent", default="auto", help="transceiver agent: auto (nixl on CPU), nixl, tcp, ...")
-    ap.add_argument("--prompt", action="append", help="a chat prompt (repeatable; default: four built-in ones)")
-    ap.add_argument("--keep-logs", action="store_true", help="keep the workers' logs (their folder is printed)")
+    ap.add_argument("--prompt", action="append", help="a chat prompt (repeatable; default: four of ours)")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the workers' logs (the folder is printed)")
     a = ap.parse_args(argv if argv is not None else [])
     t_start = time.monotonic()
     out = _Out()
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from .serving.launcher import Cluster
 
     prompts = a.prompt or PROMPTS
-    print(out.c("kvbridge demo", "1") + " - disaggregated serving of SmolLM2-135M-Instruct on CPU, no network\n")
+    print(out.c("kvbridge demo", "1") + " - disaggregated serving of SmolLM2-135M-Instruct on CPU, offline\n")
     log_dir = tempfile.mkdtemp(prefix="kvbridge-demo-")
     ref = _Reference(prompts, a.max_tokens)
     cluster = None
@@ -78,14 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         ctx_url, gen_url, api = cluster.cfg.context[0].url, cluster.cfg.generation[0].url, cluster.router_url
         with httpx.Client(timeout=300) as http:
             _topology(out, http, ctx_url, gen_url, api, took)
-            out.step(2, 4, "one request streamed through the router (POST /v1/chat/completions, stream=true):")
+            out.step(2, 4, "one request streamed through the router (POST /v1/chat/completions, stream):")
             results = [_stream(out, http, api, prompts[0], a.max_tokens)]
             if prompts[1:]:
-                out.step(3, 4, f"{len(prompts) - 1} more requests at once (the generation worker batches them) ...")
+                out.step(3, 4, f"{len(prompts) - 1} more requests at once (batched by the generation worker) ...")
                 with ThreadPoolExecutor(len(prompts) - 1) as pool:
                     results += list(pool.map(lambda p: _ask(http, api, p, a.max_tokens), prompts[1:]))
             want = ref.result(300)
-            out.step(4, 4, "answers, KV transfers, and the same prompts on one aggregated executor (greedy):\n")
+            out.step(4, 4, "answers, KV transfers, and the same prompts on an aggregated executor (greedy):\n")
             ok = _report(out, prompts, results, want)
             ok &= _pools_full(out, http, ctx_url, gen_url)
     except (KvBridgeError, httpx.HTTPError, RuntimeError, TimeoutError) as e:
@@ -213,7 +214,8 @@ def _report(out: _Out, prompts: list[str], results: list[dict], want: list[list[
         same = kb["token_ids"] == w
         ok &= same and not kb.get("recomputed")
         answer = " ".join(res["text"].split())
-        mark = out.c("identical", "32") if same else out.c(f"DIFFERS ({_first_diff(kb['token_ids'], w)})", "1;31")
+        diff = f"DIFFERS ({_first_diff(kb['token_ids'], w)})"
+        mark = out.c("identical", "32") if same else out.c(diff, "1;31")
         print(f"      {_cut(p, 32):<32} {_cut(answer, 44):<44} {t.get('bytes', 0):>10,} "
               f"{t.get('fragments', 0):>6} {t.get('ms', {}).get('total', 0):>7.1f}  "
               f"{'+'.join(t.get('agents', ['?'])):<5}  {mark}")

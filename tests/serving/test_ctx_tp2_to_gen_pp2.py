@@ -141,6 +141,27 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         stop_process(ctx)
 
 
+def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_path):
+    """A router whose request_timeout_s is shorter than the answer: 504 to the client, generation aborted."""
+    router_port = free_port()
+    cfg = {**CFG, "router": {"port": router_port, "request_timeout_s": 3},
+           "context_servers": {"tp": 2, "urls": [urls["ctx"].removeprefix("http://")]},
+           "generation_servers": {"pp": 2, "urls": [urls["gen"].removeprefix("http://")]}}
+    path = config(tmp_path, "short", cfg)
+    router = start_process(["router", "--config", path], str(tmp_path / "router.log"))
+    try:
+        base = f"http://127.0.0.1:{router_port}"
+        wait_healthy(base, router)
+        before = httpx.get(urls["gen"] + "/metrics").text.count("outcome=")
+        r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1000}, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+        assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
+        metrics = httpx.get(urls["gen"] + "/metrics").text
+        assert metrics.count("outcome=") > before  # the generation worker ended it (timeout / client_closed)
+    finally:
+        stop_process(router)
+
+
 def test_bad_requests_get_openai_error_objects_through_the_router(urls):
     r = httpx.post(urls["router"] + "/completions", json={"prompt": [], "max_tokens": 4}, timeout=30)
     assert r.status_code == 400

@@ -1,5 +1,5 @@
-"""Two GPUs (examples/serve_2gpu.yaml with the seeded model): the context worker on GPU 1, the generation worker
-on GPU 0, KV moved GPU to GPU by the transceiver's automatic agent choice (cuda_ipc on one host)."""
+"""Two GPUs (examples/serve_2gpu.yaml with the seeded model): the context worker on GPU 1, the generation
+worker on GPU 0, KV moved GPU to GPU by the transceiver's automatic agent choice (cuda_ipc on one host)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def test_ctx_on_gpu1_gen_on_gpu0_answers_exactly_the_aggregated_tokens(tmp_path)
            "router": {**raw["router"], "port": 0}}
     for group in ("context_servers", "generation_servers"):
         cfg[group] = {**raw[group], "urls": ["127.0.0.1:0"]}
-    with Executor.start(ExecutorConfig(model=MODEL, device="cuda:0", num_blocks=64, tokens_per_block=16)) as ex:
+    ref = ExecutorConfig(model=MODEL, device="cuda:0", num_blocks=64, tokens_per_block=16)
+    with Executor.start(ref) as ex:
         want = ex.generate(PROMPTS, max_tokens=10)  # bfloat16 on GPU 0, like the generation worker
     c = launch(cfg, str(tmp_path))
     try:

@@ -97,7 +97,8 @@ def test_killing_the_generation_worker_mid_stream_errors_the_client_and_stops_se
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     log = (tmp_path / "serve.log").read_text()
-    assert f"generation worker gen0 (http://127.0.0.1:{ports[1]}, pid {gen_pid}) was killed by signal 9" in log
+    gen = f"http://127.0.0.1:{ports[1]}"
+    assert f"generation worker gen0 ({gen}, pid {gen_pid}) was killed by signal 9" in log
     assert _gone(gen_pid) and _gone(ctx_pid), "a worker's process group (its rank processes) outlived serve"
 
 
