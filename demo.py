@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             out.step(2, 4, "one request streamed through the router (POST /v1/chat/completions, stream):")
             results = [_stream(out, http, api, prompts[0], a.max_tokens)]
             if prompts[1:]:
-                out.step(3, 4, f"{len(prompts) - 1} more requests at once (batched by the generation worker) ...")
+                n = len(prompts) - 1
+                out.step(3, 4, f"{n} more requests at once (batched by the generation worker) ...")
                 with ThreadPoolExecutor(len(prompts) - 1) as pool:
                     results += list(pool.map(lambda p: _ask(http, api, p, a.max_tokens), prompts[1:]))
             want = ref.result(300)
-            out.step(4, 4, "answers, KV transfers, and the same prompts on an aggregated executor (greedy):\n")
+            out.step(4, 4, "answers, KV transfers, and the same prompts on an aggregated executor:\n")
             ok = _report(out, prompts, results, want)
             ok &= _pools_full(out, http, ctx_url, gen_url)
     except (KvBridgeError, httpx.HTTPError, RuntimeError, TimeoutError) as e:
