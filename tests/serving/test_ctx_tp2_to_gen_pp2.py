@@ -99,6 +99,20 @@ def test_32_concurrent_requests_are_all_answered_and_both_pools_end_full(urls, w
     assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
 
 
+def test_worker_metrics_merge_the_transceiver_metrics_of_every_rank_process(urls):
+    ctx, gen = httpx.get(urls["ctx"] + "/metrics").text, httpx.get(urls["gen"] + "/metrics").text
+    # counted inside the rank processes (transceiver/metrics.py), summed over them by the worker's /metrics
+    assert 'kvbridge_transfers_total{outcome="ok",role="generation"}' in gen
+    assert 'kvbridge_transfers_total{outcome="complete",role="context"}' in ctx
+    assert "kvbridge_transfer_bytes_total" in gen
+    assert 'kvbridge_phase_seconds_bucket{le="0.5",phase="read"}' in gen
+    # the worker's own request metrics
+    assert 'kvbridge_serving_requests_total{kind="completion",outcome="ok",role="generation"}' in gen
+    assert 'kvbridge_serving_request_seconds_count{phase="prefill",role="context"}' in ctx
+    router = httpx.get(urls["router"].removesuffix("/v1") + "/metrics").text
+    assert 'kvbridge_router_requests_total{endpoint="completions",status="200"}' in router
+
+
 def test_a_client_that_goes_away_mid_stream_aborts_its_generation(urls):
     body = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
     with httpx.stream("POST", urls["router"] + "/completions", json=body, timeout=120) as r:
