@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ApiError", "GenRequest", "DisaggRequest", "parse_request", "parse_disagg", "response", "chunk",
-           "usage_chunk", "sse", "SSE_DONE", "DEADLINE_HEADER", "new_id"]
+           "usage_chunk", "sse", "SSE_DONE", "DEADLINE_HEADER", "new_id", "read_json"]
 
 SSE_DONE = b"data: [DONE]\n\n"
+MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413) before it is read
 DEADLINE_HEADER = "x-kvbridge-timeout-s"  # seconds the caller still waits for this hop
 MAX_PROMPT_TOKENS = 1 << 20
 _UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
@@ -86,6 +87,24 @@ class DisaggRequest:
             d.update(first_token=self.first_token, prompt_token_ids=self.prompt_token_ids,
                      ctx_params=self.ctx_params, seed=self.seed, context_worker=self.context_worker)
         return d
+
+
+async def read_json(request) -> Any:
+    """The JSON body of a Starlette request: 413 when larger than MAX_BODY_BYTES, 400 when not JSON."""
+    size = request.headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+        raise ApiError(413, f"the request body ({size} bytes) is larger than {MAX_BODY_BYTES} bytes",
+                       code="body_too_large")
+    data = bytearray()
+    async for piece in request.stream():  # also bounds a chunked body that gave no length
+        data += piece
+        if len(data) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                           code="body_too_large")
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not JSON: {e}") from None
 
 
 def new_id(kind: str) -> str:

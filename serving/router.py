@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .balancer import Pool, WorkerRef
 from .config import ServeConfig
 from .metrics import RouterMetrics, render
-from .protocol import DEADLINE_HEADER, SSE_DONE, ApiError, sse
+from .protocol import DEADLINE_HEADER, SSE_DONE, ApiError, read_json, sse
 
 __all__ = ["main", "build_router"]
 
@@ -262,7 +262,7 @@ def build_router(cfg: ServeConfig) -> FastAPI:
         deadline = time.monotonic() + rc.request_timeout_s
         status = 200
         try:
-            body = _json_or_none(await request.body())
+            body = await read_json(request)
             if not isinstance(body, dict):
                 raise ApiError(400, "the request body must be a JSON object")
             if body.get("model") not in (None, cfg.model_name, cfg.model):

@@ -35,7 +35,7 @@ from .backend import Backend
 from .config import ServeConfig, ServerSpec
 from .metrics import WorkerMetrics, render
 from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, chunk, new_id,
-                       parse_request, response, sse, usage_chunk)
+                       parse_request, read_json, response, sse, usage_chunk)
 from .text import Detokenizer, TextCodec
 
 log = logging.getLogger("kvbridge.serving.worker")
@@ -119,7 +119,7 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
             metrics.done(kind, result, dt, phase, dt)
 
         try:
-            req = parse_request(await _json(request), kind, cfg.default_max_tokens)
+            req = parse_request(await read_json(request), kind, cfg.default_max_tokens)
             if req.model and req.model not in (cfg.model_name, cfg.model):
                 raise ApiError(404, f"model {req.model!r} is not served here; this server has "
                                     f"{cfg.model_name!r}", code="model_not_found", param="model")
@@ -296,13 +296,6 @@ def _timeout(request: Request, default: float) -> float:
         return min(default, max(0.0, float(v))) if v else default
     except ValueError:
         raise ApiError(400, f"header {DEADLINE_HEADER}: {v!r} is not a number of seconds") from None
-
-
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not JSON: {e}") from None
 
 
 async def housekeeping(st: WorkerState, on_fatal) -> None:

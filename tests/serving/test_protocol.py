@@ -53,6 +53,32 @@ def test_worker_errors_are_relayed_and_anything_else_becomes_a_named_server_erro
     assert e.status == 502 and e.code == "bad_worker_response" and "ctx0: unexpected answer" in e.message
 
 
+def test_a_body_too_large_or_not_json_is_refused_before_parsing():
+    import asyncio
+
+    class _Req:
+        def __init__(self, chunks, length=None):
+            self.headers = {} if length is None else {"content-length": str(length)}
+            self._chunks = chunks
+
+        async def stream(self):
+            for c in self._chunks:
+                yield c
+
+    from kvbridge.serving.protocol import MAX_BODY_BYTES, read_json
+
+    def run(req):
+        try:
+            return asyncio.run(read_json(req))
+        except ApiError as e:
+            return e.status, e.message
+
+    assert run(_Req([b'{"a":', b" 1}"])) == {"a": 1}
+    assert run(_Req([], MAX_BODY_BYTES + 1))[0] == 413
+    assert run(_Req([b"x" * (1 << 20)] * 65))[0] == 413  # chunked, no length given
+    assert run(_Req([b"{nope"]))[0] == 400
+
+
 def test_streamed_text_never_splits_a_utf8_character():
     d = Detokenizer(TextCodec("seeded:tiny"))  # seeded models: token ids are UTF-8 bytes
     ids = list("né✓".encode())
