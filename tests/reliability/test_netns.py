@@ -24,7 +24,7 @@ FAST = {
     "lease_s": 1.0,
     "heartbeat_s": 0.25,
     "peer_timeout_s": 1.0,
-    "pickup_timeout_s": 2.0,
+    "pickup_timeout_s": 10.0,
     "handshake_timeout_s": 1.0,
     "transfer_timeout_s": 6.0,
     "drain_timeout_s": 1.0,
