@@ -25,6 +25,10 @@ Who calls what, when (the transceiver's view; `Executor` in runtime.py is the in
         -> event "tok": (request_id, n, token) for a request submitted with stream=True, each time it has a
            new token and is still running (n = its tokens so far; the last one comes in "done").
 
+With a KV connector (connector/leader.py), an admitted request whose prompt prefix the connector holds is
+allocated and waits ("loading") until every rank loaded it, then prefills the rest ("loaded"); a finished
+request's blocks stay held while the connector saves them.
+
 Scheduling: FIFO admission while the pool can reserve every admitted request's blocks to completion (so a
 running request never runs out of blocks) and the step's prefill token budget allows; a request that could
 never fit is refused at once. New requests join between steps; all decoding requests step together.
@@ -55,13 +59,14 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     first_token: int | None = None         # generation-only: the context side's first token
     ctx_info: dict = field(default_factory=dict)
-    state: str = "waiting"                  # waiting, prefill, running, awaiting_kv, ctx_done, finished
+    state: str = "waiting"  # waiting, (loading, loaded,) prefill, running, awaiting_kv, ctx_done, finished
     output: list[int] = field(default_factory=list)
     num_cached: int = 0
     reserved: int = 0                       # blocks reserved to completion
     finish_reason: str | None = None
     transfer: str = ""                      # generation-only: the transfer's stats note from the rank hooks
     stream: bool = False                    # report each new token ("tok" events) before "done"
+    loaded: int = 0                         # prompt tokens loaded by the KV connector (not computed)
 
 
 class Engine:
@@ -76,7 +81,8 @@ class Engine:
     """
 
     def __init__(self, num_blocks: int, tokens_per_block: int, *, max_batch_tokens: int = 2048,
-                 max_batch_seqs: int = 64, max_position: int = 4096, vocab_size: int | None = None) -> None:
+                 max_batch_seqs: int = 64, max_position: int = 4096, vocab_size: int | None = None,
+                 connector=None) -> None:
         self.num_blocks, self.tpb = num_blocks, tokens_per_block
         self.max_batch_tokens, self.max_batch_seqs = max_batch_tokens, max_batch_seqs
         self.max_position = max_position
@@ -88,6 +94,8 @@ class Engine:
         self._ops: list[list] = []           # ops for the next plan, in order
         self._post_ops: list[list] = []      # ops run after the step's forward (reads)
         self._events: list[dict] = []
+        self.conn = connector  # the KV connector's leader side (connector/leader.py), or None
+        self._held: dict[int, tuple[list, int]] = {}  # rid -> (op, blocks): run when the connector is done
 
     # --- driver API (commands from the Executor handle) ------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -144,7 +152,7 @@ class Engine:
             self._error(request_id, f"release of request {request_id}, which is {r.state}; only a finished "
                                     f"context-only request is released")
             return
-        self._ops.append(["release", request_id])
+        self._finish(r, ["release", request_id])
         self._drop(r, "released")
         self._events.append({"t": "released", "rid": request_id})
 
@@ -157,6 +165,9 @@ class Engine:
             self.requests.pop(request_id)
         elif r.state == "ctx_done":
             self._ops.append(["release", request_id])
+            self._drop(r, "aborted")
+        elif r.state == "loading":  # the connector may still write into its blocks: free them once it ended
+            self._hold(r, ["free", request_id])
             self._drop(r, "aborted")
         else:
             self._ops.append(["free", request_id])
@@ -183,7 +194,8 @@ class Engine:
     # --- the step -----------------------------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self._ops or self._post_ops or self.waiting
-                    or any(r.state == "running" for r in self.requests.values()))
+                    or any(r.state in ("running", "loaded") for r in self.requests.values())
+                    or (self.conn is not None and self.conn.has_work()))
 
     def next_plan(self) -> dict[str, Any]:
         """The next step's plan: ops, then the batch (admitted prefills, one decode per running request)."""
@@ -192,6 +204,11 @@ class Engine:
         for r in self.requests.values():
             if r.state == "running" and len(batch) < self.max_batch_seqs:
                 batch.append([r.request_id, r.num_cached, [r.output[-1]], True, False, r.sampling.to_wire()])
+            elif r.state == "loaded" and len(batch) < self.max_batch_seqs:  # its prefix is loaded: the rest
+                budget -= len(r.prompt) - r.num_cached
+                batch.append([r.request_id, r.num_cached, list(r.prompt[r.num_cached:]), True,
+                              r.mode == "context_only", r.sampling.to_wire()])
+                r.state = "prefill"
         while self.waiting and len(batch) < self.max_batch_seqs:
             r = self.requests[self.waiting[0]]
             if self.reserved + r.reserved > self.num_blocks:
@@ -199,10 +216,15 @@ class Engine:
             if r.mode != "generation_only":
                 if len(r.prompt) > budget and budget != self.max_batch_tokens:
                     break
-                budget -= len(r.prompt)
-                batch.append([r.request_id, 0, list(r.prompt), True, r.mode == "context_only",
-                              r.sampling.to_wire()])
-                r.state = "prefill"
+                n = self.conn.admit(r) if self.conn is not None else 0
+                if n:  # the connector loads the first n prompt tokens into its blocks first
+                    self._ops.append(["conn_alloc", r.request_id, len(r.prompt)])
+                    r.state, r.num_cached, r.loaded = "loading", n, n
+                else:
+                    budget -= len(r.prompt)
+                    batch.append([r.request_id, 0, list(r.prompt), True, r.mode == "context_only",
+                                  r.sampling.to_wire()])
+                    r.state = "prefill"
             else:
                 self._ops.append(["xfer", r.request_id, len(r.prompt), r.ctx_info])
                 r.state = "awaiting_kv"
@@ -212,6 +234,8 @@ class Engine:
         self.step += 1
         plan = {"v": PLAN_VERSION, "step": self.step, "stop": False, "ops": self._ops, "batch": batch,
                 "post": self._post_ops}
+        if self.conn is not None:
+            plan["conn"] = self.conn.plan_section(batch)
         self._ops, self._post_ops = [], []
         return plan
 
@@ -228,8 +252,10 @@ class Engine:
             if r.state == "prefill" and r.mode == "context_only":
                 r.state = "ctx_done"
                 self._ops.append(["ctx_done", rid, int(tok)])  # tells every rank's hook, first token included
-                self._events.append({"t": "ctx", "rid": rid, "first_token": int(tok),
-                                     "num_tokens": r.num_cached})
+                ev = {"t": "ctx", "rid": rid, "first_token": int(tok), "num_tokens": r.num_cached}
+                if r.loaded:
+                    ev["loaded"] = r.loaded
+                self._events.append(ev)
                 continue
             r.state = "running"
             self._check_finished(r)
@@ -245,17 +271,47 @@ class Engine:
         elif len(r.output) >= r.max_tokens:
             reason = "length"
         if reason:
-            self._ops.append(["free", r.request_id])
+            self._finish(r, ["free", r.request_id])
             self._drop(r, reason)
             ev = {"t": "done", "rid": r.request_id, "tokens": list(r.output), "reason": reason}
             if r.transfer:
                 ev["transfer"] = r.transfer
+            if r.loaded:
+                ev["loaded"] = r.loaded
             self._events.append(ev)
 
     def _stream(self, r: Request) -> None:
         """A streaming request still running: report its newest token (n = tokens so far)."""
         if r.stream and r.state == "running":
             self._events.append({"t": "tok", "rid": r.request_id, "n": len(r.output), "tok": r.output[-1]})
+
+    # --- the KV connector (connector/leader.py) -------------------------------------------------------------
+    def _finish(self, r: Request, op: list) -> None:
+        """Free a finished request's blocks in the next step, or once the connector has saved them."""
+        if self.conn is not None and self.conn.request_finished(r):
+            self._hold(r, op)
+        else:
+            self._ops.append(op)
+
+    def _hold(self, r: Request, op: list) -> None:
+        self._held[r.request_id] = (op, r.reserved)
+        self.reserved += r.reserved  # _drop gives the reservation back: the blocks stay taken until `op`
+
+    def connector_done(self, saved: list[int], loaded: list[tuple[int, str]]) -> None:
+        """Saves and loads that ended on every rank: free held blocks, start loaded requests' prefills."""
+        for rid in saved + [rid for rid, _ in loaded if rid in self._held]:
+            op, blocks = self._held.pop(rid, (None, 0))
+            if op is not None:
+                self._ops.append(op)
+                self.reserved -= blocks
+        for rid, err in loaded:
+            r = self.requests.get(rid)
+            if r is None or r.state != "loading":
+                continue
+            if err:  # some rank could not load: compute the whole prompt (every rank's load has ended)
+                r.num_cached = r.loaded = 0
+            self._ops.append(["ready", rid])
+            r.state = "loaded"
 
     def _drop(self, r: Request, reason: str) -> None:
         r.state, r.finish_reason = "finished", reason

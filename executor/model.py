@@ -105,6 +105,7 @@ class StageModel:
         half = cfg.head_dim // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
         self.inv_freq = self.inv_freq.to(torch.float32).to(self.device)
+        self.kv_connector = None  # a KV connector (connector/rank.py): its hooks run around each layer
 
     # --- pieces -------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -179,11 +180,16 @@ class StageModel:
         x = self.embed(b.input_ids) if self.first else hidden
         cos, sin = self._rope(b.positions)
         eps = self.cfg.rms_eps
+        conn = self.kv_connector
         for li, layer in enumerate(self.layers):
             p = f"model.layers.{layer}."
+            if conn is not None:
+                conn.wait_for_layer_load(li)
             x = x + self._attention(li, layer, _rms_norm(x, self.w[p + "input_layernorm.weight"], eps), b,
                                     cos,
                                     sin)
+            if conn is not None:
+                conn.save_kv_layer(li)
             x = x + self._mlp(layer, _rms_norm(x, self.w[p + "post_attention_layernorm.weight"], eps))
         if not self.last:
             return x

@@ -30,6 +30,8 @@ from .. import codec
 from ..errors import ExecutorError, KVCacheExhausted
 from ..formatter.layout import KVLayout
 from .config import ModelConfig
+from .connector.base import KvConnectorConfig
+from .connector.factory import connector_wire
 from .kv_cache_manager import TORCH_DTYPES
 from .kv_io import assemble, shard_of
 from .launch import free_port, spawn_ranks, stop_processes
@@ -52,6 +54,9 @@ class ExecutorConfig:
         timeout_s: bound on start-up, every collective and every wait of this handle.
         threads_per_rank: torch intra-op threads per rank process.
         rank_hook, rank_hook_args: "module:factory" built in every rank process (the transceiver): hooks.py.
+        kv_connector_config: a KV cache connector (connector/base.py), e.g.
+            KvConnectorConfig.persistent("/data/kv", max_bytes=8 << 30): prompts' KV saved to and loaded
+            from a folder shared across executors and restarts.
     """
 
     model: str = "seeded:tiny"
@@ -68,6 +73,7 @@ class ExecutorConfig:
     threads_per_rank: int = 1
     rank_hook: str | None = None
     rank_hook_args: dict = field(default_factory=dict)
+    kv_connector_config: KvConnectorConfig | dict | None = None
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
@@ -98,6 +104,7 @@ class Completion:
     finish_reason: str
     error: str = ""  # why an aborted request was aborted (e.g. the KV transfer's error), when known
     transfer: str = ""  # generation-only: the KV transfer's stats (JSON text from rank 0's hook)
+    loaded_tokens: int = 0  # prompt tokens whose KV the KV connector loaded instead of computing them
 
 
 @dataclass
@@ -136,6 +143,7 @@ class Executor:
             "max_batch_seqs": cfg.max_batch_seqs, "timeout_s": cfg.timeout_s,
             "threads_per_rank": cfg.threads_per_rank, "port": free_port(),
             "rank_hook": cfg.rank_hook, "rank_hook_args": cfg.rank_hook_args,
+            "kv_connector": connector_wire(cfg.kv_connector_config),
         })
         ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
         ex._pipes = [Pipes(rx, tx) for rx, tx in zip(from_rank, to_rank)]
@@ -245,7 +253,7 @@ class Executor:
             self._st.partial.pop(request_id, None)
             self._st.events.pop(("gen_alloc", request_id), None)
         return Completion(request_id, list(ev["tokens"]), ev["reason"], str(ev.get("error", "")),
-                          str(ev.get("transfer", "")))
+                          str(ev.get("transfer", "")), int(ev.get("loaded", 0)))
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 16,
                  sampling: SamplingParams | None = None,

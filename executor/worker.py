@@ -141,12 +141,22 @@ class _Runner:
             self.hook = load_hook(cfg["rank_hook"], RankContext(rank, self.layout, self.kv, self.device,
                                                                 self.mcfg,
                                                                 dict(cfg.get("rank_hook_args") or {})))
+        self.conn = None  # the KV connector's worker half (connector/rank.py); the model calls its hooks
+        if cfg.get("kv_connector"):
+            from .connector.rank import ConnectorRank
+
+            self.conn = ConnectorRank(cfg, rank, self.layout, self.kv.pool, self.device, self.mcfg.to_dict())
+            self.model.kv_connector = self.conn
 
     def exchange(self) -> list[dict] | None:
         """After a step: every rank's hook report, gathered on every rank (None without hooks)."""
         if self.hook is None:
             return None
         return exchange_reports(self.comm, validate_report(self.hook.poll(), self.rank))
+
+    def exchange_connector(self) -> list[dict] | None:
+        """After a step: every rank's connector report (get_finished), on every rank (None without one)."""
+        return None if self.conn is None else self.conn.exchange(self.comm)
 
     # --- one plan -------------------------------------------------------------------------------------
     def execute(self, plan: dict) -> list[int] | None:
@@ -164,6 +174,8 @@ class _Runner:
                     self.hook.on_generation_alloc(rid, blocks, int(op[2]), dict(op[3]) if len(op) > 3 else {})
             elif kind == "ready":
                 kv.mark_ready(rid)
+            elif kind == "conn_alloc":  # blocks the KV connector loads a stored prompt prefix into
+                kv.add_sequence_for_transfer(rid, int(op[2]))
             elif kind == "release":
                 kv.free_resources(rid)
                 kv.unpin(rid)
@@ -179,6 +191,8 @@ class _Runner:
                 raise ExecutorError(f"step {plan['step']}: unknown op {kind!r}")
         batch = plan["batch"]
         sampled = None
+        if self.conn is not None and "conn" in plan:
+            self.conn.begin_step(plan["conn"])  # bind_connector_meta + start_load_kv
         if batch:
             needs = [(int(b[0]), int(b[1]) + len(b[2])) for b in batch]
             kv.prepare_resources(needs)
@@ -202,6 +216,8 @@ class _Runner:
             for b in batch:
                 if b[4]:
                     kv.pin(int(b[0]))
+        if self.conn is not None and "conn" in plan:
+            self.conn.end_step()  # wait_for_save
         for op in plan.get("post", ()):
             if op[0] == "read":
                 self._read_kv(int(op[1]))
@@ -237,11 +253,16 @@ class _Runner:
 
 
 def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
+    conn = None
+    if run.conn is not None:
+        from .connector.leader import ConnectorLeader
+
+        conn = ConnectorLeader(cfg, run.kv, run.mcfg.to_dict())
     eng = Engine(cfg["num_blocks"], cfg["tokens_per_block"], max_batch_tokens=cfg["max_batch_tokens"],
                  max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position,
-                 vocab_size=run.mcfg.vocab_size)
+                 vocab_size=run.mcfg.vocab_size, connector=conn)
     tally = HookTally(run.layout.world_size)
-    idle_wait = HOOK_IDLE_S if run.hook is not None else 0.02
+    idle_wait = HOOK_IDLE_S if run.hook is not None or conn is not None else 0.02
     quiet_wait = idle_wait  # grows while the engine holds no request (nothing a hook could report on)
     last_bcast = time.monotonic()
     while True:
@@ -260,7 +281,8 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
         if idle:
             for ev in eng.take_events():
                 pipes.send(ev)
-            if run.hook is None and (not run.comm.enabled or time.monotonic() - last_bcast < HEARTBEAT_S):
+            if run.hook is None and conn is None and (not run.comm.enabled
+                                                      or time.monotonic() - last_bcast < HEARTBEAT_S):
                 continue
             # an empty plan: keeps the followers' waits alive and gives hooks their poll
             plan = {"v": 1, "step": eng.step, "stop": False, "ops": [], "batch": [], "post": []}
@@ -285,7 +307,18 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
                 eng.release(rid)
             for rid in agreed["kv_ready"]:
                 eng.kv_ready(rid, tally.take_note(rid))
+        creps = run.exchange_connector()
+        if creps is not None:
+            eng.connector_done(*conn.on_reports(creps))
         quiet_wait = min(quiet_wait * 2, HOOK_QUIET_S) if idle and not eng.requests else idle_wait
+    if conn is not None:  # one more plan, so saves of requests that finished just before the stop are posted
+        plan = {"v": 1, "step": eng.step, "stop": False, "ops": [], "batch": [], "post": [],
+                "conn": conn.plan_section([]), "free_before": run.kv.get_num_free_blocks()}
+        run.comm.broadcast_plan(codec.pack(plan))
+        run.execute(plan)
+        run.exchange()
+        run.exchange_connector()
+        conn.close()
     run.comm.broadcast_plan(codec.pack({"v": 1, "step": eng.step, "stop": True, "ops": [], "batch": [],
                                         "post": []}))
 
@@ -333,6 +366,7 @@ def _follower_loop(run: _Runner) -> None:
             return
         run.execute(plan)
         run.exchange()
+        run.exchange_connector()
 
 
 def rank_main(rank: int, blob: bytes, rx, tx) -> None:
@@ -362,6 +396,11 @@ def rank_main(rank: int, blob: bytes, rx, tx) -> None:
         sys.exit(1)
     finally:
         if run is not None:
+            if run.conn is not None:
+                try:
+                    run.conn.close()  # waits (bounded) for the connector's in-flight saves
+                except Exception:  # noqa: BLE001 - closing is best effort; the error path already reported
+                    pass
             if run.hook is not None and hasattr(run.hook, "close"):
                 try:
                     run.hook.close()
