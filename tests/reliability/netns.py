@@ -24,11 +24,11 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
     return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=check)
 
 
-def netns_unavailable() -> str:
-    """Why network-namespace tests cannot run here ("" when they can)."""
+def netns_unavailable(need_tc: bool = False) -> str:
+    """Why network-namespace tests (with traffic shaping when need_tc) cannot run here ("" when they can)."""
     if shutil.which("ip") is None:
         return "the `ip` command (iproute2) is not installed"
-    if shutil.which("tc") is None:
+    if need_tc and shutil.which("tc") is None:
         return "the `tc` command (iproute2) is not installed"
     if os.geteuid() != 0:
         return "creating network namespaces needs root"

@@ -123,7 +123,7 @@ def test_a_read_cut_mid_data_writes_nothing_after_its_failure_is_reported():
     before the cut, all 4 MiB after the restore, 10+ s after the failure was reported).
 
     The invariant pinned here: once a generation rank reports a pull finished, no byte of its pool changes."""
-    why = netns_unavailable()
+    why = netns_unavailable(need_tc=True)
     if why:
         pytest.skip(f"network namespaces unavailable: {why}")
     cfg = {**FAST, "lease_s": 2.0, "peer_timeout_s": 2.0, "pickup_timeout_s": 4.0, "transfer_timeout_s": 30.0}
