@@ -20,8 +20,10 @@ Rules this agent keeps:
   of one name the last replace wins and every version is complete. A failed write leaves no file behind.
 - READ is DONE only if the file's header is valid (magic, version, header size), names this object and
   this tag, the file holds exactly header + payload bytes, the payload has the length asked for, and the
-  checksum (xxh3-128 over the header and the payload) verifies. The payload is read into a bounce buffer
-  and copied to the local memory only after it verified: a failed read leaves the local memory untouched.
+  checksum (xxh3-128 over the header and the payload) verifies. Objects are read into a bounce buffer, in
+  batches of up to STAGE_BYTES, and a batch is placed in local memory only after every object of it
+  verified: a failed read leaves the local memory of its batch untouched. GPU memory moves through that
+  buffer with one copy per batch each way.
 - No code ever runs on load: a fixed binary header and raw bytes (never pickle, never torch.load).
 - read/write return at once; the agent's I/O threads move the bytes. Never deletes objects (eviction is
   the store's policy, see kvbridge.executor.connector.store).
@@ -51,7 +53,7 @@ import xxhash
 from ..errors import AgentError, PeerError
 from .base import DescriptorList, MemoryKind, MemoryRegion, TransferAgent, TransferHandle, XferState
 from .envelope import field, open_envelope, seal
-from .staging import span_view
+from .staging import gather, scatter
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ MAX_OBJECTS = (1 << (63 - OBJECT_SHIFT)) - 1
 _HEAD = struct.Struct("<4sHHQ16s32s64s")
 _NAME_RE = re.compile(r"^[0-9A-Za-z_.-]{1,64}$")
 _OFF_MASK = (1 << OBJECT_SHIFT) - 1
+STAGE_BYTES = 64 << 20  # objects are read (and GPU memory staged) in batches of at most this many bytes
 
 
 def object_addrs(indices) -> np.ndarray:
@@ -118,7 +121,8 @@ def _parse_header(raw: bytes, file_size: int) -> ObjectHeader | str:
     if magic != MAGIC:
         return f"bad magic {magic!r} (not a kvbridge object file)"
     if ver != FORMAT_VERSION or hsize != HEADER_SIZE:
-        return f"format version {ver} / header size {hsize}, this agent reads {FORMAT_VERSION} / {HEADER_SIZE}"
+        return (f"format version {ver} / header size {hsize}, this agent reads {FORMAT_VERSION} / "
+                f"{HEADER_SIZE}")
     try:
         text = name.rstrip(b"\0").decode("ascii")
     except UnicodeDecodeError:
@@ -186,7 +190,8 @@ class FileAgent(TransferAgent):
         self._sets: dict[str, _FileSet] = {}
         self._ids = itertools.count(1)
         self._fsync = bool(fsync)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, int(io_threads)), thread_name_prefix=f"file-{name}")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, int(io_threads)),
+                                        thread_name_prefix=f"file-{name}")
 
     # --- contract hooks ------------------------------------------------------------------------------
     def _register(self, region: MemoryRegion, key: int) -> None:
@@ -263,9 +268,9 @@ class FileAgent(TransferAgent):
         ok[1:] &= starts[1:] | (off[1:] == off[:-1] + remote.lengths[:-1])
         if not ok.all():
             bad = int(np.argmin(ok))
-            raise AgentError(f"file set: remote descriptor {bad} (object {int(obj[bad])}, offset {int(off[bad])}) "
-                             f"does not continue its object: objects are moved whole, by consecutive "
-                             f"descriptors from offset 0")
+            raise AgentError(f"file set: remote descriptor {bad} (object {int(obj[bad])}, offset "
+                             f"{int(off[bad])}) does not continue its object: objects are moved whole, by "
+                             f"consecutive descriptors from offset 0")
         first = np.flatnonzero(starts)
         if np.unique(obj[first]).shape[0] != first.shape[0]:
             raise AgentError("file set: an object appears in two separate runs of descriptors")
@@ -273,43 +278,64 @@ class FileAgent(TransferAgent):
         return [(int(obj[a]), int(a), int(b)) for a, b in zip(first, ends)]
 
     # --- the I/O threads -----------------------------------------------------------------------------
+    @staticmethod
+    def _batches(objs, local: DescriptorList) -> list[list[tuple[int, int, int]]]:
+        """Consecutive objects in groups of at most STAGE_BYTES (one object at least per group)."""
+        out, cur, size = [], [], 0
+        for o in objs:
+            n = int(local.lengths[o[1]:o[2]].sum())
+            if cur and size + n > STAGE_BYTES:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(o)
+            size += n
+        return out + ([cur] if cur else [])
+
     def _write_objects(self, fs: _FileSet, objs, local: DescriptorList, cancel: threading.Event) -> None:
-        for i, a, b in objs:
+        for batch in self._batches(objs, local):
             if cancel.is_set():
                 raise AgentError("cancelled")
-            parts = [self._local_bytes(local, j) for j in range(a, b)]
-            self._write_one(fs, fs.names[i], parts)
+            if local.kind is MemoryKind.DRAM:  # straight from the registered memory
+                for i, a, b in batch:
+                    self._write_one(fs, fs.names[i], [_host_bytes(int(local.addrs[j]), int(local.lengths[j]))
+                                                      for j in range(a, b)])
+                continue
+            import torch
+
+            a0, b0 = batch[0][1], batch[-1][2]
+            dev = torch.empty(int(local.lengths[a0:b0].sum()), dtype=torch.uint8,
+                              device=f"cuda:{local.device}")
+            gather(local.kind, local.device, local.addrs[a0:b0], local.lengths[a0:b0], dev)
+            host = memoryview(dev.cpu().numpy()).cast("B")  # one device-to-host copy for the whole batch
+            off = 0
+            for i, a, b in batch:
+                n = int(local.lengths[a:b].sum())
+                self._write_one(fs, fs.names[i], [host[off:off + n]])
+                off += n
 
     def _read_objects(self, fs: _FileSet, objs, local: DescriptorList, cancel: threading.Event) -> None:
-        for i, a, b in objs:
-            if cancel.is_set():
-                raise AgentError("cancelled")
-            want = int(local.lengths[a:b].sum())
-            buf = self._read_one(fs, fs.names[i], want)
-            self._scatter(local, a, b, buf)
-
-    def _local_bytes(self, local: DescriptorList, j: int) -> memoryview:
-        addr, n = int(local.addrs[j]), int(local.lengths[j])
-        if local.kind is MemoryKind.DRAM:
-            return memoryview((ctypes.c_uint8 * n).from_address(addr)).cast("B")
-        host = span_view(local.kind, local.device, addr, n).cpu()  # a synchronous device-to-host copy
-        return memoryview(host.numpy()).cast("B")
-
-    def _scatter(self, local: DescriptorList, a: int, b: int, buf: bytearray) -> None:
-        src = memoryview(buf)
-        off = 0
-        for j in range(a, b):
-            addr, n = int(local.addrs[j]), int(local.lengths[j])
+        for batch in self._batches(objs, local):
+            a0, b0 = batch[0][1], batch[-1][2]
+            buf = bytearray(int(local.lengths[a0:b0].sum()))
+            view, off = memoryview(buf), 0
+            for i, a, b in batch:  # every object of the batch is read and verified before any byte is placed
+                if cancel.is_set():
+                    raise AgentError("cancelled")
+                n = int(local.lengths[a:b].sum())
+                self._read_one(fs, fs.names[i], view[off:off + n])
+                off += n
             if local.kind is MemoryKind.DRAM:
-                ctypes.memmove(addr, (ctypes.c_char * n).from_buffer(buf, off), n)
-            else:
-                import torch
+                off = 0
+                for j in range(a0, b0):
+                    n = int(local.lengths[j])
+                    ctypes.memmove(int(local.addrs[j]), (ctypes.c_char * n).from_buffer(buf, off), n)
+                    off += n
+                continue
+            import torch
 
-                host = torch.frombuffer(src[off:off + n], dtype=torch.uint8)
-                dev = span_view(local.kind, local.device, addr, n)
-                dev.copy_(host)
-                torch.cuda.current_stream(dev.device).synchronize()
-            off += n
+            dev = torch.frombuffer(buf, dtype=torch.uint8).to(f"cuda:{local.device}")  # one copy to the GPU
+            scatter(local.kind, local.device, local.addrs[a0:b0], local.lengths[a0:b0], dev)
+            torch.cuda.synchronize(dev.device)  # in place before the transfer reports DONE
 
     def _write_one(self, fs: _FileSet, name: str, parts: list[memoryview]) -> None:
         path = object_path(fs.root, name)
@@ -340,7 +366,9 @@ class FileAgent(TransferAgent):
                 pass
             raise
 
-    def _read_one(self, fs: _FileSet, name: str, want: int) -> bytearray:
+    def _read_one(self, fs: _FileSet, name: str, view: memoryview) -> None:
+        """Read and verify object `name` into `view` (exactly its payload length)."""
+        want = view.nbytes
         path = object_path(fs.root, name)
         try:
             f = open(path, "rb", buffering=0)
@@ -353,15 +381,14 @@ class FileAgent(TransferAgent):
                 raise AgentError(f"object {path}: {hdr}")
             if hdr.name != name or hdr.tag != fs.tag.ljust(32, b"\0"):
                 got = hdr.tag.rstrip(b"\0").hex()
-                raise AgentError(f"object {path}: its header names {hdr.name!r} / tag {got}, expected {name!r} / "
-                                 f"tag {fs.tag.hex()} (a misplaced or foreign file)")
+                raise AgentError(f"object {path}: its header names {hdr.name!r} / tag {got}, expected "
+                                 f"{name!r} / tag {fs.tag.hex()} (a misplaced or foreign file)")
             if not hdr.complete:
                 raise AgentError(f"object {path}: file holds {size} bytes, its header announces "
                                  f"{HEADER_SIZE + hdr.payload_len} (truncated or extended)")
             if hdr.payload_len != want:
-                raise AgentError(f"object {path}: payload of {hdr.payload_len} bytes, the read asked for {want}")
-            buf = bytearray(want)
-            view = memoryview(buf)
+                raise AgentError(f"object {path}: payload of {hdr.payload_len} bytes, the read asked for "
+                                 f"{want}")
             got = 0
             while got < want:
                 k = f.readinto(view[got:])
@@ -373,7 +400,10 @@ class FileAgent(TransferAgent):
         h.update(view)
         if h.digest() != hdr.checksum:
             raise AgentError(f"object {path}: checksum mismatch (the file is corrupt)")
-        return buf
+
+
+def _host_bytes(addr: int, n: int) -> memoryview:
+    return memoryview((ctypes.c_uint8 * n).from_address(addr)).cast("B")
 
 
 def _write_all(fd: int, data: memoryview) -> None:
