@@ -57,8 +57,18 @@ from .staging import gather, scatter
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FileAgent", "file_set", "object_addrs", "object_path", "read_header", "ObjectHeader",
-           "OBJECT_SHIFT", "HEADER_SIZE", "MAGIC", "FORMAT_VERSION"]
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "OBJECT_SHIFT",
+    "FileAgent",
+    "ObjectHeader",
+    "file_set",
+    "object_addrs",
+    "object_path",
+    "read_header",
+]
 
 MAGIC = b"KVBF"
 FORMAT_VERSION = 1
@@ -371,7 +381,7 @@ class FileAgent(TransferAgent):
         want = view.nbytes
         path = object_path(fs.root, name)
         try:
-            f = open(path, "rb", buffering=0)
+            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the `with f` below
         except FileNotFoundError:
             raise AgentError(f"object {name} is not in {fs.root}") from None
         with f:

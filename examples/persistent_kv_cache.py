@@ -73,7 +73,7 @@ def run_instance(name: str, args, prompt: list[int]):
         ex.wait(ex.submit(prompt[:tpb // 2], max_tokens=1))  # warm-up: no full block, nothing saved
         t0 = time.perf_counter()
         rid = ex.submit(prompt, max_tokens=args.max_tokens, stream=True)
-        toks, done = ex.wait_tokens(rid, 0, timeout=300)
+        _, done = ex.wait_tokens(rid, 0, timeout=300)
         ttft = time.perf_counter() - t0
         c = done or ex.wait(rid, timeout=300)
         total = time.perf_counter() - t0

@@ -12,8 +12,16 @@ Modules:
     trtllm      the same connector for TensorRT-LLM's LLM(kv_connector_config=...) (untested there)
 """
 
-from .base import (ConnectorContext, ConnectorMetadata, ConnectorRequest, KvConnectorConfig, KvConnectorScheduler,
-                   KvConnectorWorker, RequestData, SchedulerOutput)
+from .base import (
+    ConnectorContext,
+    ConnectorMetadata,
+    ConnectorRequest,
+    KvConnectorConfig,
+    KvConnectorScheduler,
+    KvConnectorWorker,
+    RequestData,
+    SchedulerOutput,
+)
 
 __all__ = ["ConnectorContext", "ConnectorMetadata", "ConnectorRequest", "KvConnectorConfig",
            "KvConnectorScheduler", "KvConnectorWorker", "RequestData", "SchedulerOutput"]

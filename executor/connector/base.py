@@ -73,8 +73,16 @@ import torch
 
 from ...formatter.layout import KVLayout
 
-__all__ = ["KvConnectorScheduler", "KvConnectorWorker", "ConnectorMetadata", "ConnectorContext",
-           "ConnectorRequest", "RequestData", "SchedulerOutput", "KvConnectorConfig"]
+__all__ = [
+    "ConnectorContext",
+    "ConnectorMetadata",
+    "ConnectorRequest",
+    "KvConnectorConfig",
+    "KvConnectorScheduler",
+    "KvConnectorWorker",
+    "RequestData",
+    "SchedulerOutput",
+]
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,7 @@ class KvConnectorConfig:
                 "worker": self.connector_worker_class, "args": dict(self.args)}
 
     @classmethod
-    def persistent(cls, root: str, max_bytes: int = 0, **args: Any) -> "KvConnectorConfig":
+    def persistent(cls, root: str, max_bytes: int = 0, **args: Any) -> KvConnectorConfig:
         """kvbridge's persistent store connector over `root` (max_bytes 0: no bound)."""
         return cls("kvbridge.executor.connector.persistent", "PersistentKvConnectorScheduler",
                    "PersistentKvConnectorWorker", {"root": str(root), "max_bytes": int(max_bytes), **args})
@@ -186,7 +194,7 @@ class ConnectorMetadata(ABC):
 
     @classmethod
     @abstractmethod
-    def from_wire(cls, data: Any) -> "ConnectorMetadata":
+    def from_wire(cls, data: Any) -> ConnectorMetadata:
         """Decode and validate `to_wire`'s output; raise ProtocolError naming the bad field."""
 
 

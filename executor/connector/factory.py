@@ -17,7 +17,7 @@ from ...formatter.layout import KVLayout
 from .base import ConnectorContext, KvConnectorConfig, KvConnectorScheduler, KvConnectorWorker
 from .keys import namespace_for
 
-__all__ = ["connector_wire", "check_spec", "load_class", "make_context"]
+__all__ = ["check_spec", "connector_wire", "load_class", "make_context"]
 
 
 def connector_wire(cfg: KvConnectorConfig | dict | None) -> dict | None:

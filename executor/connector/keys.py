@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ...errors import KvBridgeError
 from ...formatter.layout import KVLayout
 
-__all__ = ["namespace_for", "namespace_from", "block_keys", "KEY_HEX"]
+__all__ = ["KEY_HEX", "block_keys", "namespace_for", "namespace_from"]
 
 KEY_HEX = 64  # hex digits of a block key
 _ROOT = bytes(32)

@@ -29,11 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from ...agents.base import DescriptorList, MemoryKind, MemoryRegion, XferState
+from ...agents.base import DescriptorList, MemoryRegion, XferState
 from ...agents.file_agent import HEADER_SIZE, FileAgent, file_set, object_addrs
 from ...errors import ExecutorError, ProtocolError
-from .base import (ConnectorContext, ConnectorMetadata, ConnectorRequest, KvConnectorScheduler,
-                   KvConnectorWorker, SchedulerOutput)
+from .base import (
+    ConnectorContext,
+    ConnectorMetadata,
+    ConnectorRequest,
+    KvConnectorScheduler,
+    KvConnectorWorker,
+    SchedulerOutput,
+)
 from .keys import KEY_HEX, block_keys
 from .store import KvStore
 
@@ -64,7 +70,7 @@ class PersistentMeta(ConnectorMetadata):
                 "save": [[r, k, b] for r, k, b in self.save]}
 
     @classmethod
-    def from_wire(cls, data: Any) -> "PersistentMeta":
+    def from_wire(cls, data: Any) -> PersistentMeta:
         if not isinstance(data, dict) or data.get("v") != META_VERSION:
             raise ProtocolError(f"persistent connector metadata: expected a map of version {META_VERSION}")
         out = []

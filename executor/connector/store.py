@@ -28,7 +28,7 @@ from ...agents.file_agent import ObjectHeader, object_path, read_header
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KvStore", "EvictStats", "TMP_GRACE_S"]
+__all__ = ["TMP_GRACE_S", "EvictStats", "KvStore"]
 
 TMP_GRACE_S = 600.0
 

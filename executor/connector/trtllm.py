@@ -36,7 +36,7 @@ from .persistent import PersistentKvConnectorScheduler, PersistentKvConnectorWor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KvBridgeStoreScheduler", "KvBridgeStoreWorker", "TRTLLM_IMPORT_ERROR"]
+__all__ = ["TRTLLM_IMPORT_ERROR", "KvBridgeStoreScheduler", "KvBridgeStoreWorker"]
 
 try:  # the module imports without TensorRT-LLM; the classes refuse to be built without it
     from tensorrt_llm._torch.pyexecutor.kv_cache_connector import KvCacheConnectorScheduler as _TrtScheduler

@@ -17,7 +17,7 @@ import torch
 from ... import codec
 from ...errors import ProtocolError
 
-__all__ = ["SECTION_VERSION", "section", "parse_section", "parse_report", "exchange", "Tally"]
+__all__ = ["SECTION_VERSION", "Tally", "exchange", "parse_report", "parse_section", "section"]
 
 SECTION_VERSION = 1
 

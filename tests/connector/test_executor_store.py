@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,9 +102,9 @@ def test_damaged_files_are_misses_and_the_tokens_stay_exact(tmp_path, fresh, sto
         c = ex.wait(ex.submit(P, max_tokens=6))
         assert c.tokens == fresh["P"] and c.loaded_tokens == 7 * TPB
         # a flipped payload byte: the header looks fine, the checksum fails at load, the prompt is recomputed
-        raw = bytearray(open(files[keys[2] + ".kvb"], "rb").read())
+        raw = bytearray(Path(files[keys[2] + ".kvb"]).read_bytes())
         raw[HEADER_SIZE + 999] ^= 0x40
-        open(files[keys[2] + ".kvb"], "wb").write(bytes(raw))
+        Path(files[keys[2] + ".kvb"]).write_bytes(bytes(raw))
         c = ex.wait(ex.submit(P, max_tokens=6))
         assert c.tokens == fresh["P"] and c.loaded_tokens == 0
         assert _settle(ex) == [BLOCKS]

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvbridge.agents import DescriptorList, MemoryKind, MemoryRegion, create_agent
-from kvbridge.agents.file_agent import HEADER_SIZE, FileAgent, file_set, object_addrs, object_path, read_header
+from kvbridge.agents.file_agent import (
+    HEADER_SIZE,
+    FileAgent,
+    file_set,
+    object_addrs,
+    object_path,
+    read_header,
+)
 from kvbridge.errors import AgentError, PeerError, TransferFailed
 
 from .procs import BLOCK, pattern, write_objects
@@ -100,7 +107,7 @@ def test_a_damaged_file_fails_the_read_and_leaves_memory_untouched(agent, tmp_pa
     agent.register(dst)
     names = _write(agent, str(tmp_path), src)
     path = object_path(str(tmp_path), names[5])
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(Path(path).read_bytes())
     if damage == "truncate":
         raw = raw[:HEADER_SIZE + BLOCK // 2]
     elif damage == "flip_payload_byte":
@@ -109,7 +116,7 @@ def test_a_damaged_file_fails_the_read_and_leaves_memory_untouched(agent, tmp_pa
         raw[40] ^= 0x01  # inside the tag
     else:
         raw += b"\0" * 7
-    open(path, "wb").write(bytes(raw))
+    Path(path).write_bytes(bytes(raw))
     with pytest.raises(TransferFailed) as e:
         _read(agent, str(tmp_path), dst, names, [4, 5, 6])
     assert names[5] in str(e.value)
@@ -222,7 +229,7 @@ def test_gpu_memory_round_trips_and_a_damaged_object_leaves_it_untouched(agent, 
     agent.register(dst)
     names = [f"gpu{i:03d}" for i in range(N)]
     lengths = np.full(N, BLOCK, dtype=np.int64)
-    vram = dict(kind=MemoryKind.VRAM, device=src.device.index)
+    vram = {"kind": MemoryKind.VRAM, "device": src.device.index}
     peer = agent.connect(file_set(str(tmp_path), names, TAG))
     h = agent.write(peer, DescriptorList(src.data_ptr() + np.arange(N) * BLOCK, lengths, **vram),
                     DescriptorList(object_addrs(np.arange(N)), lengths))
@@ -234,9 +241,9 @@ def test_gpu_memory_round_trips_and_a_damaged_object_leaves_it_untouched(agent, 
     h.wait(60)
     h.release()
     assert torch.equal(dst.view(N, BLOCK), src.view(N, BLOCK)[torch.from_numpy(order).cuda()])
-    raw = bytearray(open(object_path(str(tmp_path), names[0]), "rb").read())
+    raw = bytearray(Path(object_path(str(tmp_path), names[0])).read_bytes())
     raw[HEADER_SIZE + 5] ^= 1
-    open(object_path(str(tmp_path), names[0]), "wb").write(bytes(raw))
+    Path(object_path(str(tmp_path), names[0])).write_bytes(bytes(raw))
     before = dst.clone()
     h = agent.read(peer, DescriptorList(np.array([dst.data_ptr()]), np.array([BLOCK]), **vram),
                    DescriptorList(object_addrs([0]), np.array([BLOCK])))

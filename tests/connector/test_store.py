@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,7 +91,7 @@ def test_a_damaged_or_partial_key_is_a_logged_miss(tmp_path, caplog, damage):
     elif damage == "foreign_name":
         os.replace(st.path(keys[3], 1), path)  # another key's file under this key's name
     else:
-        open(path, "wb").write(b"not a kvbridge object" * 10)
+        Path(path).write_bytes(b"not a kvbridge object" * 10)
     with caplog.at_level(logging.WARNING, logger="kvbridge.executor.connector.store"):
         assert st.probe(keys) == 2
     assert st.missing(keys) == ([2] if damage != "foreign_name" else [2, 3])
@@ -111,7 +112,7 @@ def test_eviction_keeps_the_root_under_its_bound_deleting_least_recently_used_ke
     young = os.path.join(st.rank_dir(0), "ab", "young.kvb.tmp.2.y")
     for p, t in ((stale, time.time() - TMP_GRACE_S - 60), (young, time.time())):
         os.makedirs(os.path.dirname(p), exist_ok=True)
-        open(p, "wb").write(b"x" * 100)
+        Path(p).write_bytes(b"x" * 100)
         os.utime(p, (t, t))
     stats = st.evict()
     assert stats.bytes_before > st.max_bytes >= st.usage()

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.executor.connector import KvConnectorScheduler, KvConnectorWorker
-from kvbridge.executor.connector import trtllm
+from kvbridge.executor.connector import KvConnectorScheduler, KvConnectorWorker, trtllm
 
 # TensorRT-LLM's hooks (tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py), parameter names in order
 TRT_SCHEDULER = {
