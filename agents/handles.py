@@ -82,7 +82,11 @@ class TransferHandle(_Releasable, ABC):
         """PENDING, DONE or FAILED; never blocks. After FAILED, `error` says why."""
 
     def cancel(self) -> None:
-        """Abort the transfer if it is still running (best effort); its state becomes FAILED."""
+        """Abort the transfer if it is still running (best effort).
+
+        The state becomes FAILED once nothing can still move for this transfer: at once where the transport
+        can stop it, or when data already in flight has landed (NIXL). Until then it stays PENDING, so a
+        caller that waits for a non-PENDING state never frees memory a transfer can still write."""
         if self.state() is XferState.PENDING:
             self._cancel()
             self.error = self.error or "cancelled"

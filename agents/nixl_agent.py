@@ -46,13 +46,14 @@ def _load_nixl():
 
 
 class NixlTransfer(TransferHandle):
-    """A NIXL transfer request; state polled from NIXL, cancel releases (aborts) the request."""
+    """A NIXL transfer request; state polled from NIXL; after cancel() it reports FAILED once NIXL settles."""
 
     def __init__(self, agent: "NixlAgent", xfer, ndesc: int, nbytes: int, first: str) -> None:
         super().__init__(ndesc, nbytes)
         self._agent = agent
         self._xfer = xfer
         self._final: XferState | None = None
+        self._cancelled = False
         if first == "DONE":
             self._final = XferState.DONE
         elif first == "ERR":
@@ -68,15 +69,17 @@ class NixlTransfer(TransferHandle):
             self.error = f"NIXL status check failed: {e}"
             s = "ERR"
         if s == "DONE":
-            self._final = XferState.DONE
+            self._final = XferState.FAILED if self._cancelled else XferState.DONE
         elif s == "ERR":
             self._final = XferState.FAILED
             self.error = self.error or "NIXL reported a transfer error (peer gone or memory invalid)"
         return self._final or XferState.PENDING
 
     def _cancel(self) -> None:
-        self._final = XferState.FAILED
-        self._drop()
+        # NIXL cannot stop data already in flight (releasing the request or forgetting the peer does not stop
+        # a UCX read over TCP: bytes still land once the link returns). So a cancelled transfer stays PENDING
+        # until NIXL says it settled, then reports FAILED: callers wait for that before reusing the memory.
+        self._cancelled = True
 
     def _do_release(self) -> None:
         self._drop()
@@ -97,16 +100,25 @@ class NixlAgent(TransferAgent):
         name: unique among the peers this agent talks to (NIXL keys remote agents by name).
         backends: NIXL backends to create; UCX by default.
         num_threads: UCX worker threads (0: NIXL's default).
+        progress: who drives UCX. "thread" (default): a kvbridge thread progresses the worker every
+            `progress_interval_s` (UCX needs the target side to progress for connection wire-up and emulated
+            RMA; NIXL's own progress thread polls without pause and burns a whole core per agent even when
+            idle). "nixl": NIXL's progress thread (lowest latency, one busy core). "manual": the owner calls
+            `progress()` often (e.g. from an I/O loop that already wakes up).
+        progress_interval_s: the "thread" mode's period.
     """
 
     agent_kind = "nixl"
     memory_kinds = frozenset({MemoryKind.DRAM, MemoryKind.VRAM})
 
-    def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",), num_threads: int = 0) -> None:
+    def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",), num_threads: int = 0,
+                 progress: str = "thread", progress_interval_s: float = 0.0005) -> None:
         super().__init__(name)
+        if progress not in ("thread", "nixl", "manual"):
+            raise AgentError(f"NixlAgent progress must be 'thread', 'nixl' or 'manual', got {progress!r}")
         mod = _load_nixl()
         cfg = mod.nixl_agent_config(
-            enable_prog_thread=True,
+            enable_prog_thread=progress == "nixl",
             backends=list(backends),
             num_threads=num_threads,
             sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
@@ -119,6 +131,23 @@ class NixlAgent(TransferAgent):
         if missing:
             raise AgentError(f"NIXL backends {missing} are not available (plugins: {self._nx.plugin_list})")
         self._reg_descs: dict[int, object] = {}
+        self._stop_progress = threading.Event()
+        self._progress_thread = None
+        if progress == "thread":
+            self._progress_thread = threading.Thread(target=self._progress_loop, args=(progress_interval_s,),
+                                                     name=f"kvb-nixl-progress-{name}", daemon=True)
+            self._progress_thread.start()
+
+    def progress(self) -> None:
+        """Drive UCX once (connection wire-up, emulated RMA on the target side, completions)."""
+        try:
+            self._nx.get_new_notifs()
+        except Exception as e:  # noqa: BLE001 - progress must never raise into its caller
+            log.debug("NIXL progress failed: %s", e)
+
+    def _progress_loop(self, interval: float) -> None:
+        while not self._stop_progress.wait(interval):
+            self.progress()
 
     def _register(self, region: MemoryRegion, key: int) -> None:
         try:
@@ -176,6 +205,9 @@ class NixlAgent(TransferAgent):
         return NixlTransfer(self, xfer, len(local), local.nbytes, first)
 
     def _close(self) -> None:
+        self._stop_progress.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(5)
         for key in list(self._reg_descs):
             try:
                 self._nx.deregister_memory(self._reg_descs.pop(key))
@@ -192,3 +224,6 @@ class _ClosedNixl:
 
     def check_xfer_state(self, _x) -> str:
         return "ERR"
+
+    def get_new_notifs(self) -> dict:
+        return {}
