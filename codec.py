@@ -16,6 +16,8 @@ __all__ = ["pack", "unpack", "MAX_FRAME_BYTES", "MAX_DEPTH"]
 
 MAX_FRAME_BYTES = 64 << 20  # one control-plane frame; block-id lists of 1M blocks fit with room to spare
 MAX_DEPTH = 8
+MAX_CONTAINER = 1 << 17  # elements of one array or map (a 100k-id heartbeat is the largest legitimate list)
+MAX_ITEMS = 1 << 20  # elements of all arrays and maps of one input: one byte must not become one object
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -28,13 +30,16 @@ def pack(obj: Any) -> bytes:
 
 
 def unpack(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES, max_depth: int = MAX_DEPTH,
-           what: str = "frame") -> Any:
+           max_container: int = MAX_CONTAINER, max_items: int = MAX_ITEMS, what: str = "frame") -> Any:
     """Decode msgpack from an untrusted source.
 
     Args:
         data: the bytes received.
         max_bytes: refuse larger inputs before decoding.
         max_depth: refuse containers nested deeper than this.
+        max_container: refuse an array or map with more elements than this (checked before it is built).
+        max_items: refuse inputs whose arrays and maps hold more elements than this in all (an expansion
+            bomb: a frame of one-byte elements would otherwise become one Python object per byte).
         what: a name for the input, used in error messages.
     Raises:
         ProtocolError: naming what was wrong (size, truncation, ext type, nesting, trailing bytes).
@@ -46,10 +51,19 @@ def unpack(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES, max_depth: int = MA
         raise ProtocolError(f"{what}: empty")
     if n > max_bytes:
         raise ProtocolError(f"{what}: {n} bytes exceeds the limit of {max_bytes}")
+    budget = [max_items]
+
+    def count(container):
+        budget[0] -= len(container)
+        if budget[0] < 0:
+            raise ProtocolError(f"{what}: more than {max_items} elements in all (an expansion bomb?)")
+        return container
+
     try:
         obj = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
-            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=n,
+            data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True, list_hook=count,
+            object_hook=count, max_str_len=n, max_bin_len=n, max_array_len=min(n, max_container),
+            max_map_len=min(n, max_container), max_ext_len=n,
         )
     except ProtocolError:
         raise
@@ -65,9 +79,12 @@ def unpack(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES, max_depth: int = MA
 
 
 def _check_depth(obj: Any, max_depth: int, what: str) -> None:
+    """Nesting depth, and plain values only (msgpack decodes ext type -1, timestamps, without ext_hook)."""
     stack = [(obj, 1)]
     while stack:
         o, d = stack.pop()
+        if isinstance(o, msgpack.Timestamp):
+            raise ProtocolError(f"{what}: msgpack ext type -1 (timestamp) is not accepted")
         if isinstance(o, dict):
             if d > max_depth:
                 raise ProtocolError(f"{what}: containers nested deeper than {max_depth}")

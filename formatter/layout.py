@@ -35,6 +35,9 @@ DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
 }
 POOL_ORDERS = ("block_major", "layer_pools")
+# Bounds on splits (layouts arrive from peers; the mapping is built for every generation rank up front).
+MAX_TP = MAX_PP = 1024
+MAX_WORLD = 4096
 
 
 def _pos_int(name: str, v: Any) -> int:
@@ -82,6 +85,9 @@ class ParallelSplit:
     def __post_init__(self) -> None:
         _pos_int("tp", self.tp)
         _pos_int("pp", self.pp)
+        if self.tp > MAX_TP or self.pp > MAX_PP or self.tp * self.pp > MAX_WORLD:
+            raise LayoutError(f"tp={self.tp} x pp={self.pp} is beyond kvbridge's limits (tp, pp <= {MAX_TP}, "
+                              f"tp x pp <= {MAX_WORLD})")
         if self.layers_per_stage is not None:
             lps = tuple(int(x) for x in self.layers_per_stage)
             if len(lps) != self.pp:

@@ -9,8 +9,9 @@ Conversation (generation rank G pulls a request from context rank C):
 
     G -> C  Hello(gen_instance, gen_rank, gen_layout, agents)         once per peer pair
     C -> G  Welcome(ctx_instance, ctx_rank, ctx_layout, agents, pool_bases, num_blocks, lease_s)
-    G -> C  Fetch(ctx_request_id, gen_rank)                           per request
-    C -> G  Blocks(ctx_request_id, block_ids, num_tokens, layers_ready, lease_s)
+    G -> C  Fetch(ctx_request_id, gen_rank, stream, staged)           per request
+    C -> G  Blocks(ctx_request_id, block_ids, num_tokens, layers_ready, lease_s, staging_addr, staging_bytes)
+            (staged: the context rank packed the piece into a slot of its arena; one read moves it)
     C -> G  LayersReady(ctx_request_id, layers_ready)                 streaming: pushed as layers finish
     G -> C  Heartbeat(ctx_request_ids)                                renews leases while reading
     C -> G  HeartbeatAck(ctx_request_ids, alive)
@@ -125,6 +126,8 @@ class Welcome(Message):
     pool_device: int = msg(int)
     lease_s: float = msg(float)
     host: str = msg(str, default="")
+    staging_base: int = msg(int, default=0)  # the context rank's staging arena (0 bytes: no staged path)
+    staging_bytes: int = msg(int, default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,7 @@ class Fetch(Message):
     ctx_request_id: int = msg(int)
     gen_rank: int = msg(int)
     stream: bool = msg(bool, default=False)
+    staged: bool = msg(bool, default=False)  # ask the context rank to pack the piece into its arena
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +147,8 @@ class Blocks(Message):
     num_tokens: int = msg(int)
     layers_ready: int = msg(int)  # layers of this context rank readable now (== its local layers when done)
     lease_s: float = msg(float)
+    staging_addr: int = msg(int, default=-1)  # staged: the packed piece's slot (-1: read direct)
+    staging_bytes: int = msg(int, default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +210,7 @@ def decode(frame: bytes) -> Message:
     if not isinstance(d, dict):
         raise ProtocolError("control frame: expected a map")
     v = d.get("v")
-    if v != PROTOCOL_VERSION:
+    if type(v) is not int or v != PROTOCOL_VERSION:  # true and 1.0 compare equal to 1: not a version
         raise ProtocolError(f"control frame: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}")
     t = d.get("t")
     cls = MESSAGE_TYPES.get(t) if isinstance(t, str) else None

@@ -19,16 +19,12 @@ from kvbridge.errors import ProtocolError
 from kvbridge.transceiver import messages as m
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG (transceiver/messages.py): bool/float versions pass; see docstring"
-)
 @pytest.mark.parametrize("v", [True, 1.0], ids=["true", "float"])
 def test_a_version_that_is_not_the_integer_1_is_refused(v):
     with pytest.raises(ProtocolError, match="protocol version"):
         m.decode(pack({"v": v, "t": "fetch", "ctx_request_id": 1, "gen_rank": 0}))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (codec.py): ext -1 (timestamp) bypasses ext_hook; see docstring")
 def test_a_timestamp_ext_is_refused_like_every_other_ext_type():
     with pytest.raises(ProtocolError, match="ext"):
         unpack(msgpack.packb({"t": msgpack.Timestamp(1, 2)}))
