@@ -82,7 +82,7 @@ class Engine:
 
     def __init__(self, num_blocks: int, tokens_per_block: int, *, max_batch_tokens: int = 2048,
                  max_batch_seqs: int = 64, max_position: int = 4096, vocab_size: int | None = None,
-                 connector=None) -> None:
+                 connector=None, hooked: bool = False) -> None:
         self.num_blocks, self.tpb = num_blocks, tokens_per_block
         self.max_batch_tokens, self.max_batch_seqs = max_batch_tokens, max_batch_seqs
         self.max_position = max_position
@@ -96,6 +96,11 @@ class Engine:
         self._events: list[dict] = []
         self.conn = connector  # the KV connector's leader side (connector/leader.py), or None
         self._held: dict[int, tuple[list, int]] = {}  # rid -> (op, blocks): run when the connector is done
+        # Rank hooks (the transceiver) may still move a request's KV when it is aborted: the abort reaches
+        # every rank's hook ("hook_abort"), and the blocks are released only when every hook reported the
+        # request settled (release / abort / kv_ready), never earlier.
+        self.hooked = hooked
+        self._hook_held: dict[int, tuple[list, int]] = {}
 
     # --- driver API (commands from the Executor handle) ------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -163,6 +168,11 @@ class Engine:
         if r.state == "waiting":
             self.waiting.remove(request_id)
             self.requests.pop(request_id)
+        elif r.state in ("ctx_done", "awaiting_kv") and self.hooked:  # a transfer may be moving its KV now
+            self._ops.append(["hook_abort", request_id])
+            self._hook_held[request_id] = (["release" if r.state == "ctx_done" else "free", request_id], r.reserved)
+            self._drop(r, "aborted")
+            self.reserved += r.reserved  # the blocks stay taken until every rank's hook settled
         elif r.state == "ctx_done":
             self._ops.append(["release", request_id])
             self._drop(r, "aborted")
@@ -296,6 +306,15 @@ class Engine:
     def _hold(self, r: Request, op: list) -> None:
         self._held[r.request_id] = (op, r.reserved)
         self.reserved += r.reserved  # _drop gives the reservation back: the blocks stay taken until `op`
+
+    def hook_settled(self, request_id: int) -> bool:
+        """Every rank's hook reported on `request_id`: True if it was aborted earlier and its blocks can go now."""
+        op, blocks = self._hook_held.pop(request_id, (None, 0))
+        if op is None:
+            return False
+        self._ops.append(op)
+        self.reserved -= blocks
+        return True
 
     def connector_done(self, saved: list[int], loaded: list[tuple[int, str]]) -> None:
         """Saves and loads that ended on every rank: free held blocks, start loaded requests' prefills."""

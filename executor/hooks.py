@@ -10,6 +10,10 @@ step loop, in lockstep with the other ranks (all hooks run on the rank's main th
     on_generation_alloc(request_id, block_ids, prompt_len, ctx_info)
         a generation-only request got blocks on this rank: receive the prompt KV of this rank's layers and
         heads into them. ctx_info is the dict given to Executor.add_generation (e.g. where the context is).
+    on_abort(request_id)          (optional)
+        the executor aborted a context-only request that is still pinned or a generation-only request still
+        waiting for its KV: stop moving it. Its blocks stay taken until every rank reported the request
+        ("release", "abort" or "kv_ready") once more, so a transfer can never write into reused blocks.
     poll() -> {"kv_ready": [ids], "release": [ids], "abort": [ids]}
         called after every step (also idle ones, about every HOOK_IDLE_S). Report what finished ON THIS RANK:
         "kv_ready"  a generation-only request's KV arrived here;
@@ -130,33 +134,48 @@ def exchange_reports(comm, report: dict[str, list[int]]) -> list[dict[str, list[
 
 
 class HookTally:
-    """Leader side: which requests every rank has reported kv_ready / release for."""
+    """Leader side: what every rank has reported for each request.
+
+    kv_ready / release are agreed when EVERY rank reported them; abort as soon as ANY rank did (the client
+    hears at once); "settled" when every rank reported something terminal for the request (kv_ready, release
+    or abort) — only then may an aborted request's blocks be freed, since a rank still pulling or serving
+    could otherwise write into reused blocks. An abort's note (its reason) wins over other notes.
+    """
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.seen: dict[tuple[str, int], set[int]] = {}
+        self.reported: dict[int, set[int]] = {}  # rid -> ranks that reported anything terminal
+        self.aborted: set[int] = set()
         self.notes: dict[int, str] = {}  # abort reasons / transfer stats, kept until `take_note`
-        self._note_rank: dict[int, int] = {}
+        self._note_rank: dict[int, tuple[int, int]] = {}
 
     def add(self, reports: list[dict[str, list[int]]]) -> dict[str, list[int]]:
-        """Fold in one round of reports; returns the requests now agreed on ('abort': any rank suffices)."""
-        done: dict[str, list[int]] = {k: [] for k in REPORT_KINDS}
+        """Fold in one round of reports; returns the requests now agreed on (and "settled")."""
+        done: dict[str, list[int]] = {k: [] for k in (*REPORT_KINDS, "settled")}
         for rank, rep in enumerate(reports):
+            aborts = set(rep["abort"])
             for rid, text in rep.get("notes", []):
-                if rid not in self._note_rank or rank < self._note_rank[rid]:  # the lowest rank's note wins
-                    self._note_rank[rid] = rank
+                prio = (0 if rid in aborts else 1, rank)  # an abort's reason first, then the lowest rank
+                if rid not in self._note_rank or prio < self._note_rank[rid]:
+                    self._note_rank[rid] = prio
                     self.notes[rid] = text if rank == 0 else f"rank {rank}: {text}"
-            for rid in rep["abort"]:
-                if rid not in done["abort"]:
-                    done["abort"].append(rid)
-            for kind in ("kv_ready", "release"):
+            for kind in REPORT_KINDS:
                 for rid in rep[kind]:
+                    self.reported.setdefault(rid, set()).add(rank)
+                    if kind == "abort":
+                        if rid not in self.aborted:
+                            self.aborted.add(rid)
+                            done["abort"].append(rid)
+                        continue
                     s = self.seen.setdefault((kind, rid), set())
                     s.add(rank)
-                    if len(s) == self.world:
+                    if len(s) == self.world and rid not in self.aborted:
                         done[kind].append(rid)
-                        del self.seen[(kind, rid)]
-        for rid in done["abort"]:
+        for rid in [r for r, ranks in self.reported.items() if len(ranks) == self.world]:
+            done["settled"].append(rid)
+            del self.reported[rid]
+            self.aborted.discard(rid)
             for kind in ("kv_ready", "release"):
                 self.seen.pop((kind, rid), None)
         return done

@@ -4,7 +4,8 @@ Start an executor with
     rank_hook="kvbridge.executor.transceiver_hook:make",
     rank_hook_args={"role": "context"|"generation", "instance": "<executor id>", "transceiver": {...config...},
                     "run_dir": "<folder for endpoint files>"}
-and every rank builds a CacheTransceiver over its pool (registered once). Context ranks write their control
+and every rank builds a CacheTransceiver over its pool (registered once). An aborted request reaches every
+rank's hook (on_abort): the transfer is cancelled and its blocks are freed only after it settled everywhere. Context ranks write their control
 endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
 when its prefill is done and report "release" once their readers confirmed (or the lease ran out).
 Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready",
@@ -74,6 +75,11 @@ class TransceiverHook:
                                                    p))
         except Exception as e:  # noqa: BLE001 - bad params from a client: abort this request, keep serving
             self._failed.append((request_id, f"{type(e).__name__}: {e}"))
+
+    def on_abort(self, request_id: int) -> None:
+        """The executor aborted the request: stop moving its KV. Its blocks are freed once every rank reports
+        it settled (context: released after readers in flight finish; generation: the pull's failure)."""
+        self.tr.cancel_request(request_id)
 
     def poll(self) -> dict[str, list]:
         out: dict[str, list] = {"kv_ready": [], "release": [], "abort": [], "notes": []}

@@ -181,6 +181,9 @@ class _Runner:
                 kv.unpin(rid)
             elif kind == "write":
                 self._write_kv(rid)
+            elif kind == "hook_abort":  # the request was aborted: its transfer must stop before blocks go
+                if self.hook is not None and hasattr(self.hook, "on_abort"):
+                    self.hook.on_abort(rid)
             elif kind == "ctx_done":  # the previous step's context-only prefill, with its first token
                 if self.hook is not None:
                     if self.device.type == "cuda":
@@ -260,7 +263,7 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
         conn = ConnectorLeader(cfg, run.kv, run.mcfg.to_dict())
     eng = Engine(cfg["num_blocks"], cfg["tokens_per_block"], max_batch_tokens=cfg["max_batch_tokens"],
                  max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position,
-                 vocab_size=run.mcfg.vocab_size, connector=conn)
+                 vocab_size=run.mcfg.vocab_size, connector=conn, hooked=run.hook is not None)
     tally = HookTally(run.layout.world_size)
     idle_wait = HOOK_IDLE_S if run.hook is not None or conn is not None else 0.02
     quiet_wait = idle_wait  # grows while the engine holds no request (nothing a hook could report on)
@@ -301,12 +304,20 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
         reports = run.exchange()
         if reports is not None:
             agreed = tally.add(reports)
-            for rid in agreed["abort"]:
-                eng.abort(rid, tally.take_note(rid))
+            # (a request the client aborted meanwhile is gone already: its hooks' reports only settle it)
+            for rid in agreed["abort"]:  # any rank: the request ends now; its blocks wait for "settled"
+                note = tally.take_note(rid)
+                if rid in eng.requests:
+                    eng.abort(rid, note)
             for rid in agreed["release"]:
-                eng.release(rid)
+                if rid in eng.requests:
+                    eng.release(rid)
             for rid in agreed["kv_ready"]:
-                eng.kv_ready(rid, tally.take_note(rid))
+                note = tally.take_note(rid)
+                if rid in eng.requests:
+                    eng.kv_ready(rid, note)
+            for rid in agreed["settled"]:  # every rank reported: an aborted request's blocks may go now
+                eng.hook_settled(rid)
         creps = run.exchange_connector()
         if creps is not None:
             eng.connector_done(*conn.on_reports(creps))

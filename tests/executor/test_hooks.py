@@ -35,14 +35,24 @@ def test_hooks_move_kv_between_executors_and_every_rank_must_agree(tmp_path):
         assert ctx.free_blocks() == [16, 16] and gen.free_blocks() == [16, 16]
 
 
-def test_tally_waits_for_every_rank_and_abort_wins():
+def test_tally_waits_for_every_rank_abort_wins_and_settles_only_when_every_rank_reported():
     t = HookTally(3)
     none = {"kv_ready": [], "release": [], "abort": []}
     assert t.add([{**none, "kv_ready": [5]}, none, {**none, "kv_ready": [5]}])["kv_ready"] == []
-    assert t.add([none, {**none, "kv_ready": [5], "release": [6]}, none])["kv_ready"] == [5]
+    got = t.add([none, {**none, "kv_ready": [5], "release": [6]}, none])
+    assert got["kv_ready"] == [5] and got["settled"] == [5]
     got = t.add([{**none, "release": [6]}, {**none, "abort": [6]}, none])
-    assert got["abort"] == [6] and got["release"] == []
-    assert t.add([{**none, "release": [6]}] * 3)["release"] == [6]  # a new round for the same id
+    assert got["abort"] == [6] and got["release"] == [] and got["settled"] == []  # rank 2 may still move it
+    got = t.add([none, none, {**none, "release": [6]}])
+    assert got["release"] == [] and got["abort"] == [] and got["settled"] == [6]  # now its blocks may go
+
+
+def test_an_abort_reason_wins_over_another_ranks_transfer_stats():
+    t = HookTally(2)
+    none = {"kv_ready": [], "release": [], "abort": []}
+    t.add([{**none, "kv_ready": [7], "notes": [[7, '{"bytes": 1}']]},
+           {**none, "abort": [7], "notes": [[7, "KV transfer failed (PeerGone): silent"]]}])
+    assert t.take_note(7) == "rank 1: KV transfer failed (PeerGone): silent"
 
 
 def test_a_hook_that_cannot_load_fails_start_with_its_reason():

@@ -39,10 +39,6 @@ def _exec(tmp_path, role) -> Executor:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (executor/hooks.py HookTally): an abort carries another rank's kv_ready note; see the docstring",
-)
 def test_a_request_aborted_by_one_ranks_failed_pull_reports_that_failure(tmp_path):
     with _exec(tmp_path, "context") as ctx, _exec(tmp_path, "generation") as gen:
         endpoints = context_endpoints(str(tmp_path / "context"), 2)

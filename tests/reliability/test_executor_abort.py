@@ -35,12 +35,6 @@ def _exec(tmp_path, role, **kw) -> Executor:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (executor/engine.py abort, executor/hooks.py): Executor.abort of a "
-    "generation-only request awaiting KV frees its blocks while the transceiver's pull of them "
-    "goes on; see the test's docstring",
-)
 def test_abort_while_the_kv_is_being_pulled_never_lets_the_pull_write_into_reused_blocks(tmp_path):
     """A waits for context request 1000 (not prefilled yet) in blocks [0, 1]; the client aborts A, its blocks
     go back to the free list, B gets them and starts a long decode; then request 1000 is prefilled. The
