@@ -32,8 +32,13 @@ class TransceiverConfig:
     heartbeat_s: how often a reader renews its leases (must be well under lease_s).
     peer_timeout_s: silence from a context peer (with requests in flight) after which they fail.
     handshake_timeout_s: Hello -> Welcome bound.
-    drain_timeout_s: after a failure, how long to wait for cancelled reads to settle before reporting.
+    drain_timeout_s: after a failure, how long cancelled reads get to settle; past it the pull is quarantined
+        (reported only once its reads settle, its blocks held) for at most quarantine_s.
     stream_layers: ask context ranks to push LayersReady and read layer ranges as they become ready.
+    staging_arena_bytes: per-rank scratch for the staged path (0: off). A piece whose direct plan is at least
+        staging_min_fragments fragments of mean size below staging_threshold_bytes is packed by the context
+        rank, read as one descriptor and unpacked by the generation rank (transceiver/staging.py); when either
+        arena is full the read goes direct.
     verify: after reading, both sides hash what they hold (xxh3-64 per layer, canonical order) and compare;
         a mismatch fails the transfer with IntegrityError. Costs a gather and a hash on both sides.
     curve_secret_key_file / curve_public_key_file / curve_server_public_key_file /
@@ -51,8 +56,12 @@ class TransceiverConfig:
     peer_timeout_s: float = 5.0
     handshake_timeout_s: float = 10.0
     drain_timeout_s: float = 5.0
+    quarantine_s: float = 600.0
     stream_layers: bool = False
     verify: bool = False
+    staging_arena_bytes: int = 0
+    staging_threshold_bytes: int = 32 << 10
+    staging_min_fragments: int = 64
     curve_secret_key_file: str | None = None
     curve_public_key_file: str | None = None
     curve_server_public_key_file: str | None = None
@@ -66,13 +75,15 @@ class TransceiverConfig:
         if not self.agents:
             raise ConfigError("transceiver.agents must name at least one agent kind (or 'auto')")
         for f in ("transfer_timeout_s", "pickup_timeout_s", "lease_s", "heartbeat_s", "peer_timeout_s",
-                  "handshake_timeout_s", "drain_timeout_s"):
+                  "handshake_timeout_s", "drain_timeout_s", "quarantine_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"transceiver.{f} must be a positive number of seconds, got {v!r}")
         if self.heartbeat_s * 2 > self.lease_s:
             raise ConfigError(f"transceiver.heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s "
                               f"({self.lease_s}) so a lease is renewed before it runs out")
+        if self.staging_arena_bytes < 0 or self.staging_threshold_bytes < 0 or self.staging_min_fragments < 0:
+            raise ConfigError("transceiver.staging_* settings must not be negative")
         if not 0 <= int(self.port) < 65536:
             raise ConfigError(f"transceiver.port {self.port} is not a TCP port")
 

@@ -58,6 +58,11 @@ class LocalPool:
         self.device = self.regions[0].device
         self.rank_pool = RankPool.of(layout, rank, [r.addr for r in self.regions], num_blocks, self.kind,
                                      self.device)
+        self.arena = None
+        if config.staging_arena_bytes:
+            from .staging import StagingArena
+
+            self.arena = StagingArena(self.kind, self.device, config.staging_arena_bytes)
         base = name or f"kvb-{os.getpid()}-{uuid.uuid4().hex[:8]}-r{rank}"
         self.agents: dict[str, TransferAgent] = {}
         self._regs: list[Registration] = []
@@ -65,6 +70,8 @@ class LocalPool:
             try:
                 agent = create_agent(kind, f"{base}-{kind}", **config.options.get(kind, {}))
                 regs = [agent.register_memory(r) for r in self.regions]
+                if self.arena is not None:
+                    regs.append(agent.register_memory(self.arena.region))
             except (AgentError, KvBridgeError, OSError) as e:
                 log.info("agent %s not available for rank %d's %s pool: %s", kind, rank, self.kind.value, e)
                 continue

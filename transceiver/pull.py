@@ -53,6 +53,9 @@ class Leg:
     remote: RankPool | None = None
     agent_kind: str = ""
     peer_name: str = ""
+    slot: int | None = None  # staged path: this rank's arena slot for the piece
+    remote_slot: int = -1  # staged path: the context rank's packed slot (-1: read direct)
+    slot_bytes: int = 0
 
     @property
     def all_posted(self) -> bool:
@@ -84,8 +87,10 @@ class Pull:
     nbytes: int = 0
     fragments: int = 0
     drain_deadline: float = 0.0
+    quarantined: bool = False
     marks: dict[str, float] = field(default_factory=dict)
-    verifying: Any = None  # Future of {ctx_rank: digests} in verification mode
+    verifying: Any = None  # Future of {ctx_rank: digests}: unpacking staged legs, then hashing (verify mode)
+    staged: bool = False
 
     def mark(self, what: str) -> None:
         self.marks.setdefault(what, time.monotonic())
@@ -104,6 +109,17 @@ class Pull:
     def post_ready_layers(self, leg: Leg, local: RankPool, agent) -> None:
         """Plan and post reads for the layers of `leg` that became ready since the last call."""
         remote = leg.remote
+        if leg.remote_slot >= 0:  # staged: the whole packed piece is one descriptor
+            if not leg.handles:
+                one = np.ones(1, dtype=np.int64)
+                leg.handles.append(agent.read(
+                    leg.peer_name, DescriptorList(one * leg.slot, one * leg.slot_bytes, local.kind, local.device),
+                    DescriptorList(one * leg.remote_slot, one * leg.slot_bytes, remote.kind, remote.device)))
+                leg.read_upto = leg.piece.layers.stop
+                self.nbytes += leg.slot_bytes
+                self.fragments += 1
+                self.staged = True
+            return
         stage = remote.layout.stage_layers(remote.layout.coords(leg.ctx_rank)[1])
         ready_stop = min(leg.piece.layers.stop, stage.start + leg.layers_ready)
         start = max(leg.read_upto, leg.piece.layers.start)

@@ -89,7 +89,7 @@ class Receiver:
         self._host = local_host_id()
         self._last_beat = 0.0
         self.before_confirm = None  # fault injection for tests: called with the Pull once its reads are done
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvb-verify") if config.verify else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvb-receiver-work")  # unpacking, hashing
         if config.verify:
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
         self._thread = threading.Thread(target=self._run, name=f"kvb-receiver-r{pool.rank}", daemon=True)
@@ -129,8 +129,7 @@ class Receiver:
         self._wake_rx.close(0)
         self._wake_tx.close(0)
         self._zctx.term()
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=False, cancel_futures=True)
+        self._worker.shutdown(wait=True, cancel_futures=True)  # no unpack may still read an arena slot
 
     def _command(self, *cmd) -> None:
         if self._stop.is_set():
@@ -237,8 +236,8 @@ class Receiver:
         if peer.sock is not None:
             peer.sock.close(0)
         peer.sock, peer.state, peer.welcome, peer.remote = None, "new", None, None
-        if peer.peer_name and peer.agent_kind in self.pool.agents:
-            self.pool.agents[peer.agent_kind].disconnect(peer.peer_name)
+        # The agent keeps knowing the peer: reads to it may still be in flight (forgetting it would turn
+        # their status into an error while data can still land); a new Welcome re-connects it.
         peer.peer_name = peer.agent_kind = ""
 
     def _send(self, peer: _Peer, frame: bytes) -> None:
@@ -301,6 +300,17 @@ class Receiver:
                           f"{pull.ctx_request_id}, the generation side expects {pull.num_tokens}",
                           self.config.drain_timeout_s)
             leg.fetched, leg.ctx_blocks, leg.layers_ready = True, msg.block_ids, msg.layers_ready
+            if msg.staging_addr >= 0:
+                w = peer.welcome
+                if (leg.slot is None or msg.staging_bytes != leg.slot_bytes or msg.staging_addr < w.staging_base
+                        or msg.staging_addr + msg.staging_bytes > w.staging_base + w.staging_bytes):
+                    pull.fail("ProtocolError", f"context rank {leg.ctx_rank} staged {msg.staging_bytes} bytes at "
+                              f"{msg.staging_addr:#x}, outside its arena or not the piece's size", self.config.drain_timeout_s)
+                    return
+                leg.remote_slot = msg.staging_addr
+            elif leg.slot is not None:  # the context rank went direct (its arena was full): give the slot back
+                self.pool.arena.free(leg.slot)
+                leg.slot, leg.slot_bytes = None, 0
         elif isinstance(msg, m.LayersReady):
             leg.layers_ready = max(leg.layers_ready, msg.layers_ready)
         elif isinstance(msg, m.DoneAck):
@@ -325,6 +335,31 @@ class Receiver:
         from ..formatter.digest import piece_digests  # torch + xxhash, only in verification mode
 
         return piece_digests(self.pool.buffers, self.pool.rank_pool, leg.piece, pull.blocks, pull.num_tokens)
+
+    def _finish_pull(self, pull: Pull) -> dict[int, list[bytes]]:
+        """Worker thread: unpack every staged leg into the request's blocks, then hash (verification mode)."""
+        from .staging import unpack  # loaded with the arena (LocalPool)
+
+        for leg in pull.legs.values():
+            if leg.remote_slot >= 0:
+                unpack(leg.piece, self.pool.rank_pool, pull.blocks, pull.num_tokens, self.pool.arena, leg.slot)
+        return {r: self._digests(pull, leg) for r, leg in pull.legs.items()} if self.config.verify else {}
+
+    def _want_staged(self, pull: Pull, leg: Leg, peer: _Peer) -> bool:
+        """Ask for the staged path when both sides have an arena, the piece's direct plan is many small
+        fragments, and this rank's arena has room for the piece (the slot is taken now)."""
+        arena, cfg = self.pool.arena, self.config
+        if arena is None or not peer.welcome.staging_bytes or not cfg.staging_threshold_bytes:
+            return False
+        from ..formatter.staging import staging_nbytes
+        from .staging import worth_staging  # loaded with the arena (LocalPool), so no import happens here
+        if not worth_staging(leg.piece, peer.remote, self.pool.rank_pool, pull.num_tokens,
+                             cfg.staging_threshold_bytes, cfg.staging_min_fragments):
+            return False
+        nbytes = staging_nbytes(self.layout, leg.piece, pull.num_tokens)
+        leg.slot = arena.alloc(nbytes)
+        leg.slot_bytes = nbytes if leg.slot is not None else 0
+        return leg.slot is not None
 
     # --- progress -------------------------------------------------------------------------------------
     def _advance(self, now: float) -> None:
@@ -359,8 +394,12 @@ class Receiver:
                                   self.config.drain_timeout_s)
                         return
                     leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
-                    self._send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers).encode())
+                    staged = self._want_staged(pull, leg, peer)
+                    self._send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers,
+                                             staged).encode())
                     leg.fetch_sent = True
+                    if not peer.legs:  # an idle peer: its silence is measured from this request on
+                        peer.last_heard = now
                     peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
                 if leg.fetched and not leg.handles:  # start this leg's reads now; others may still be fetching
                     pull.mark("fetched")
@@ -380,14 +419,19 @@ class Receiver:
                 pull.mark("read_done")
                 if self.before_confirm is not None:
                     self.before_confirm(pull)
-                if self.config.verify:  # hash off the I/O thread, so heartbeats keep the leases alive
-                    pull.verifying = self._hasher.submit(
-                        lambda: {r: self._digests(pull, leg) for r, leg in pull.legs.items()})
+                if self.config.verify or any(leg.remote_slot >= 0 for leg in pull.legs.values()):
+                    # unpack staged legs and hash off the I/O thread, so heartbeats keep the leases alive
+                    pull.verifying = self._worker.submit(self._finish_pull, pull)
                 pull.state = "confirm"
         if pull.state == "confirm" and not any(leg.done_sent for leg in pull.legs.values()):
             if pull.verifying is not None and not pull.verifying.done():
                 return
-            digests = pull.verifying.result() if pull.verifying is not None else {}
+            try:
+                digests = pull.verifying.result() if pull.verifying is not None else {}
+            except Exception as ex:  # noqa: BLE001 - an unpack or hash that failed fails the pull, not the loop
+                pull.fail("TransferFailed", f"unpacking or hashing the received KV failed: {ex}",
+                          self.config.drain_timeout_s)
+                return
             for r, leg in pull.legs.items():
                 self._send(self._peers[leg.endpoint],
                            m.Done(pull.ctx_request_id, self.pool.rank, True, "", digests.get(r, [])).encode())
@@ -396,24 +440,43 @@ class Receiver:
             pull.state = "done"
             self._complete(pull)
         if pull.state == "drain":
+            # A failed pull is reported only once no read can still write into its blocks: the executor frees
+            # them on the report. Reads that outlive the drain deadline (a transport that cannot abort data in
+            # flight) keep the pull quarantined, blocks held, until they settle or quarantine_s runs out.
             settled = not any(leg.pending() for leg in pull.legs.values())
             if settled or now > pull.drain_deadline:
-                if not settled:
-                    log.error("request %d: reads still pending %.1f s after cancel; reporting failure anyway",
-                              pull.request_id, self.config.drain_timeout_s)
-                for leg in pull.legs.values():
+                for leg in pull.legs.values():  # the context ranks may release their side now
                     if leg.fetched and not leg.done_sent and leg.endpoint in self._peers:
                         self._send(self._peers[leg.endpoint],
                                    m.Done(pull.ctx_request_id, self.pool.rank, False, pull.error[:500]).encode())
                         leg.done_sent = True
+            if not settled and now > pull.drain_deadline and not pull.quarantined:
+                pull.quarantined = True
+                log.error("request %d: reads still in flight %.1f s after the failure; its blocks stay held until "
+                          "they settle", pull.request_id, self.config.drain_timeout_s)
+            if settled or now > pull.drain_deadline + self.config.quarantine_s:
+                if not settled:
+                    log.critical("request %d: reads never settled; releasing its blocks after %.0f s of quarantine",
+                                 pull.request_id, self.config.quarantine_s)
                 pull.state = "done"
                 self._complete(pull)
 
     def _complete(self, pull: Pull) -> None:
         self._pulls.pop(pull.request_id, None)
+        if pull.verifying is not None:
+            try:  # an unpack must not outlive its slot
+                pull.verifying.exception(timeout=self.config.drain_timeout_s)
+            except Exception:  # noqa: BLE001 - timed out: the slot stays allocated (leaked, not reused)
+                log.error("request %d: unpack still running after %.1f s; keeping its slot", pull.request_id,
+                          self.config.drain_timeout_s)
+                for leg in pull.legs.values():
+                    leg.slot = None
         for leg in pull.legs.values():
             for h in leg.handles:
                 h.release()
+            if leg.slot is not None:
+                self.pool.arena.free(leg.slot)
+                leg.slot = None
             peer = self._peers.get(leg.endpoint)
             if peer is not None:
                 peer.legs.discard((pull.request_id, leg.ctx_rank))

@@ -68,6 +68,8 @@ class _Entry:
     done: dict[int, bool] = field(default_factory=dict)  # gen rank -> ok
     cancel_requested: bool = False
     published_at: float = field(default_factory=time.monotonic)
+    slots: dict[int, int] = field(default_factory=dict)  # gen rank -> staging slot address (staged path)
+    packing: set[int] = field(default_factory=set)  # gen ranks whose slot is being packed right now
 
     @property
     def active_readers(self) -> int:
@@ -114,9 +116,9 @@ class Sender:
         self._stop = threading.Event()
         self._agents_wire = {k: a.metadata() for k, a in pool.agents.items()}
         self._host = local_host_id()
-        self._verifying: list = []
+        self._jobs: list = []  # (future, callback): hashing and packing run off the I/O thread
         self._early: dict[int, list] = {}  # Fetches that arrived before their request was published
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvb-verify")
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvb-sender-work")
         if config.verify:
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
         self._npinned = 0  # entries held by the I/O thread
@@ -166,7 +168,7 @@ class Sender:
         self._stop.set()
         self._wake()
         self._thread.join(timeout)
-        self._hasher.shutdown(wait=False, cancel_futures=True)
+        self._worker.shutdown(wait=True, cancel_futures=True)  # no pack may still write into the arena
         stop_authenticator(self._zctx)
         for s in (self._router, self._wake_rx, self._wake_tx):
             s.close(0)
@@ -210,8 +212,8 @@ class Sender:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
-                if self._verifying:
-                    self._on_verified()
+                if self._jobs:
+                    self._run_callbacks()
                 self._expire(time.monotonic())
             except Exception:  # noqa: BLE001 - the I/O thread must survive anything
                 log.exception("sender I/O loop error (continuing)")
@@ -255,6 +257,8 @@ class Sender:
 
     def _finish(self, e: _Entry, status: str, detail: str) -> None:
         self._entries.pop(e.rid, None)
+        for gen_rank in [g for g in e.slots if g not in e.packing]:  # a slot still being packed: _packed frees it
+            self.pool.arena.free(e.slots.pop(gen_rank))
         self._tomb[e.rid] = status
         while len(self._tomb) > _TOMBSTONES:
             self._tomb.popitem(last=False)
@@ -282,7 +286,11 @@ class Sender:
     def _expire(self, now: float) -> None:
         if self._early:
             self._expire_early(now)
-        for e in [e for e in self._entries.values() if now > e.deadline]:
+        # A request some expected reader has not fetched yet waits for it up to the pickup timeout, even when
+        # the readers that came are done (their lease alone would release it early).
+        for e in [e for e in self._entries.values() if now > e.deadline and not (
+                (not e.expected or e.expected - set(e.fetched))
+                and now <= e.published_at + self.config.pickup_timeout_s)]:
             what = "no generation rank fetched it" if not e.fetched else "readers stopped renewing the lease"
             self._finish(e, "expired", f"lease expired: {what}")
 
@@ -332,9 +340,11 @@ class Sender:
             self._error(ident, m.ErrorCode.MALFORMED, str(e), reply_to="hello")
             return
         self._sessions[ident] = _Session(msg.gen_instance, msg.gen_rank, gen_layout)
+        arena = self.pool.arena
         self._send(ident, m.Welcome(self.instance, self.pool.rank, self.layout.to_wire(), self._agents_wire,
                                     self.pool.bases, self.pool.num_blocks, self.pool.kind.value,
-                                    self.pool.device, self.config.lease_s, self._host).encode())
+                                    self.pool.device, self.config.lease_s, self._host,
+                                    arena.base if arena else 0, arena.nbytes if arena else 0).encode())
 
     def _session(self, ident: bytes, msg: m.Message, rid: int) -> _Session | None:
         s = self._sessions.get(ident)
@@ -386,7 +396,48 @@ class Sender:
             return
         e.fetched[s.gen_rank] = ident
         e.deadline = time.monotonic() + self.config.lease_s
+        local = self.layout.local_layers(self.pool.rank)
+        if msg.staged and self.pool.arena is not None and e.layers_ready >= local and self._stage(ident, e, s):
+            return  # Blocks goes out once the pack is done (_packed)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
+
+    def _stage(self, ident: bytes, e: _Entry, s: _Session) -> bool:
+        """Start packing the reader's piece into an arena slot; False (go direct) when the arena is full."""
+        from ..formatter.staging import staging_nbytes
+        from .staging import pack
+
+        (piece,) = [p for p in mapping_for(self.layout, s.layout).pieces(s.gen_rank) if p.ctx_rank == self.pool.rank]
+        addr = self.pool.arena.alloc(staging_nbytes(self.layout, piece, e.num_tokens))
+        if addr is None:
+            return False
+        e.slots[s.gen_rank] = addr
+        e.packing.add(s.gen_rank)
+        fut = self._worker.submit(pack, piece, self.pool.rank_pool, e.blocks, e.num_tokens, self.pool.arena, addr)
+        self._jobs.append((fut, lambda f: self._packed(f, ident, e, s.gen_rank, addr)))
+        return True
+
+    def _packed(self, fut, ident: bytes, e: _Entry, gen_rank: int, addr: int) -> None:
+        e.packing.discard(gen_rank)
+        if self._entries.get(e.rid) is not e:  # finished (expired, cancelled) while packing: the slot is ours
+            self.pool.arena.free(e.slots.pop(gen_rank, addr))
+            return
+        try:
+            nbytes = fut.result()
+        except Exception as ex:  # noqa: BLE001 - a failed pack falls back to the direct path
+            log.warning("request %d: packing for generation rank %d failed (%s); reading direct", e.rid, gen_rank, ex)
+            self.pool.arena.free(e.slots.pop(gen_rank, addr))
+            addr, nbytes = -1, 0
+        self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s, addr,
+                                   nbytes).encode())
+
+    def _run_callbacks(self) -> None:
+        still = []
+        for fut, callback in self._jobs:
+            if fut.done():
+                callback(fut)
+            else:
+                still.append((fut, callback))
+        self._jobs = still
 
     def _check_digests(self, e: _Entry, s: _Session, digests: list) -> tuple[bool, str]:
         """Verification mode: hash this rank's copy of what the reader read and compare with its digests."""
@@ -425,30 +476,26 @@ class Sender:
             status = self._tomb.get(msg.ctx_request_id, "unknown")
             self._send(ident, m.DoneAck(msg.ctx_request_id, False, f"blocks no longer pinned ({status})").encode())
             return
-        if msg.ok and msg.digests:  # verification mode: hash off the I/O thread, then answer (_on_verified)
+        if msg.ok and msg.digests:  # verification mode: hash off the I/O thread, then answer (_verified)
             e.deadline = float("inf")  # pinned while we hash
-            fut = self._hasher.submit(self._check_digests, e, s, msg.digests)
-            self._verifying.append((fut, ident, s.gen_rank, e))
+            fut = self._worker.submit(self._check_digests, e, s, msg.digests)
+            self._jobs.append((fut, lambda f, g=s.gen_rank: self._verified(f, ident, e, g)))
             return
         self._reader_done(ident, e, s.gen_rank, msg.ok, msg.error, True, "")
 
-    def _on_verified(self) -> None:
-        still = []
-        for fut, ident, gen_rank, e in self._verifying:
-            if not fut.done():
-                still.append((fut, ident, gen_rank, e))
-                continue
-            try:
-                intact, why = fut.result()
-            except Exception as ex:  # noqa: BLE001
-                intact, why = False, f"integrity: could not hash the context copy ({ex})"
-            e.deadline = time.monotonic() + self.config.lease_s
-            self._reader_done(ident, e, gen_rank, intact, why, intact, why)
-        self._verifying = still
+    def _verified(self, fut, ident: bytes, e: _Entry, gen_rank: int) -> None:
+        try:
+            intact, why = fut.result()
+        except Exception as ex:  # noqa: BLE001
+            intact, why = False, f"integrity: could not hash the context copy ({ex})"
+        e.deadline = time.monotonic() + self.config.lease_s
+        self._reader_done(ident, e, gen_rank, intact, why, intact, why)
 
     def _reader_done(self, ident: bytes, e: _Entry, gen_rank: int, ok: bool, error: str, intact: bool,
                      why: str) -> None:
         e.done[gen_rank] = ok
+        if gen_rank in e.slots:
+            self.pool.arena.free(e.slots.pop(gen_rank))
         self._send(ident, m.DoneAck(e.rid, True, why, intact).encode())
         if not ok:
             log.info("request %d: generation rank %d failed its read: %s", e.rid, gen_rank, error)

@@ -72,6 +72,9 @@ def _serve(conn) -> None:
 
                 rx.before_confirm = flip
                 conn.send(True)
+            elif cmd == "arena_in_use":  # staged path: bytes of this rank's staging arena still handed out
+                arena = state["tr"].pool.arena
+                conn.send(arena.in_use if arena is not None else None)
             elif cmd == "layers_ready":  # (rid, layers)
                 state["tr"].sender.mark_layers_ready(*arg)
                 conn.send(True)

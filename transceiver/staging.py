@@ -1,0 +1,113 @@
+"""The staged path in the transceiver: pack on the context side, one read, unpack on the generation side.
+
+When a piece's direct plan is many small fragments (say 4 KiB: one head of one layer of one block), a read is
+bound by per-descriptor cost, not bandwidth. Then the generation rank asks for the piece staged: the context
+rank packs it into a slot of its staging arena in the canonical order of formatter/staging.py ([layers, kv,
+heads, tokens, head_dim], independent of either pool's layout), the generation rank reads the slot as ONE
+descriptor into a slot of its own arena and unpacks it into its blocks. Both local copies are vectorised
+(agents/staging.py gather/scatter: one index over rows, torch on GPUs, numpy on hosts).
+
+Owns the arena (a registered scratch region per rank, handed out in slots) and the pack/unpack calls. Never
+touches sockets; slots are freed by whoever allocated them, on every path (done, failure, expiry, close).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch  # imported with the arena, on the constructing thread: a first import from a worker can deadlock
+
+from ..agents import MemoryKind, MemoryRegion
+from ..agents.staging import gather, scatter, span_view
+from ..formatter.mapping import Piece
+from ..formatter.planner import RankPool, plan_stats
+from ..formatter.staging import plan_pack, plan_unpack, staging_nbytes, staging_pool
+
+__all__ = ["StagingArena", "pack", "unpack", "worth_staging"]
+
+_ALIGN = 256
+
+
+class StagingArena:
+    """A contiguous scratch buffer on the pool's device, handed out in slots (first fit, 256-byte aligned)."""
+
+    def __init__(self, kind: MemoryKind, device: int, nbytes: int) -> None:
+        if kind is MemoryKind.VRAM:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+        else:
+            self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self.region = MemoryRegion.of(self.buffer)
+        self.kind, self.device = kind, device
+        self.base, self.nbytes = self.region.addr, nbytes
+        self._free = [(0, nbytes)]  # (offset, size), sorted by offset
+        self._used: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Address of a slot of `nbytes`, or None when the arena has no room (the caller goes direct)."""
+        size = -(-int(nbytes) // _ALIGN) * _ALIGN
+        with self._lock:
+            for i, (off, free) in enumerate(self._free):
+                if free >= size:
+                    self._free[i:i + 1] = [(off + size, free - size)] if free > size else []
+                    self._used[off] = size
+                    return self.base + off
+        return None
+
+    def free(self, addr: int) -> None:
+        with self._lock:
+            off = addr - self.base
+            size = self._used.pop(off, None)
+            if size is None:
+                return
+            self._free.append((off, size))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for o, s in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + s)
+                else:
+                    merged.append((o, s))
+            self._free = merged
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return sum(self._used.values())
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        return self.base <= addr and addr + nbytes <= self.base + self.nbytes
+
+
+def worth_staging(piece: Piece, remote: RankPool, local: RankPool, num_tokens: int, threshold_bytes: int,
+                  min_fragments: int) -> bool:
+    """True when the direct plan would be at least `min_fragments` fragments of mean size < threshold."""
+    count = plan_stats(piece, remote, local, num_tokens)
+    return count >= max(2, min_fragments) and staging_nbytes(local.layout, piece, num_tokens) / count < threshold_bytes
+
+
+def _sync(kind: MemoryKind, device: int) -> None:
+    if kind is MemoryKind.VRAM:
+        torch.cuda.synchronize(device)
+
+
+def pack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: StagingArena, addr: int) -> int:
+    """Gather `piece` of a request from `pool` into the slot at `addr`; returns the slot's bytes (done on return)."""
+    nbytes = staging_nbytes(pool.layout, piece, num_tokens)
+    stg = staging_pool(pool.layout, piece, addr, num_tokens, arena.kind, arena.device)
+    f = plan_pack(piece, pool, stg, blocks, num_tokens)
+    order = np.argsort(f.dst, kind="stable")  # staging-side order tiles the slot contiguously
+    gather(arena.kind, arena.device, f.src[order], f.length[order], span_view(arena.kind, arena.device, addr, nbytes))
+    _sync(arena.kind, arena.device)
+    return nbytes
+
+
+def unpack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: StagingArena, addr: int) -> None:
+    """Scatter `piece` from the slot at `addr` into the request's blocks of `pool` (done on return)."""
+    nbytes = staging_nbytes(pool.layout, piece, num_tokens)
+    stg = staging_pool(pool.layout, piece, addr, num_tokens, arena.kind, arena.device)
+    f = plan_unpack(piece, stg, pool, blocks, num_tokens)
+    order = np.argsort(f.src, kind="stable")
+    scatter(arena.kind, arena.device, f.dst[order], f.length[order], span_view(arena.kind, arena.device, addr, nbytes))
+    _sync(arena.kind, arena.device)
