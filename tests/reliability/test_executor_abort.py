@@ -3,6 +3,8 @@ executor reuses its blocks. Real executors (rank processes, ZeroMQ, NIXL) and th
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
@@ -41,7 +43,7 @@ def test_abort_while_the_kv_is_being_pulled_never_lets_the_pull_write_into_reuse
     engine's abort sent only a "free" op: no hook was told, so A's pull is still alive, fetches 1000 and
     writes P1's KV over B's prompt KV mid-decode. B's tokens then differ from aggregated decoding of P2.
 
-    Fix: an abort of a request in state awaiting_kv must tell every rank's hook (a new hook call, e.g.
+    Fixed: an abort of a request in state awaiting_kv tells every rank's hook (a new hook call, e.g.
     on_abort(request_id) -> CacheTransceiver.cancel_request) and keep the blocks reserved until every rank's
     hook reported the pull finished ("abort" after the receiver drained); only then the "free" op."""
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=64, tokens_per_block=8)) as agg:
@@ -61,6 +63,11 @@ def test_abort_while_the_kv_is_being_pulled_never_lets_the_pull_write_into_reuse
         assert a.block_ids == (0, 1)
         gen.abort(a.request_id)
         assert gen.wait(a.request_id, timeout=30).finish_reason == "aborted"
+        # A's blocks come back only once every rank's pull of request 1000 has settled (cancelled)
+        deadline = time.monotonic() + 30
+        while gen.free_blocks() != [32] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gen.free_blocks() == [32]
         gen.generate([FILL], max_tokens=1, stop_ids=())  # takes blocks 2..31 and frees them behind 0, 1
         y = ctx.prefill(P2)
         b = gen.add_generation(P2, y.first_token, max_tokens=150, stop_ids=(), ctx_info=params(y.request_id))

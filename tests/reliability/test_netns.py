@@ -110,11 +110,6 @@ BIG = KVLayout(
 )  # 256 KiB
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (agents/nixl_agent.py, transceiver/receiver.py): a cancelled NIXL "
-    "READ over UCX/TCP keeps writing after the pull reported failure; see the docstring",
-)
 def test_a_read_cut_mid_data_writes_nothing_after_its_failure_is_reported():
     """A 4 MiB READ on a link shaped to 16 Mbit/s is cut 0.8 s in. The pull fails (PeerGone) and reports it,
     the executor would free its blocks -- but NixlTransfer.cancel() only releases the NIXL handle (UCX cannot
