@@ -11,13 +11,9 @@ its blocks were still pinned when the reads finished.
 
 from __future__ import annotations
 
-import collections
 import logging
-import queue
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +30,8 @@ from .handshake import accept_welcome
 from .params import DisaggParams
 from .pool import LocalPool
 from .pull import Leg, Pull, ReceiveResult
+from .iothread import IOThread
+from .receiver_work import ReceiverWork
 from .sockets import make_dealer
 
 log = logging.getLogger(__name__)
@@ -63,7 +61,7 @@ class _Peer:
     legs: set = field(default_factory=set)  # (request_id, ctx_rank) with traffic in flight
 
 
-class Receiver:
+class Receiver(IOThread, ReceiverWork):
     """Pulls KV into this generation rank's pool.
 
     Args:
@@ -72,28 +70,19 @@ class Receiver:
         instance: this generation executor's id (same on all its ranks).
     """
 
+    _what = "receiver"
+
     def __init__(self, pool: LocalPool, config: TransceiverConfig, instance: str | None = None) -> None:
         self.pool, self.config, self.layout = pool, config, pool.layout
         self.instance = instance or uuid.uuid4().hex
-        self._zctx = zmq.Context()
         self._peers: dict[str, _Peer] = {}
         self._pulls: dict[int, Pull] = {}
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._finished: collections.deque[ReceiveResult] = collections.deque()
-        self._wake_rx = self._zctx.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://rwake-{id(self)}")
-        self._wake_tx = self._zctx.socket(zmq.PAIR)
-        self._wake_tx.connect(f"inproc://rwake-{id(self)}")
-        self._wake_lock = threading.Lock()
-        self._stop = threading.Event()
         self._host = local_host_id()
         self._last_beat = 0.0
         self.before_confirm = None  # fault injection for tests: called with the Pull once its reads are done
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvb-receiver-work")  # unpacking, hashing
         if config.verify:
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
-        self._thread = threading.Thread(target=self._run, name=f"kvb-receiver-r{pool.rank}", daemon=True)
-        self._thread.start()
+        self._start_io(zmq.Context(), f"kvb-receiver-r{pool.rank}")
 
     # --- engine-facing API ----------------------------------------------------------------------------
     def submit(self, request_id: int, params: DisaggParams, block_ids, num_tokens: int,
@@ -108,50 +97,21 @@ class Receiver:
         self._command("cancel", int(request_id))
 
     def poll_finished(self) -> list[ReceiveResult]:
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        """Pulls finished since the last call (never blocks)."""
+        return super().poll_finished()
 
     @property
     def in_flight(self) -> int:
         return len(self._pulls)
 
     def close(self, timeout: float = 5.0) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._wake()
-        self._thread.join(timeout)
-        for p in self._peers.values():
-            if p.sock is not None:
-                p.sock.close(0)
-        self._wake_rx.close(0)
-        self._wake_tx.close(0)
-        self._zctx.term()
-        self._worker.shutdown(wait=True, cancel_futures=True)  # no unpack may still read an arena slot
-
-    def _command(self, *cmd) -> None:
-        if self._stop.is_set():
-            raise KvBridgeError("receiver is closed")
-        self._cmds.put(cmd)
-        self._wake()
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        if self._stop_io(timeout):
+            for p in self._peers.values():
+                if p.sock is not None:
+                    p.sock.close(0)
+            self._zctx.term()
 
     # --- I/O thread -----------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._loop_once()
-            except Exception:  # noqa: BLE001 - the I/O thread must survive anything
-                log.exception("receiver I/O loop error (continuing)")
-
     def _loop_once(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
@@ -164,15 +124,7 @@ class Receiver:
         ready = dict(poller.poll(0 if busy else 20))
         if busy and not ready:
             time.sleep(0)
-        if self._wake_rx in ready:
-            while self._wake_rx.poll(0):
-                self._wake_rx.recv()
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                break
-            self._do_command(cmd)
+        self._drain_commands()
         for s, peer in socks.items():
             if s in ready:
                 for _ in range(256):
@@ -330,36 +282,6 @@ class Receiver:
             etype = _ERROR_TYPES.get(msg.code, TransceiverError).__name__
             peer.legs.discard((pull.request_id, leg.ctx_rank))
             pull.fail(etype, f"context rank {leg.ctx_rank} ({leg.endpoint}): {msg.message}", self.config.drain_timeout_s)
-
-    def _digests(self, pull: Pull, leg: Leg) -> list[bytes]:
-        from ..formatter.digest import piece_digests  # torch + xxhash, only in verification mode
-
-        return piece_digests(self.pool.buffers, self.pool.rank_pool, leg.piece, pull.blocks, pull.num_tokens)
-
-    def _finish_pull(self, pull: Pull) -> dict[int, list[bytes]]:
-        """Worker thread: unpack every staged leg into the request's blocks, then hash (verification mode)."""
-        from .staging import unpack  # loaded with the arena (LocalPool)
-
-        for leg in pull.legs.values():
-            if leg.remote_slot >= 0:
-                unpack(leg.piece, self.pool.rank_pool, pull.blocks, pull.num_tokens, self.pool.arena, leg.slot)
-        return {r: self._digests(pull, leg) for r, leg in pull.legs.items()} if self.config.verify else {}
-
-    def _want_staged(self, pull: Pull, leg: Leg, peer: _Peer) -> bool:
-        """Ask for the staged path when both sides have an arena, the piece's direct plan is many small
-        fragments, and this rank's arena has room for the piece (the slot is taken now)."""
-        arena, cfg = self.pool.arena, self.config
-        if arena is None or not peer.welcome.staging_bytes or not cfg.staging_threshold_bytes:
-            return False
-        from ..formatter.staging import staging_nbytes
-        from .staging import worth_staging  # loaded with the arena (LocalPool), so no import happens here
-        if not worth_staging(leg.piece, peer.remote, self.pool.rank_pool, pull.num_tokens,
-                             cfg.staging_threshold_bytes, cfg.staging_min_fragments):
-            return False
-        nbytes = staging_nbytes(self.layout, leg.piece, pull.num_tokens)
-        leg.slot = arena.alloc(nbytes)
-        leg.slot_bytes = nbytes if leg.slot is not None else 0
-        return leg.slot is not None
 
     # --- progress -------------------------------------------------------------------------------------
     def _advance(self, now: float) -> None:

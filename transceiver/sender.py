@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +32,8 @@ from ..formatter.mapping import MAPPING_VERSION, check_compatible, mapping_for
 from . import messages as m
 from . import metrics
 from .config import TransceiverConfig, local_host_id
-from .handshake import context_digests
+from .iothread import IOThread
+from .sender_work import SenderWork
 from .pool import LocalPool
 from .sockets import make_router, stop_authenticator
 
@@ -83,7 +82,7 @@ class _Session:
     layout: KVLayout
 
 
-class Sender:
+class Sender(IOThread, SenderWork):
     """Serves this context rank's KV blocks to generation ranks.
 
     Args:
@@ -92,40 +91,35 @@ class Sender:
         instance: this context executor's id (same on all its ranks); a random one by default.
     """
 
+    _what = "sender"
+
     def __init__(self, pool: LocalPool, config: TransceiverConfig, instance: str | None = None) -> None:
         self.pool, self.config = pool, config
         self.instance = instance or uuid.uuid4().hex
         self.layout = pool.layout
-        self._zctx = zmq.Context()
+        zctx = zmq.Context()
         try:
-            self._router, self.endpoint = make_router(self._zctx, config)
+            self._router, self.endpoint = make_router(zctx, config)
         except BaseException:
-            stop_authenticator(self._zctx)
-            self._zctx.destroy(0)
+            stop_authenticator(zctx)
+            zctx.destroy(0)
             raise
-        self._wake_rx = self._zctx.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://wake-{id(self)}")
-        self._wake_tx = self._zctx.socket(zmq.PAIR)
-        self._wake_tx.connect(f"inproc://wake-{id(self)}")
-        self._wake_lock = threading.Lock()
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._entries: dict[int, _Entry] = {}
         self._tomb: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._sessions: dict[bytes, _Session] = {}
-        self._finished: collections.deque[SendResult] = collections.deque()
-        self._stop = threading.Event()
         self._agents_wire = {k: a.metadata() for k, a in pool.agents.items()}
         self._host = local_host_id()
         self._jobs: list = []  # (future, callback): hashing and packing run off the I/O thread
         self._early: dict[int, list] = {}  # Fetches that arrived before their request was published
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvb-sender-work")
         if config.verify:
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
         self._npinned = 0  # entries held by the I/O thread
         self._queued = 0  # publishes not yet taken up by the I/O thread
         self._count_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"kvb-sender-r{pool.rank}", daemon=True)
-        self._thread.start()
+        self._poller = zmq.Poller()
+        self._start_io(zctx, f"kvb-sender-r{pool.rank}")
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
 
     # --- engine-facing API (any thread) -------------------------------------------------------------
     def publish(self, ctx_request_id: int, block_ids, num_tokens: int, layers_ready: int | None = None) -> None:
@@ -157,66 +151,28 @@ class Sender:
 
     def poll_finished(self) -> list[SendResult]:
         """Requests finished on this rank since the last call (their blocks are no longer needed here)."""
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        return super().poll_finished()
 
     def close(self, timeout: float = 5.0) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._wake()
-        self._thread.join(timeout)
-        self._worker.shutdown(wait=True, cancel_futures=True)  # no pack may still write into the arena
-        stop_authenticator(self._zctx)
-        for s in (self._router, self._wake_rx, self._wake_tx):
-            s.close(0)
-        self._zctx.term()
-
-    def _command(self, *cmd) -> None:
-        if self._stop.is_set():
-            raise KvBridgeError("sender is closed")
-        self._cmds.put(cmd)
-        self._wake()
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        if self._stop_io(timeout):
+            stop_authenticator(self._zctx)
+            self._router.close(0)
+            self._zctx.term()
 
     # --- I/O thread -----------------------------------------------------------------------------------
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        tick = min(0.05, self.config.heartbeat_s / 4)
-        while not self._stop.is_set():
-            try:
-                ready = dict(poller.poll(tick * 1000))
-                if self._wake_rx in ready:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
-                while True:
-                    try:
-                        cmd = self._cmds.get_nowait()
-                    except queue.Empty:
-                        break
-                    self._do_command(cmd)
-                if self._router in ready:
-                    for _ in range(256):
-                        try:
-                            frames = self._router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_frames(frames)
-                if self._jobs:
-                    self._run_callbacks()
-                self._expire(time.monotonic())
-            except Exception:  # noqa: BLE001 - the I/O thread must survive anything
-                log.exception("sender I/O loop error (continuing)")
+    def _loop_once(self) -> None:
+        ready = dict(self._poller.poll(min(0.05, self.config.heartbeat_s / 4) * 1000))
+        self._drain_commands()
+        if self._router in ready:
+            for _ in range(256):
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+        if self._jobs:
+            self._run_callbacks()
+        self._expire(time.monotonic())
 
     def _do_command(self, cmd) -> None:
         op, rid = cmd[0], cmd[1]
@@ -401,55 +357,6 @@ class Sender:
             return  # Blocks goes out once the pack is done (_packed)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
 
-    def _stage(self, ident: bytes, e: _Entry, s: _Session) -> bool:
-        """Start packing the reader's piece into an arena slot; False (go direct) when the arena is full."""
-        from ..formatter.staging import staging_nbytes
-        from .staging import pack
-
-        (piece,) = [p for p in mapping_for(self.layout, s.layout).pieces(s.gen_rank) if p.ctx_rank == self.pool.rank]
-        addr = self.pool.arena.alloc(staging_nbytes(self.layout, piece, e.num_tokens))
-        if addr is None:
-            return False
-        e.slots[s.gen_rank] = addr
-        e.packing.add(s.gen_rank)
-        fut = self._worker.submit(pack, piece, self.pool.rank_pool, e.blocks, e.num_tokens, self.pool.arena, addr)
-        self._jobs.append((fut, lambda f: self._packed(f, ident, e, s.gen_rank, addr)))
-        return True
-
-    def _packed(self, fut, ident: bytes, e: _Entry, gen_rank: int, addr: int) -> None:
-        e.packing.discard(gen_rank)
-        if self._entries.get(e.rid) is not e:  # finished (expired, cancelled) while packing: the slot is ours
-            self.pool.arena.free(e.slots.pop(gen_rank, addr))
-            return
-        try:
-            nbytes = fut.result()
-        except Exception as ex:  # noqa: BLE001 - a failed pack falls back to the direct path
-            log.warning("request %d: packing for generation rank %d failed (%s); reading direct", e.rid, gen_rank, ex)
-            self.pool.arena.free(e.slots.pop(gen_rank, addr))
-            addr, nbytes = -1, 0
-        self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s, addr,
-                                   nbytes).encode())
-
-    def _run_callbacks(self) -> None:
-        still = []
-        for fut, callback in self._jobs:
-            if fut.done():
-                callback(fut)
-            else:
-                still.append((fut, callback))
-        self._jobs = still
-
-    def _check_digests(self, e: _Entry, s: _Session, digests: list) -> tuple[bool, str]:
-        """Verification mode: hash this rank's copy of what the reader read and compare with its digests."""
-        mine, layers = context_digests(self.pool, s.layout, s.gen_rank, e.blocks, e.num_tokens)
-        if len(digests) != len(mine) or not all(isinstance(d, bytes) for d in digests):
-            return False, f"integrity: {len(digests)} digests sent, {len(mine)} expected"
-        bad = [layers[i] for i, (a, b) in enumerate(zip(mine, digests)) if a != b]
-        if bad:
-            log.error("request %d: generation rank %d holds corrupted KV in layers %s", e.rid, s.gen_rank, bad)
-            return False, f"integrity: received KV differs from the context copy in layers {bad}"
-        return True, ""
-
     def _on_heartbeat(self, ident: bytes, msg: m.Heartbeat) -> None:
         try:
             ids = m.int_list(msg.ctx_request_ids, "heartbeat", 100000)
@@ -482,14 +389,6 @@ class Sender:
             self._jobs.append((fut, lambda f, g=s.gen_rank: self._verified(f, ident, e, g)))
             return
         self._reader_done(ident, e, s.gen_rank, msg.ok, msg.error, True, "")
-
-    def _verified(self, fut, ident: bytes, e: _Entry, gen_rank: int) -> None:
-        try:
-            intact, why = fut.result()
-        except Exception as ex:  # noqa: BLE001
-            intact, why = False, f"integrity: could not hash the context copy ({ex})"
-        e.deadline = time.monotonic() + self.config.lease_s
-        self._reader_done(ident, e, gen_rank, intact, why, intact, why)
 
     def _reader_done(self, ident: bytes, e: _Entry, gen_rank: int, ok: bool, error: str, intact: bool,
                      why: str) -> None:
