@@ -99,14 +99,18 @@ class _Proc:
 
 @pytest.mark.cuda
 @pytest.mark.multigpu
-@pytest.mark.parametrize("agents", [["cuda_ipc"], ["nixl"]])
+@pytest.mark.parametrize("agents", [["cuda_ipc"], ["nixl"], ["nixl", "staged"]],
+                         ids=["cuda_ipc", "nixl", "nixl_staged"])
 @pytest.mark.parametrize("ctx_tp, gen_tp", [(2, 1), (1, 2)], ids=["ctx_tp2_gpu1_to_gen_tp1_gpu0",
                                                                    "ctx_tp1_gpu1_to_gen_tp2_gpu0"])
 def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
     from kvbridge.transceiver import DisaggParams
 
     ctx_l, gen_l = KVLayout(SHAPE, ParallelSplit(tp=ctx_tp)), KVLayout(SHAPE, ParallelSplit(tp=gen_tp))
-    cfg = {"agents": tuple(agents), "verify": True, "transfer_timeout_s": 120, "lease_s": 60, "heartbeat_s": 1}
+    staged = "staged" in agents
+    agents = [a for a in agents if a != "staged"]
+    cfg = {"agents": tuple(agents), "verify": True, "transfer_timeout_s": 120, "lease_s": 60, "heartbeat_s": 1,
+           "staging_arena_bytes": (1 << 30) + (64 << 20) if staged else 0}
     inst = f"gpu-ctx-{time.monotonic_ns()}"
     ctx = [_Proc("context", ctx_l.to_wire(), r, 1, inst, cfg) for r in range(ctx_tp)]
     gen = [_Proc("generation", gen_l.to_wire(), r, 0, "gpu-gen", cfg) for r in range(gen_tp)]
@@ -129,7 +133,8 @@ def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
                 assert r["agents"] == tuple(agents) or list(r["agents"]) == agents
             nbytes = sum(r["nbytes"] for r in res)
             read_ms = max(r["timings_ms"]["read"] for r in res)
-            rows.append({"ctx_tp": ctx_tp, "gen_tp": gen_tp, "agent": agents[0], "request": rid, "bytes": nbytes,
+            rows.append({"ctx_tp": ctx_tp, "gen_tp": gen_tp, "agent": agents[0] + (" staged" if staged else ""),
+                         "request": rid, "bytes": nbytes,
                          "fragments": sum(r["fragments"] for r in res), "read_ms": round(read_ms, 3),
                          "gbps": round(nbytes / read_ms / 1e6, 1),
                          "total_ms": round(max(r["timings_ms"]["total"] for r in res), 1)})
@@ -139,6 +144,8 @@ def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
             time.sleep(0.05)
         assert not any(p.call("status") for p in ctx)
         assert rows[-1]["bytes"] == SHAPE.num_layers * 2 * 8 * 128 * 2 * TOKENS  # 1 GiB
+        if staged:  # one descriptor per context rank read from
+            assert rows[-1]["fragments"] == max(ctx_tp, gen_tp), rows[-1]
         if RESULTS:
             with open(RESULTS, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
