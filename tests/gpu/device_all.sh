@@ -14,7 +14,7 @@ cd /tmp/pkg/kvbridge && export PYTHONPATH=/tmp/site:/tmp/pkg KVBRIDGE_GPU_RESULT
 nvidia-smi -L > $OUT/env.txt 2>&1
 case "${PART:-tests}" in
   tests)
-    timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -ra -s -p no:cacheprovider --timeout 240 -x \
+    timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -ra -s -p no:cacheprovider --timeout 240 \
       tests/gpu tests/multigpu tests/agents/test_connection_nccl.py tests/executor/test_cuda.py ${GPU_TESTS:-} \
       ${PYTEST_ARGS:-} \
       2>&1 | tee $OUT/tests.log | grep -vE '^\{' | tail -60
