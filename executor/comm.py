@@ -116,3 +116,21 @@ class Comm:
         t = torch.empty(n, dtype=torch.int64)
         self._wait(dist.irecv(t, src, group=self.cpu_group), f"token recv from rank {src}")
         return t
+
+    def all_gather_msgpack(self, obj, what: str) -> list:
+        """Every rank's `obj` (plain msgpack-able data), in rank order, over the control group; decoded with
+        the strict codec (bounded), never pickle. Called by every rank at the same point of its loop."""
+        data = codec.pack(obj)
+        if not self.enabled:
+            return [codec.unpack(data, what=f"rank 0 {what}")]
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self._wait(dist.all_gather(sizes, n, group=self.cpu_group, async_op=True), f"{what} sizes")
+        width = int(max(s.item() for s in sizes))
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world)]
+        self._wait(dist.all_gather(bufs, buf, group=self.cpu_group, async_op=True), what)
+        return [codec.unpack(b[:int(s.item())].numpy().tobytes(), what=f"rank {r} {what}")
+                for r, (b, s) in enumerate(zip(bufs, sizes))]
+

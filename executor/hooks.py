@@ -38,7 +38,6 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import codec
 from ..errors import ExecutorError
 from ..formatter.layout import KVLayout
 from .config import ModelConfig
@@ -115,22 +114,9 @@ def validate_report(rep: Any, rank: int) -> dict[str, list[int]]:
 
 def exchange_reports(comm, report: dict[str, list[int]]) -> list[dict[str, list[int]]]:
     """All-gather every rank's report (msgpack bytes in uint8 tensors on the control group)."""
-    data = codec.pack(report)
     if not comm.enabled:
         return [report]
-    import torch.distributed as dist
-
-    n = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(comm.world)]
-    comm._wait(dist.all_gather(sizes, n, group=comm.cpu_group, async_op=True), "hook report sizes")
-    width = int(max(s.item() for s in sizes))
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(comm.world)]
-    comm._wait(dist.all_gather(bufs, buf, group=comm.cpu_group, async_op=True), "hook reports")
-    return [validate_report(codec.unpack(b[:int(s.item())].numpy().tobytes(), what=f"rank {r} hook report"),
-                            r)
-            for r, (b, s) in enumerate(zip(bufs, sizes))]
+    return [validate_report(rep, r) for r, rep in enumerate(comm.all_gather_msgpack(report, "hook report"))]
 
 
 class HookTally:

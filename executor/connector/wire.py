@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
-from ... import codec
 from ...errors import ProtocolError
 
 __all__ = ["SECTION_VERSION", "Tally", "exchange", "parse_report", "parse_section", "section"]
@@ -57,19 +55,7 @@ def exchange(comm, report: dict) -> list[dict]:
     """Every rank's report, on every rank (rank order). Called by every rank after every step."""
     if not comm.enabled:
         return [parse_report(report, 0)]
-    import torch.distributed as dist
-
-    data = codec.pack(report)
-    n = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(comm.world)]
-    comm._wait(dist.all_gather(sizes, n, group=comm.cpu_group, async_op=True), "connector report sizes")
-    width = int(max(s.item() for s in sizes))
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(comm.world)]
-    comm._wait(dist.all_gather(bufs, buf, group=comm.cpu_group, async_op=True), "connector reports")
-    return [parse_report(codec.unpack(b[:int(s.item())].numpy().tobytes(), what=f"rank {r} connector report"), r)
-            for r, (b, s) in enumerate(zip(bufs, sizes))]
+    return [parse_report(rep, r) for r, rep in enumerate(comm.all_gather_msgpack(report, "connector report"))]
 
 
 class Tally:
