@@ -3,7 +3,7 @@
 Found by the soak (bench/soak_requests.py): a generation request ended "aborted" with error text that was
 the transfer STATS of rank 0 ({"bytes": ..., "ms": ...}). HookTally.add (executor/hooks.py) keeps one note
 per request, the lowest rank's: rank 0 reported kv_ready with its stats note, rank 1 reported abort with
-"KV transfer failed (...)", and rank 0's note won. Fix: a note sent with an abort outranks notes sent with
+"KV transfer failed (...)", and rank 0's note won. Fixed: a note sent with an abort outranks notes sent with
 kv_ready (keep the lowest rank among the ranks that reported the abort).
 """
 

@@ -8,7 +8,7 @@ Fetch frame: 16M empty maps -> 28 s and 2.3 GB RSS, 16M empty lists -> 44 s and 
 1.3 GB, all on the context rank's single I/O thread (no heartbeat answered meanwhile, so every reader of that
 rank fails with PeerGone), from any peer that can connect.
 
-Fix (codec.py): count decoded items with msgpack's list_hook/object_hook against a per-frame budget (e.g.
+Fixed (codec.py): it counts decoded items with msgpack's list_hook/object_hook against a per-frame budget (e.g.
 `max_items`, 2**18 for control frames: a 100k-id heartbeat is the largest legitimate list) and raise
 ProtocolError once it runs out, and cap each container (max_array_len=100_000, max_map_len=1024 for control
 frames) so that no single container builds more than that before the hook fires. Tried: the 16M-element

@@ -6,7 +6,7 @@ Fetch that follows stalls the context rank's I/O thread for 2.5 s (measured, 2-v
 Blocks to that "reader"; with TP=10**12 the thread never comes back (the mapping grows until memory runs
 out). The same layout in a client's disagg_params reaches Receiver.submit -> mapping_for on a generation rank.
 
-Fix (formatter/layout.py): refuse tp and pp above a stated limit in ParallelSplit (or at least in
+Fixed (formatter/layout.py): it refuses tp and pp above a stated limit in ParallelSplit (or at least in
 KVLayout.from_wire, which is what remote input goes through), e.g. MAX_TP = MAX_PP = 1024 and world size
 <= 4096, with a ProtocolError/LayoutError naming the field; TP=4096 maps in ~0.04 s.
 """

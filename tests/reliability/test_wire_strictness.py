@@ -1,12 +1,12 @@
 """Two small laxities the soak's decoder run found (bench/soak_frames.py, categories "version" and "ext").
 
 1. messages.decode compares the version with `v != PROTOCOL_VERSION`, so `v: true` and `v: 1.0` pass as
-   version 1. Fix: `type(v) is not int or v != PROTOCOL_VERSION`.
+   version 1. Fixed: `type(v) is not int or v != PROTOCOL_VERSION`.
 2. codec.unpack promises "no ext types", but msgpack decodes ext type -1 (timestamp) itself without calling
    ext_hook, so a msgpack.Timestamp can sit anywhere in a decoded frame (unknown fields are ignored, dict
-   fields such as a layout are not checked element by element until later). Fix: reject non-plain values in
+   fields such as a layout are not checked element by element until later). Fixed: reject non-plain values in
    the depth walk of codec._check_depth (it already visits every container).
-Neither crashes anything today; both let frames through that the protocol says are invalid.
+Neither crashed anything; both let frames through that the protocol says are invalid (both fixed).
 """
 
 from __future__ import annotations
