@@ -44,14 +44,15 @@ import re
 import secrets
 import struct
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from ..errors import AgentError, PeerError
-from .base import DescriptorList, MemoryKind, MemoryRegion, TransferAgent, TransferHandle, XferState
+from .base import DescriptorList, MemoryKind, MemoryRegion, TransferAgent, TransferHandle
+from .handles import FutureTransfer
 from .envelope import field, open_envelope, seal
 from .staging import gather, scatter
 
@@ -161,28 +162,6 @@ class _FileSet:
     names: list[str]
 
 
-class _Transfer(TransferHandle):
-    def __init__(self, fut: Future, cancel: threading.Event, ndesc: int, nbytes: int) -> None:
-        super().__init__(ndesc, nbytes)
-        self._fut, self._cancel_ev = fut, cancel
-
-    def state(self) -> XferState:
-        if not self._fut.done():
-            return XferState.PENDING
-        if self._fut.cancelled():
-            self.error = "cancelled before it started"
-            return XferState.FAILED
-        exc = self._fut.exception()
-        if exc is not None:
-            self.error = str(exc)
-            return XferState.FAILED
-        return XferState.DONE
-
-    def _cancel(self) -> None:
-        self._cancel_ev.set()
-        self._fut.cancel()
-
-
 class FileAgent(TransferAgent):
     """Moves registered memory to and from object files (see the module docstring).
 
@@ -254,7 +233,7 @@ class FileAgent(TransferAgent):
         cancel = threading.Event()
         fn = self._write_objects if op == "WRITE" else self._read_objects
         fut = self._pool.submit(fn, fs, objs, local, cancel)
-        return _Transfer(fut, cancel, len(local), local.nbytes)
+        return FutureTransfer(fut, len(local), local.nbytes, on_cancel=cancel.set)
 
     # --- descriptors -> objects ----------------------------------------------------------------------
     @staticmethod

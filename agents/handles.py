@@ -15,7 +15,7 @@ from .memory import MemoryRegion, XferState
 if TYPE_CHECKING:
     from .base import TransferAgent
 
-__all__ = ["Registration", "TransferHandle"]
+__all__ = ["Registration", "TransferHandle", "FutureTransfer"]
 
 
 class _Releasable:
@@ -166,3 +166,35 @@ class _ChunkedTransfer(TransferHandle):
     def _do_release(self) -> None:
         for p in self._parts:
             p.release()
+
+
+class FutureTransfer(TransferHandle):
+    """A transfer run as a job on a thread pool (a `concurrent.futures.Future`): for agents whose transport
+    is a blocking call. PENDING while the job runs; FAILED with the job's exception, when cancelled before it
+    started, or when it ended after cancel() was asked (`on_cancel` may make a running job stop early)."""
+
+    def __init__(self, fut, num_descriptors: int, nbytes: int, on_cancel=None) -> None:
+        super().__init__(num_descriptors, nbytes)
+        self._fut, self._on_cancel, self._cancelled = fut, on_cancel, False
+
+    def state(self) -> XferState:
+        if not self._fut.done():
+            return XferState.PENDING
+        if self._fut.cancelled():
+            self.error = "cancelled before it started"
+            return XferState.FAILED
+        exc = self._fut.exception()
+        if exc is not None:
+            self.error = str(exc)
+            return XferState.FAILED
+        if self._cancelled:
+            self.error = self.error or "cancelled"
+            return XferState.FAILED
+        return XferState.DONE
+
+    def _cancel(self) -> None:
+        self._cancelled = True
+        if self._on_cancel is not None:
+            self._on_cancel()
+        self._fut.cancel()
+

@@ -25,13 +25,14 @@ import ctypes
 import ctypes.util
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kvbridge.agents import DescriptorList, MemoryKind, MemoryRegion, RegionTable, TransferAgent
-from kvbridge.agents.base import TransferHandle, XferState
+from kvbridge.agents.base import TransferHandle
 from kvbridge.agents.envelope import field, open_envelope, seal
+from kvbridge.agents.handles import FutureTransfer
 from kvbridge.errors import PeerError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -40,27 +41,6 @@ for _fn in (_libc.process_vm_readv, _libc.process_vm_writev):
     _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
                     ctypes.c_ulong]
 _IOV_MAX = 1024
-
-
-class _Transfer(TransferHandle):
-    def __init__(self, fut: Future, ndesc: int, nbytes: int) -> None:
-        super().__init__(ndesc, nbytes)
-        self._fut = fut
-
-    def state(self) -> XferState:
-        if not self._fut.done():
-            return XferState.PENDING
-        if self._fut.cancelled():
-            self.error = "cancelled before it started"
-            return XferState.FAILED
-        exc = self._fut.exception()
-        if exc is not None:
-            self.error = str(exc)
-            return XferState.FAILED
-        return XferState.DONE
-
-    def _cancel(self) -> None:
-        self._fut.cancel()
 
 
 class CmaAgent(TransferAgent):
@@ -107,7 +87,7 @@ class CmaAgent(TransferAgent):
         table.check(remote, f"{op} remote side (peer {peer!r})")
         fn = _libc.process_vm_readv if op == "READ" else _libc.process_vm_writev
         fut = self._pool.submit(_move, fn, pid, local, remote)
-        return _Transfer(fut, len(local), local.nbytes)
+        return FutureTransfer(fut, len(local), local.nbytes)  # state/wait/cancel from the pool's future
 
     def _close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
