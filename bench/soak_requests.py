@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ExecutorError
 from ..executor.runtime import Executor, ExecutorConfig
-from ..executor.transceiver_hook import context_endpoints
+from ..executor.transceiver_hook import context_endpoints, hooked_executor_config
 from ..transceiver import DisaggParams
 
 MODEL = "seeded:tiny3"
@@ -123,18 +123,7 @@ class RequestSoak:
         d = os.path.join(self.run_dir, tag)
         os.makedirs(d, exist_ok=True)
         return Executor.start(
-            ExecutorConfig(
-                model=MODEL,
-                timeout_s=120,
-                rank_hook="kvbridge.executor.transceiver_hook:make",
-                rank_hook_args={
-                    "role": role,
-                    "instance": f"{tag}-instance",
-                    "transceiver": XCFG,
-                    "run_dir": d,
-                },
-                **split,
-            )
+            hooked_executor_config(role, f"{tag}-instance", d, XCFG, model=MODEL, timeout_s=120, **split)
         )
 
     def expected(self) -> list[list[int]]:

@@ -29,7 +29,26 @@ from .hooks import RankContext
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TransceiverHook", "make", "context_endpoints"]
+__all__ = ["TransceiverHook", "make", "context_endpoints", "hooked_executor_config", "HOOK"]
+
+HOOK = "kvbridge.executor.transceiver_hook:make"
+
+
+def hooked_executor_config(role: str, instance: str, run_dir, transceiver: dict | None = None, **executor_kw):
+    """An ExecutorConfig whose every rank runs the transceiver (this module's hook).
+
+    Args:
+        role: "context" or "generation".
+        instance: the executor's id, the same on all its ranks.
+        run_dir: folder where context ranks publish their control endpoints (`context_endpoints`).
+        transceiver: TransceiverConfig settings as a mapping.
+        executor_kw: the other ExecutorConfig fields (model, tp, pp, num_blocks, device, ...).
+    """
+    from .runtime import ExecutorConfig  # runtime imports torch and the worker; only where an executor starts
+
+    return ExecutorConfig(rank_hook=HOOK, rank_hook_args={"role": role, "instance": instance,
+                                                          "transceiver": dict(transceiver or {}),
+                                                          "run_dir": str(run_dir)}, **executor_kw)
 
 
 @dataclass

@@ -30,7 +30,6 @@ __all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_conf
 ROLES = ("context", "generation")
 POLICIES = ("round_robin", "least_loaded")
 FAILURE_MODES = ("fail", "recompute")
-HOOK = "kvbridge.executor.transceiver_hook:make"
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens"}
@@ -71,12 +70,12 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def executor_config(self, model: str, hook_args: dict[str, Any]):
+    def executor_config(self, model: str, instance: str, run_dir: str):
         """The ExecutorConfig of this server, with the transceiver as its rank hook."""
-        from ..executor.runtime import ExecutorConfig  # imports torch: only where an executor starts
+        from ..executor.transceiver_hook import hooked_executor_config  # only where an executor starts
 
-        return ExecutorConfig(model=model, tp=self.tp, pp=self.pp, layers_per_stage=self.layers_per_stage,
-                              rank_hook=HOOK, rank_hook_args=hook_args, **self.executor)
+        return hooked_executor_config(self.role, instance, run_dir, self.transceiver, model=model, tp=self.tp,
+                                      pp=self.pp, layers_per_stage=self.layers_per_stage, **self.executor)
 
 
 @dataclass(frozen=True)

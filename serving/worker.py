@@ -82,8 +82,7 @@ def _serve(cfg, spec, run_dir: str, log_level: str) -> int:
     instance = f"{spec.name}-{uuid.uuid4().hex[:12]}"  # changes whenever the worker restarts
     t0 = time.monotonic()
     codec = TextCodec(cfg.model)
-    hook_args = {"role": spec.role, "instance": instance, "transceiver": spec.transceiver, "run_dir": run_dir}
-    ex = Executor.start(spec.executor_config(cfg.model, hook_args))
+    ex = Executor.start(spec.executor_config(cfg.model, instance, run_dir))
     be = None
     try:
         world = spec.tp * spec.pp

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints
+from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
 from kvbridge.transceiver import DisaggParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(40, 77)), [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -18,10 +18,8 @@ XCFG = {"agents": ["nixl"], "transfer_timeout_s": 30}
 def _exec(tmp_path, role, tag, **kw) -> Executor:
     run_dir = tmp_path / tag
     run_dir.mkdir()
-    return Executor.start(ExecutorConfig(
-        model="seeded:tiny3", timeout_s=90, rank_hook="kvbridge.executor.transceiver_hook:make",
-        rank_hook_args={"role": role, "instance": f"{tag}-instance", "transceiver": XCFG, "run_dir": str(run_dir)},
-        **kw))
+    return Executor.start(hooked_executor_config(role, f"{tag}-instance", run_dir, XCFG, model="seeded:tiny3",
+                                                 timeout_s=90, **kw))
 
 
 @pytest.mark.parametrize("ctx_split, gen_split", [

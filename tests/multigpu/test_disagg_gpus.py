@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints
+from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
 from kvbridge.transceiver import DisaggParams
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], list(range(200, 241)), [9] * 3 + list(range(60, 90))]
@@ -30,11 +30,9 @@ def _start(tmp_path, role, tag, **kw) -> Executor:
     d = tmp_path / tag
     d.mkdir()
     kw.setdefault("model", "seeded:tiny")
-    return Executor.start(ExecutorConfig(
-        num_blocks=kw.pop("num_blocks", 128), tokens_per_block=16, timeout_s=180,
-        rank_hook="kvbridge.executor.transceiver_hook:make",
-        rank_hook_args={"role": role, "instance": f"{tag}-inst", "run_dir": str(d),
-                        "transceiver": {"agents": ["auto"], "transfer_timeout_s": 120}}, **kw))
+    return Executor.start(hooked_executor_config(
+        role, f"{tag}-inst", d, {"agents": ["auto"], "transfer_timeout_s": 120},
+        num_blocks=kw.pop("num_blocks", 128), tokens_per_block=16, timeout_s=180, **kw))
 
 
 def _disagg(ctx: Executor, gen: Executor, run_dir, prompts, max_tokens):

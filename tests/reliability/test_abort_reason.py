@@ -9,10 +9,9 @@ kv_ready (keep the lowest rank among the ranks that reported the abort).
 
 from __future__ import annotations
 
-import pytest
 
-from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints
+from kvbridge.executor.runtime import Executor
+from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
 from kvbridge.transceiver import DisaggParams
 
 XCFG = {"agents": ["nixl"], "transfer_timeout_s": 20, "handshake_timeout_s": 2, "pickup_timeout_s": 3}
@@ -22,19 +21,9 @@ def _exec(tmp_path, role) -> Executor:
     run_dir = tmp_path / role
     run_dir.mkdir()
     return Executor.start(
-        ExecutorConfig(
-            model="seeded:tiny3",
-            pp=2,
-            num_blocks=32,
-            tokens_per_block=8,
+        hooked_executor_config(
+            role, f"{role}-instance", run_dir, XCFG, model="seeded:tiny3", pp=2, num_blocks=32, tokens_per_block=8,
             timeout_s=90,
-            rank_hook="kvbridge.executor.transceiver_hook:make",
-            rank_hook_args={
-                "role": role,
-                "instance": f"{role}-instance",
-                "transceiver": XCFG,
-                "run_dir": str(run_dir),
-            },
         )
     )
 

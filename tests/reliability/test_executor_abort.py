@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints
+from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
 from kvbridge.transceiver import DisaggParams
 
 XCFG = {"agents": ["nixl"], "transfer_timeout_s": 60, "handshake_timeout_s": 30}
@@ -21,18 +20,8 @@ def _exec(tmp_path, role, **kw) -> Executor:
     run_dir = tmp_path / role
     run_dir.mkdir()
     return Executor.start(
-        ExecutorConfig(
-            model="seeded:tiny3",
-            timeout_s=90,
-            tokens_per_block=8,
-            rank_hook="kvbridge.executor.transceiver_hook:make",
-            rank_hook_args={
-                "role": role,
-                "instance": f"{role}-instance",
-                "transceiver": XCFG,
-                "run_dir": str(run_dir),
-            },
-            **kw,
+        hooked_executor_config(
+            role, f"{role}-instance", run_dir, XCFG, model="seeded:tiny3", timeout_s=90, tokens_per_block=8, **kw
         )
     )
 

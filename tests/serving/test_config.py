@@ -69,9 +69,11 @@ def test_group_settings_override_the_shared_ones_per_server():
     assert c0.transceiver == {"agent": "tcp", "lease_s": 20, "advertise_host": "10.0.0.5"}
     g = cfg.generation[0]
     assert (g.name, g.port, g.pp, g.executor["num_blocks"]) == ("gen0", 0, 2, 32)
-    ex = c0.executor_config("seeded:tiny", {"role": "context"})
+    ex = c0.executor_config("seeded:tiny", "ctx-instance", "/tmp/run")
     assert (ex.tp, ex.device, ex.num_blocks, ex.rank_hook) == (2, "cuda:1", 64,
                                                                "kvbridge.executor.transceiver_hook:make")
+    assert ex.rank_hook_args == {"role": "context", "instance": "ctx-instance", "run_dir": "/tmp/run",
+                                 "transceiver": c0.transceiver}
     assert cfg.on_transfer_failure == "fail" and cfg.router.policy == "round_robin"
 
 
