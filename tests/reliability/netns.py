@@ -14,6 +14,7 @@ import subprocess
 import sys
 import uuid
 
+from ..transceiver.ranks import ask
 from .netns_rank import LineConn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -132,13 +133,7 @@ class NsRank:
         self.conn = LineConn(self.proc.stdout, self.proc.stdin)
 
     def call(self, cmd: str, arg=None, timeout: float = 120):
-        self.conn.send((cmd, arg))
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"rank process did not answer {cmd!r} within {timeout} s")
-        out = self.conn.recv()
-        if isinstance(out, dict) and "exception" in out:
-            raise RuntimeError(f"rank process failed on {cmd!r}: {out['exception']}\n{out['traceback']}")
-        return out
+        return ask(self.conn, cmd, arg, timeout)
 
     def close(self) -> None:
         try:

@@ -25,7 +25,7 @@ def _serve(conn) -> None:
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     from kvbridge.formatter.layout import KVLayout
     from kvbridge.formatter.verify import pool_image
-    from kvbridge.transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
+    from kvbridge.transceiver import CacheTransceiver, TransceiverConfig
 
     state: dict = {}
 
@@ -149,6 +149,18 @@ def _byte_blocks(layout, rank: int, nb: int) -> np.ndarray:
     return (idx % (per_layer_block * nb)) // per_layer_block
 
 
+def ask(conn, cmd: str, arg=None, timeout: float = 120):
+    """Send a command to a rank process over `conn` (send/poll/recv) and return its answer; raise on a harness
+    exception or when no answer comes within `timeout`."""
+    conn.send((cmd, arg))
+    if not conn.poll(timeout):
+        raise TimeoutError(f"rank process did not answer {cmd!r} within {timeout} s")
+    out = conn.recv()
+    if isinstance(out, dict) and "exception" in out:
+        raise RuntimeError(f"rank process failed on {cmd!r}: {out['exception']}\n{out['traceback']}")
+    return out
+
+
 class RankProc:
     """A spawned rank process; `call(cmd, arg)` returns its answer (raises on a harness exception)."""
 
@@ -159,13 +171,7 @@ class RankProc:
         self.proc.start()
 
     def call(self, cmd: str, arg=None, timeout: float = 120):
-        self.conn.send((cmd, arg))
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"rank process did not answer {cmd!r} within {timeout} s")
-        out = self.conn.recv()
-        if isinstance(out, dict) and "exception" in out:
-            raise RuntimeError(f"rank process failed on {cmd!r}: {out['exception']}\n{out['traceback']}")
-        return out
+        return ask(self.conn, cmd, arg, timeout)
 
     def close(self) -> None:
         try:

@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from kvbridge.codec import pack
-from kvbridge.formatter.layout import KVLayout, KVShape, ParallelSplit
+from kvbridge.formatter.layout import KVLayout, KVShape
 from kvbridge.transceiver import messages as m
 
 from .ranks import Cluster
