@@ -225,6 +225,22 @@ def usage_chunk(rid: str, req: GenRequest, model: str, prompt_len: int, n_out: i
             "usage": _usage(prompt_len, n_out)}
 
 
+def add_common_routes(app, model_name: str, created: float, render) -> None:
+    """The routes every kvbridge HTTP server has: GET /metrics (Prometheus, from `render()` -> (bytes,
+    content type)) and GET /v1/models (the one served model, created at `created`)."""
+    from fastapi.responses import Response
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        data, ctype = render()
+        return Response(data, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(created),
+                                            "owned_by": "kvbridge"}]}
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from .balancer import Pool, WorkerRef
 from .config import ServeConfig
 from .metrics import RouterMetrics, render
-from .protocol import DEADLINE_HEADER, SSE_DONE, ApiError, read_json, sse
+from .protocol import DEADLINE_HEADER, SSE_DONE, ApiError, add_common_routes, read_json, sse
 
 __all__ = ["main", "build_router"]
 
@@ -83,15 +83,7 @@ def build_router(cfg: ServeConfig) -> FastAPI:
                 "generation_workers": {w.name: w.healthy for w in gen.workers}}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        data, ctype = render()
-        return Response(data, media_type=ctype)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model",
-                                            "created": int(time.time()), "owned_by": "kvbridge"}]}
+    add_common_routes(app, cfg.model_name, time.time(), render)
 
     async def until_gone(request: Request, coro):
         """Await `coro` unless the client goes away first (then cancel it: its connection closes)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import KvBridgeError
 from ..executor.sampling import SamplingParams
@@ -34,8 +34,8 @@ from ..transceiver import DisaggParams
 from .backend import Backend
 from .config import ServeConfig, ServerSpec
 from .metrics import WorkerMetrics, render
-from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, chunk, new_id,
-                       parse_request, read_json, response, sse, usage_chunk)
+from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, add_common_routes, chunk,
+                       new_id, parse_request, read_json, response, sse, usage_chunk)
 from .text import Detokenizer, TextCodec
 
 log = logging.getLogger("kvbridge.serving.worker")
@@ -90,15 +90,7 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
             body["error"] = err.splitlines()[0]
         return JSONResponse(body, status_code=503 if err else 200)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        data, ctype = render()
-        return Response(data, media_type=ctype)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model",
-                                            "created": int(st.started), "owned_by": "kvbridge"}]}
+    add_common_routes(app, cfg.model_name, st.started, render)
 
     @app.get("/debug/free_blocks")
     async def free_blocks() -> dict:
