@@ -296,6 +296,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge router", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="the serving config (YAML)")
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    ap.add_argument("--port-file", default=None,
+                    help="with router.port 0 in the config: bind a free port and write it here (JSON)")
     a = ap.parse_args(argv)
     import uvicorn
 
@@ -310,12 +312,25 @@ def main(argv: list[str]) -> int:
     except KvBridgeError as e:
         print(f"kvbridge router: {e}", file=sys.stderr)
         return 2
-    if cfg.router.port == 0:
-        print(f"kvbridge router: router.port is 0 in {a.config}; give it a port", file=sys.stderr)
+    if cfg.router.port == 0 and not a.port_file:
+        print(f"kvbridge router: router.port is 0 in {a.config}; give it a port, or --port-file to bind a "
+              f"free one and write it there", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(build_router(cfg), host=cfg.router.bind_host, port=cfg.router.port,
+    from .listen import announce, bind
+
+    try:
+        sock = bind(cfg.router.bind_host, cfg.router.port)
+    except KvBridgeError as e:
+        print(f"kvbridge router: {e}", file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    announce(a.port_file, port)
+    server = uvicorn.Server(uvicorn.Config(build_router(cfg), host=cfg.router.bind_host, port=port,
                                            log_level=a.log_level, timeout_graceful_shutdown=5))
-    print(f"[router] starting at {cfg.router.url} ({cfg.router.policy}): context "
+    print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): context "
           f"{[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}", flush=True)
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0 if server.started else 1

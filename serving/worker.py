@@ -14,6 +14,7 @@ removed. This module imports nothing heavy at import time (the `kvbridge` CLI im
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -31,6 +32,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--role", required=True, choices=("context", "generation"))
     ap.add_argument("--index", type=int, default=0, help="which server of its role (default 0)")
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    ap.add_argument("--port-file", default=None,
+                    help="with port 0 in the config: bind a free port and write it here (JSON)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -56,21 +59,31 @@ def _run(a) -> int:
     except KvBridgeError as e:
         print(f"kvbridge worker: {e}", file=sys.stderr)
         return 2
-    if spec.port == 0:
-        print(f"kvbridge worker: {spec.name} has port 0 in {a.config}; give it a port (kvbridge serve picks "
-              f"free ports itself)", file=sys.stderr)
+    if spec.port == 0 and not a.port_file:
+        print(f"kvbridge worker: {spec.name} has port 0 in {a.config}; give it a port, or --port-file to "
+              f"bind a free one and write it there", file=sys.stderr)
         return 2
+    from .listen import announce, bind
+
+    try:
+        sock = bind(spec.bind_host, spec.port)
+    except KvBridgeError as e:
+        print(f"kvbridge worker {spec.name}: {e}", file=sys.stderr)
+        return 1
+    spec = dataclasses.replace(spec, port=sock.getsockname()[1])
+    announce(a.port_file, spec.port)
     run_dir = tempfile.mkdtemp(prefix=f"kvbridge-{spec.name}-")
     try:
-        return _serve(cfg, spec, run_dir, a.log_level)
+        return _serve(cfg, spec, run_dir, a.log_level, sock)
     except KvBridgeError as e:  # the first line says why (a rank's traceback follows in the message)
         print(f"kvbridge worker {spec.name}: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     finally:
+        sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _serve(cfg, spec, run_dir: str, log_level: str) -> int:
+def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
     import uvicorn
 
     from ..executor.runtime import Executor
@@ -97,7 +110,7 @@ def _serve(cfg, spec, run_dir: str, log_level: str) -> int:
         print(f"[{spec.name}] {spec.role} worker ready at {spec.url}: {cfg.model} TP{spec.tp}xPP{spec.pp} "
               f"on {ex.cfg.device}, pid {os.getpid()}, started in {time.monotonic() - t0:.1f}s"
               + (f"; transceiver {', '.join(eps)}" if eps else ""), flush=True)
-        server.run()
+        server.run(sockets=[sock])
         if st.failed:
             print(f"[{spec.name}] stopped: its executor failed: {st.failed.splitlines()[0]}", file=sys.stderr,
                   flush=True)
