@@ -1,0 +1,215 @@
+"""`kvbridge bench control`: the control plane's own cost per request, on loopback.
+
+This process is one context rank (a real `CacheTransceiver.context` over a pool of position-dependent codes);
+G spawned generation ranks (real `CacheTransceiver.generation`, real ZeroMQ, a real agent) pull one-block
+requests. For each request the context rank publishes it, hands its disaggregated params to a generation rank
+(over a pipe: the hop a router would make), and waits for the rank's own completion (the reader's Done, which
+the rank answers with DoneAck). Two figures per G:
+
+- latency: one request at a time, publish -> complete on the context rank, p50/p99 in microseconds;
+- throughput: `--window` requests in flight across the G ranks, completed requests per second.
+
+Every request must end `complete` on the context rank and `ok` on its generation rank, and the context
+rank must end with nothing pinned; the bench exits 1 otherwise.
+
+    kvbridge bench control [--gens 1,8,64] [--requests 3000] [--window 64] [--agent nixl] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..formatter.verify import pool_image
+from ..transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
+from .common import machine, table, write_json
+from .plot import save_plot
+from .progress import progress_bar
+from .soak_frames import LAY
+
+CTX_SLOTS, GEN_SLOTS, TOKENS = 256, 64, 16  # one block (16 tokens, LAY) per request
+
+
+@dataclass(frozen=True)
+class _Req:
+    """The request shape CacheTransceiver takes (TensorRT-LLM's LlmRequest fields it reads)."""
+
+    request_id: int
+    block_ids: np.ndarray
+    num_tokens: int
+    disagg_params: object = None
+
+
+def _config(agent: str) -> TransceiverConfig:
+    return TransceiverConfig(agents=(agent,), heartbeat_s=0.5, lease_s=10.0, pickup_timeout_s=60.0)
+
+
+def _gen_main(conn, agent: str) -> None:
+    """One generation rank: submit every (rid, params dict, slot) it is handed; report failures at the end."""
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    buf = pool_image(LAY, 0, GEN_SLOTS, [], 9).copy()
+    failed: list[tuple[int, str]] = []
+    ok = 0
+    with CacheTransceiver.generation(buf, LAY, 0, GEN_SLOTS, _config(agent)) as gen:
+        conn.send(gen.instance)
+        while True:
+            if conn.poll(0.01):  # submit at once; reaping results later costs the context rank nothing
+                msg = conn.recv()
+                if msg is None:
+                    break
+                rid, params, slot = msg
+                gen.request_and_receive_async(_Req(rid, np.array([slot]), TOKENS, params))
+            for r in gen.check_gen_transfer_status():
+                ok += int(r.ok)
+                if not r.ok:
+                    failed.append((r.request_id, f"{r.error_type}: {r.error}"))
+        for r in gen.check_gen_transfer_status():
+            ok += int(r.ok)
+            if not r.ok:
+                failed.append((r.request_id, f"{r.error_type}: {r.error}"))
+        conn.send({"ok": ok, "failed": failed[:10], "failed_count": len(failed)})
+
+
+class _ContextRank:
+    """The context rank under test and the generation ranks it serves."""
+
+    def __init__(self, gens: int, agent: str) -> None:
+        blocks = [([s], TOKENS, s + 1) for s in range(CTX_SLOTS)]
+        self.buf = pool_image(LAY, 0, CTX_SLOTS, blocks, 1).copy()
+        self.ctx = CacheTransceiver.context(self.buf, LAY, 0, CTX_SLOTS, _config(agent))
+        spawn = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(gens):
+            a, b = spawn.Pipe()
+            p = spawn.Process(target=_gen_main, args=(b, agent), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+        for c in self.conns:
+            if not c.poll(120):
+                raise TimeoutError("a generation rank did not start within 120 s")
+            c.recv()
+        self.next_rid, self.t_pub, self.done = 1, {}, {}
+        self.status: dict[str, int] = {}
+
+    def publish(self, gen: int) -> None:
+        rid, slot = self.next_rid, self.next_rid % CTX_SLOTS
+        self.next_rid += 1
+        self.t_pub[rid] = time.perf_counter()
+        self.ctx.respond_and_send_async(_Req(rid, np.array([slot]), TOKENS))
+        params = DisaggParams(rid, self.ctx.instance, (self.ctx.endpoint,), LAY).to_dict()
+        self.conns[gen].send((rid, params, rid % GEN_SLOTS))
+
+    def reap(self) -> int:
+        now = None
+        got = self.ctx.check_context_transfer_status()
+        for r in got:
+            now = now or time.perf_counter()
+            self.done[r.ctx_request_id] = now - self.t_pub.pop(r.ctx_request_id)
+            self.status[r.status] = self.status.get(r.status, 0) + 1
+        if not got:
+            time.sleep(0)  # let the rank's I/O thread have the GIL
+        return len(got)
+
+    def run(self, n: int, window: int, deadline_s: float, tick=None) -> float:
+        """Publish n requests keeping `window` in flight; seconds from the first publish to the last completion."""
+        t0, gen, finished = time.perf_counter(), 0, 0
+        stop = time.monotonic() + deadline_s
+        while finished < n:
+            while len(self.t_pub) < window and self.next_rid - 1 - self._base < n:
+                self.publish(gen)
+                gen = (gen + 1) % len(self.conns)
+            got = self.reap()
+            finished += got
+            if tick and got:
+                tick(got)
+            if time.monotonic() > stop:
+                raise TimeoutError(f"{finished} of {n} requests completed within {deadline_s:g} s")
+        return time.perf_counter() - t0
+
+    def measure(self, n: int, window: int, deadline_s: float, tick=None) -> tuple[np.ndarray, float]:
+        self._base, self.done = self.next_rid - 1, {}
+        seconds = self.run(n, window, deadline_s, tick)
+        return np.array(list(self.done.values())) * 1e6, seconds
+
+    def close(self) -> dict:
+        reports = []
+        for c in self.conns:
+            c.send(None)
+        for c in self.conns:
+            reports.append(c.recv() if c.poll(60) else {"ok": 0, "failed": [(-1, "no report")],
+                                                         "failed_count": 1})
+        for p in self.procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+        pinned = self.ctx.sender.pinned
+        self.ctx.close()
+        return {"gen_ok": sum(r["ok"] for r in reports), "gen_failed": sum(r["failed_count"] for r in reports),
+                "errors": [e for r in reports for e in r["failed"]][:10], "ctx_pinned_at_end": pinned}
+
+
+def bench_gens(gens: int, args) -> dict:
+    rank = _ContextRank(gens, args.agent)
+    try:
+        rank.measure(min(200, args.requests), min(args.window, 8), 120)  # warm-up: connections, handshakes
+        with progress_bar(args.requests * 2, f"{gens} gen ranks") as bar:
+            lat, _ = rank.measure(args.requests, 1, 600, bar.update)
+            lat_w, seconds = rank.measure(args.requests, args.window, 600, bar.update)
+    finally:
+        end = rank.close()
+    ok = (end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0
+          and set(rank.status) == {"complete"})
+    return {"gen_ranks": gens, "agent": args.agent, "requests": args.requests, "window": args.window,
+            "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
+            "p50_us_loaded": float(np.percentile(lat_w, 50)), "p99_us_loaded": float(np.percentile(lat_w, 99)),
+            "req_per_s": args.requests / seconds, "ctx_status": rank.status, **end, "verified": ok}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    def draw(fig):
+        ax1, ax2 = fig.subplots(1, 2)
+        g = [str(r["gen_ranks"]) for r in rows]
+        x = np.arange(len(rows))
+        ax1.bar(x - 0.2, [r["p50_us"] for r in rows], 0.4, label="p50")
+        ax1.bar(x + 0.2, [r["p99_us"] for r in rows], 0.4, label="p99")
+        ax1.axhline(150, color="grey", ls="--", lw=1, label="goal p50 150 us")
+        ax1.set(xticks=x, xticklabels=g, xlabel="generation ranks", ylabel="publish -> complete (us)",
+                title="latency, one request at a time")
+        ax1.legend()
+        ax2.bar(x, [r["req_per_s"] for r in rows])
+        ax2.axhline(5000, color="grey", ls="--", lw=1, label="goal 5,000 req/s")
+        ax2.set(xticks=x, xticklabels=g, xlabel="generation ranks", ylabel="requests / s",
+                title=f"throughput, {rows[0]['window']} in flight")
+        ax2.legend()
+
+    save_plot(path, draw, f"control plane, one context rank, agent {rows[0]['agent']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvbridge bench control", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gens", default="1,8,64", help="generation rank counts to run")
+    ap.add_argument("--requests", type=int, default=3000, help="requests per measurement")
+    ap.add_argument("--window", type=int, default=64, help="requests in flight for the throughput figure")
+    ap.add_argument("--agent", default="nixl", help="the transfer agent (registry name)")
+    ap.add_argument("--json", help="write the rows as JSON here (and a PNG plot beside it)")
+    args = ap.parse_args(argv)
+    print(f"# control plane on loopback, one-block requests, agent {args.agent}; {machine()}", flush=True)
+    rows = [bench_gens(int(g), args) for g in args.gens.split(",")]
+    cols = ["gen_ranks", "p50_us", "p99_us", "p50_us_loaded", "req_per_s", "gen_failed", "ctx_pinned_at_end",
+            "verified"]
+    print(table(rows, cols))
+    write_json(args.json, rows)
+    if args.json:
+        plot(rows, os.path.splitext(args.json)[0] + ".png")
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
