@@ -55,7 +55,17 @@ def _gen_main(conn, agent: str) -> None:
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     buf = pool_image(LAY, 0, GEN_SLOTS, [], 9).copy()
     failed: list[tuple[int, str]] = []
+    timings: dict[str, list[float]] = {}
     ok = 0
+
+    def reap(results) -> int:
+        for r in results:
+            if not r.ok:
+                failed.append((r.request_id, f"{r.error_type}: {r.error}"))
+            for k, v in r.timings_ms.items():
+                timings.setdefault(k, []).append(v)
+        return sum(r.ok for r in results)
+
     with CacheTransceiver.generation(buf, LAY, 0, GEN_SLOTS, _config(agent)) as gen:
         conn.send(gen.instance)
         while True:
@@ -63,16 +73,15 @@ def _gen_main(conn, agent: str) -> None:
                 msg = conn.recv()
                 if msg is None:
                     break
+                if msg == "stats":  # medians of the pulls' own timings since the last "stats"
+                    ok += reap(gen.check_gen_transfer_status(0))
+                    conn.send({k: float(np.median(v)) for k, v in timings.items()})
+                    timings.clear()
+                    continue
                 rid, params, slot = msg
                 gen.request_and_receive_async(_Req(rid, np.array([slot]), TOKENS, params))
-            for r in gen.check_gen_transfer_status():
-                ok += int(r.ok)
-                if not r.ok:
-                    failed.append((r.request_id, f"{r.error_type}: {r.error}"))
-        for r in gen.check_gen_transfer_status():
-            ok += int(r.ok)
-            if not r.ok:
-                failed.append((r.request_id, f"{r.error_type}: {r.error}"))
+            ok += reap(gen.check_gen_transfer_status())
+        ok += reap(gen.check_gen_transfer_status())
         conn.send({"ok": ok, "failed": failed[:10], "failed_count": len(failed)})
 
 
@@ -138,6 +147,13 @@ class _ContextRank:
         seconds = self.run(n, window, deadline_s, tick)
         return np.array(list(self.done.values())) * 1e6, seconds
 
+    def gen_timings(self) -> dict:
+        """Median per-stage times (ms) the generation ranks' pulls reported since the last call (rank 0)."""
+        for c in self.conns:
+            c.send("stats")
+        got = [c.recv() if c.poll(30) else {} for c in self.conns]
+        return {k: round(v, 4) for k, v in got[0].items()}
+
     def close(self) -> dict:
         reports = []
         for c in self.conns:
@@ -160,7 +176,9 @@ def bench_gens(gens: int, args) -> dict:
     try:
         rank.measure(min(200, args.requests), min(args.window, 8), 120)  # warm-up: connections, handshakes
         with progress_bar(args.requests * 2, f"{gens} gen ranks") as bar:
+            rank.gen_timings()
             lat, _ = rank.measure(args.requests, 1, 600, bar.update)
+            stages = rank.gen_timings()
             lat_w, seconds = rank.measure(args.requests, args.window, 600, bar.update)
     finally:
         end = rank.close()
@@ -169,7 +187,7 @@ def bench_gens(gens: int, args) -> dict:
     return {"gen_ranks": gens, "agent": args.agent, "requests": args.requests, "window": args.window,
             "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
             "p50_us_loaded": float(np.percentile(lat_w, 50)), "p99_us_loaded": float(np.percentile(lat_w, 99)),
-            "req_per_s": args.requests / seconds, "ctx_status": rank.status, **end, "verified": ok}
+            "req_per_s": args.requests / seconds, "gen_stages_p50_ms": stages, "ctx_status": rank.status, **end, "verified": ok}
 
 
 def plot(rows: list[dict], path: str) -> None:
