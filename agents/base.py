@@ -93,7 +93,7 @@ class TransferAgent(ABC):
             self._next_key += 1
             self._register(region, key)
             self._regions.add(key, region)
-        return Registration(self, region, key)
+        return Registration(self, region, key, self._deregister)
 
     def deregister_memory(self, registration: Registration) -> None:
         """Deregister a region (same as `registration.release()`)."""
@@ -106,6 +106,13 @@ class TransferAgent(ABC):
 
     def registered_regions(self) -> list[MemoryRegion]:
         return self._regions.regions()
+
+    def check_registered(self, descs: DescriptorList, what: str) -> None:
+        """Raise RegistrationError (naming `what` and the first bad descriptor) unless every range in `descs`
+        lies inside one region registered with this agent, of the same memory kind and device.
+
+        For serving sides that act on ranges a peer named (a two-sided transport's server thread)."""
+        self._regions.check(descs, what)
 
     # --- peers ----------------------------------------------------------------------------------------
     def metadata(self) -> bytes:

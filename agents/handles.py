@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import warnings
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import TransferFailed, TransferTimeout
 from .memory import MemoryRegion, XferState
@@ -52,16 +52,18 @@ class _Releasable:
 
 
 class Registration(_Releasable):
-    """A registered memory region; `release()` deregisters it."""
+    """A registered memory region; `release()` deregisters it (through the callback its agent gave)."""
 
-    def __init__(self, agent: "TransferAgent", region: MemoryRegion, key: int) -> None:
+    def __init__(self, agent: "TransferAgent", region: MemoryRegion, key: int,
+                 on_release: "Callable[[Registration], None]") -> None:
         self.agent = agent
         self.region = region
         self.key = key
+        self._on_release = on_release
         self._released = False
 
     def _do_release(self) -> None:
-        self.agent._deregister(self)
+        self._on_release(self)
 
     def __repr__(self) -> str:
         return f"Registration({self.region}, released={self._released})"
