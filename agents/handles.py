@@ -83,15 +83,17 @@ class TransferHandle(_Releasable, ABC):
     def state(self) -> XferState:
         """PENDING, DONE or FAILED; never blocks. After FAILED, `error` says why."""
 
-    def cancel(self) -> None:
-        """Abort the transfer if it is still running (best effort).
+    def cancel(self) -> bool:
+        """Abort the transfer if it is still running (best effort); True if it was PENDING and was asked to stop.
 
         The state becomes FAILED once nothing can still move for this transfer: at once where the transport
         can stop it, or when data already in flight has landed (NIXL). Until then it stays PENDING, so a
         caller that waits for a non-PENDING state never frees memory a transfer can still write."""
-        if self.state() is XferState.PENDING:
-            self._cancel()
-            self.error = self.error or "cancelled"
+        if self.state() is not XferState.PENDING:
+            return False
+        self._cancel()
+        self.error = self.error or "cancelled"
+        return True
 
     def _cancel(self) -> None:  # pragma: no cover - overridden where the transport can abort
         pass
