@@ -68,3 +68,13 @@ def test_a_class_that_cannot_be_loaded_fails_every_check_naming_why():
     code, rows, out = check_agent("no_such_module_xyz:Agent", "--only", "read-large")
     assert code == 1 and rows == {"read-large": "FAIL"}, out
     assert "setup failed" in out and "no_such_module_xyz" in out
+
+
+def test_vram_without_a_gpu_is_refused_with_the_reason():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for machines without one")
+    code, rows, out = check_agent("examples.custom_agent:CmaAgent", "--memory", "vram")
+    assert code == 2 and not rows
+    assert "--memory vram needs a CUDA GPU" in out
