@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("kvbridge.serving.worker:main", "one context or generation worker of a serving config"),
     "router": ("kvbridge.serving.router:main", "the OpenAI-compatible router of a serving config"),
     "verify-layout": ("kvbridge.formatter.cli:main", "check a ctx/gen TP/PP split byte-exact in-process"),
+    # agent authors: the TransferAgent conformance suite against your class, as a pass/fail table
+    "check-agent": ("kvbridge.agents.conformance.runner:main", "run the agent conformance suite: MODULE:CLASS"),
 }
 
 

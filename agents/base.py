@@ -25,6 +25,46 @@ Rules every implementation keeps:
 - Handles and registrations that are garbage-collected without `release()` are released with a warning, not
   a crash (as NIXL's Python API does).
 
+Threads: who calls each hook, and what it may block on
+
+    hook / method        called from                                  may block on
+    -------------------  -------------------------------------------  ------------------------------------
+    _register            the caller of register_memory (base lock      pinning/registering with the
+    _unregister          held); any thread, also a finalizer           transport; `_unregister` may wait
+                                                                       (bounded) for a serving thread
+    _metadata/_connect   the control-plane thread that exchanges        nothing remote: parse and store
+    _disconnect          metadata (a transceiver's I/O thread)          only; no network round trip
+    _post                the thread that posts transfers (the           nothing: enqueue and return a
+                         transceiver's I/O thread, many in a row)       TransferHandle at once
+    handle.state()       any thread, polled in a tight loop             nothing (it is a poll)
+    handle.cancel()      any thread, also while another polls state()   nothing; it asks, it does not wait
+    handle.wait(t)       the owner of the handle                        at most `t` seconds
+    handle.release()     the owner, once; or a finalizer (warns)        at most a bounded settle
+    _close               the owner, once, after its last transfer       joining its own threads (bounded)
+
+A subclass therefore guards its own tables with its own lock (the base lock serialises register/deregister/
+close, not transfers) and never does data movement on the caller's thread: a blocking transport runs the
+movement on a pool and returns a `FutureTransfer` (see examples/custom_agent.py).
+
+Remote-descriptor checks. The base class checks the local side (inside this agent's registrations, right
+kind, equal lengths, peer connected) before `_post` sees anything. The remote side is the subclass's job:
+check it against the regions the peer advertised in its metadata (`RegionTable.check`, vectorised), either
+in `_post` (raise AgentError) or in the transport (the handle ends FAILED); a transfer naming memory the peer
+never registered must never be DONE. A two-sided transport's serving side checks again what the peer asked
+for (`ConnectionAgent.check_served`): never trust the requester.
+
+Cancel semantics. `handle.cancel()` on a PENDING handle asks the transport to stop (the `_cancel` hook) and
+returns at once. From then on the handle may stay PENDING only while data already in flight can still land;
+once nothing can move any more it is FAILED (error "cancelled"), never DONE. So a caller that waits (bounded)
+for a non-PENDING state after cancel may free or reuse the memory. cancel() on a DONE or FAILED handle does
+nothing. `release()` of a PENDING handle cancels it first.
+
+A peer that dies: transfers to it end FAILED (or raise at post) within the transport's own deadline, never
+stay PENDING forever, and the agent keeps serving its other peers.
+
+`kvbridge check-agent MODULE:CLASS` runs the conformance suite (`kvbridge.agents.conformance`) that checks
+these rules against a class in real processes.
+
 Descriptor lists are two equal-length int64 numpy arrays (addresses, lengths) plus one memory kind and device
 for the whole list: no per-fragment Python objects anywhere on the data path.
 """
@@ -93,7 +133,7 @@ class TransferAgent(ABC):
             self._next_key += 1
             self._register(region, key)
             self._regions.add(key, region)
-        return Registration(self, region, key)
+        return Registration(self, region, key, self._deregister)
 
     def deregister_memory(self, registration: Registration) -> None:
         """Deregister a region (same as `registration.release()`)."""
@@ -106,6 +146,13 @@ class TransferAgent(ABC):
 
     def registered_regions(self) -> list[MemoryRegion]:
         return self._regions.regions()
+
+    def check_registered(self, descs: DescriptorList, what: str) -> None:
+        """Raise RegistrationError (naming `what` and the first bad descriptor) unless every range in `descs`
+        lies inside one region registered with this agent, of the same memory kind and device.
+
+        For serving sides that act on ranges a peer named (a two-sided transport's server thread)."""
+        self._regions.check(descs, what)
 
     # --- peers ----------------------------------------------------------------------------------------
     def metadata(self) -> bytes:

@@ -68,7 +68,25 @@ class ConnectionTransfer(TransferHandle):
     def state(self) -> XferState:
         return self._state
 
-    def _settle(self, state: XferState, error: str | None = None) -> None:
+    def begin(self) -> bool:
+        """Called by the peer link's worker before it moves data; False if cancel() came first."""
+        with self._mu:
+            if self._cancelled:
+                return False
+            self._running = True
+            return True
+
+    def end(self) -> None:
+        """Called by the peer link's worker once it no longer touches this transfer's memory."""
+        with self._mu:
+            self._running = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def settle(self, state: XferState, error: str | None = None) -> None:
+        """Set the final state (first call wins) and wake `wait`; called by the peer link's worker."""
         with self._mu:
             if self._state is XferState.PENDING:
                 self.error = error
@@ -79,7 +97,7 @@ class ConnectionTransfer(TransferHandle):
         with self._mu:
             self._cancelled = True
             running = self._running
-        self._settle(XferState.FAILED, "cancelled")
+        self.settle(XferState.FAILED, "cancelled")
         if running and self._link is not None:
             self._link.abort_running(self)
 
@@ -154,33 +172,30 @@ class _PeerLink:
 
     def _execute(self, req: _Request) -> None:
         h = req.handle
-        with h._mu:
-            if h._cancelled:
-                return
-            h._running = True
+        if not h.begin():
+            return
         with self._cv:
             self._running = h
         deadline = time.monotonic() + self.agent.transfer_timeout
         try:
             conn = self._connection(deadline)
-            if h._cancelled:  # checked after publishing the connection: a racing cancel() aborts it
+            if h.cancelled:  # checked after publishing the connection: a racing cancel() aborts it
                 raise ConnectionFailed("cancelled")
             self._exchange(conn, req, deadline)
-            h._settle(XferState.DONE)
+            h.settle(XferState.DONE)
         except _Refused as e:
-            h._settle(XferState.FAILED, f"peer {self.peer!r} refused the {req.op}: {e}")
+            h.settle(XferState.FAILED, f"peer {self.peer!r} refused the {req.op}: {e}")
         except (ConnectionFailed, ProtocolError, AgentError) as e:
-            h._settle(XferState.FAILED, f"{req.op} with peer {self.peer!r} failed: {e}")
+            h.settle(XferState.FAILED, f"{req.op} with peer {self.peer!r} failed: {e}")
             self._drop_connection()
         except Exception as e:  # noqa: BLE001 - never leave a handle pending because of a bug
             log.exception("%s: unexpected error in a %s to %s", self.agent.name, req.op, self.peer)
-            h._settle(XferState.FAILED, f"internal error: {type(e).__name__}: {e}")
+            h.settle(XferState.FAILED, f"internal error: {type(e).__name__}: {e}")
             self._drop_connection()
         finally:
             with self._cv:
                 self._running = None
-            with h._mu:
-                h._running = False
+            h.end()
 
     def _connection(self, deadline: float) -> Connection:
         with self._cv:
@@ -188,7 +203,7 @@ class _PeerLink:
         if conn is None or conn.aborted:
             self._drop_connection()
             until = min(deadline, time.monotonic() + self.agent.connect_timeout)
-            conn = self.agent.connection_class.establish(self.endpoint, until, self.agent._options)
+            conn = self.agent.connection_class.establish(self.endpoint, until, self.agent.options)
             with self._cv:
                 self._conn = conn
         return conn
@@ -237,9 +252,9 @@ class _PeerLink:
             running, conn, thread = self._running, self._conn, self._thread
             self._cv.notify_all()
         for req in queued:
-            req.handle._settle(XferState.FAILED, reason)
+            req.handle.settle(XferState.FAILED, reason)
         if running is not None:
-            running._settle(XferState.FAILED, reason)
+            running.settle(XferState.FAILED, reason)
         if conn is not None:
             conn.abort()
         if thread is not None:
@@ -291,8 +306,21 @@ class ConnectionAgent(TransferAgent):
                 log.warning("%s: deregistered %s while a peer's request was still being served", self.name,
                             region)
 
+    def check_served(self, descs: DescriptorList, what: str) -> None:
+        """AgentError naming `what` unless `descs` (ranges a peer asked for) are this agent's registered memory
+        of a kind it serves. Call it inside `serving()`, so the answer stays true while the ranges are used."""
+        if descs.kind not in self.memory_kinds:
+            raise AgentError(f"this {self.agent_kind} agent serves no {descs.kind.value} memory")
+        self.check_registered(descs, what)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The transport options given at construction (passed to `listen` and `establish`)."""
+        return dict(self._options)
+
     @contextmanager
-    def _serving(self):
+    def serving(self):
+        """Context of the serving thread while it touches registered memory; deregistration waits for it."""
         with self._serve_cv:
             self._serving_now += 1
         try:

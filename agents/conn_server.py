@@ -6,7 +6,7 @@ response naming the bad descriptor (its transfer fails with TransferFailed) and 
 step. A malformed frame (bad magic, version, counts) ends that connection, never the agent. Every I/O has
 a deadline of `transfer_timeout` from the request's arrival; idle connections are polled in short slices
 so that `stop()` ends every thread promptly. Never touches memory while it is being deregistered: requests
-are served inside `agent._serving()`, which deregistration waits for.
+are served inside `agent.serving()`, which deregistration waits for, after `agent.check_served`.
 """
 
 from __future__ import annotations
@@ -97,11 +97,9 @@ class Server:
             self._refuse(conn, req, str(e), deadline)
             return
         agent = self._agent
-        with agent._serving():
+        with agent.serving():
             try:
-                if req.kind not in agent.memory_kinds:
-                    raise AgentError(f"this {agent.agent_kind} agent serves no {req.kind.value} memory")
-                agent._regions.check(descs, f"{req.op_name} requested by a peer of {agent.name!r}")
+                agent.check_served(descs, f"{req.op_name} requested by a peer of {agent.name!r}")
             except AgentError as e:
                 self._refuse(conn, req, str(e), deadline)
                 return

@@ -40,14 +40,13 @@ from ..errors import (AgentError, ConnectionClosed, ConnectionDeadline, Connecti
 from .base import DescriptorList, MemoryKind
 from .conn_agent import ConnectionAgent
 from .staging import chunks, gather, scatter
-from .tcp import _OPTIONS as _TCP_OPTIONS
-from .tcp import _WILDCARDS, TcpConnection, TcpListener, _dial, default_host
+from .tcp import TCP_OPTIONS, WILDCARD_HOSTS, TcpConnection, TcpListener, default_host, dial
 
 __all__ = ["GlooAgent", "NcclAgent", "TorchDistConnection", "GlooConnection", "NcclConnection"]
 
 log = logging.getLogger(__name__)
 
-_OPTIONS = _TCP_OPTIONS | {"pg_timeout"}
+_OPTIONS = TCP_OPTIONS | {"pg_timeout"}
 _HELLO = struct.Struct("<4sH8s32s")  # magic, version, backend name (NUL-padded), pair id (hex)
 _MAGIC, _VERSION = b"KVBD", 1
 HANDSHAKE_TIMEOUT = 5.0
@@ -94,7 +93,7 @@ class TorchDistConnection(TcpConnection):
     @classmethod
     def establish(cls, endpoint: dict[str, Any], deadline: float,
                   options: dict[str, Any]) -> "TorchDistConnection":
-        sock = _dial(endpoint["host"], endpoint["port"], deadline)
+        sock = dial(endpoint["host"], endpoint["port"], deadline)
         pair_id = os.urandom(16).hex()
         conn = cls(sock, vectored=options.get("vectored", True), rank=1, pair_id=pair_id,
                    store_addr=(endpoint["host"], endpoint["store_port"]), local_host=_local_host(options),
@@ -281,7 +280,7 @@ class DistListener(TcpListener):
         host = options.get("host") or default_host()
         super().__init__(host, options.get("advertise_host"), options.get("vectored", True), conn_class)
         try:
-            self._store = TCPStore(host if host not in _WILDCARDS else "0.0.0.0", 0, None, True,
+            self._store = TCPStore(host if host not in WILDCARD_HOSTS else "0.0.0.0", 0, None, True,
                                    timedelta(seconds=30), wait_for_workers=False)
         except (RuntimeError, ValueError) as e:
             super().close()
@@ -319,7 +318,7 @@ class DistListener(TcpListener):
 def _local_host(options: dict[str, Any]) -> str:
     """The address this process's side of a group listens on (must be reachable by the peer)."""
     host = options.get("advertise_host") or options.get("host") or default_host()
-    return socket.gethostbyname(socket.gethostname()) if host in _WILDCARDS else host
+    return socket.gethostbyname(socket.gethostname()) if host in WILDCARD_HOSTS else host
 
 
 def _dist_error(what: str, e: Exception) -> ConnectionFailed:

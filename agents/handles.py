@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import warnings
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import TransferFailed, TransferTimeout
 from .memory import MemoryRegion, XferState
@@ -52,16 +52,18 @@ class _Releasable:
 
 
 class Registration(_Releasable):
-    """A registered memory region; `release()` deregisters it."""
+    """A registered memory region; `release()` deregisters it (through the callback its agent gave)."""
 
-    def __init__(self, agent: "TransferAgent", region: MemoryRegion, key: int) -> None:
+    def __init__(self, agent: "TransferAgent", region: MemoryRegion, key: int,
+                 on_release: "Callable[[Registration], None]") -> None:
         self.agent = agent
         self.region = region
         self.key = key
+        self._on_release = on_release
         self._released = False
 
     def _do_release(self) -> None:
-        self.agent._deregister(self)
+        self._on_release(self)
 
     def __repr__(self) -> str:
         return f"Registration({self.region}, released={self._released})"
@@ -81,15 +83,17 @@ class TransferHandle(_Releasable, ABC):
     def state(self) -> XferState:
         """PENDING, DONE or FAILED; never blocks. After FAILED, `error` says why."""
 
-    def cancel(self) -> None:
-        """Abort the transfer if it is still running (best effort).
+    def cancel(self) -> bool:
+        """Abort the transfer if it is still running (best effort); True if it was PENDING and was asked to stop.
 
         The state becomes FAILED once nothing can still move for this transfer: at once where the transport
         can stop it, or when data already in flight has landed (NIXL). Until then it stays PENDING, so a
         caller that waits for a non-PENDING state never frees memory a transfer can still write."""
-        if self.state() is XferState.PENDING:
-            self._cancel()
-            self.error = self.error or "cancelled"
+        if self.state() is not XferState.PENDING:
+            return False
+        self._cancel()
+        self.error = self.error or "cancelled"
+        return True
 
     def _cancel(self) -> None:  # pragma: no cover - overridden where the transport can abort
         pass

@@ -48,9 +48,9 @@ def _load_nixl():
 class NixlTransfer(TransferHandle):
     """A NIXL transfer request; state polled from NIXL; after cancel() it reports FAILED once NIXL settles."""
 
-    def __init__(self, agent: "NixlAgent", xfer, ndesc: int, nbytes: int, first: str) -> None:
+    def __init__(self, nx, xfer, ndesc: int, nbytes: int, first: str) -> None:
         super().__init__(ndesc, nbytes)
-        self._agent = agent
+        self._nx = nx  # the agent's nixl_agent binding, which owns the request
         self._xfer = xfer
         self._final: XferState | None = None
         self._cancelled = False
@@ -64,7 +64,7 @@ class NixlTransfer(TransferHandle):
         if self._final is not None:
             return self._final
         try:
-            s = self._agent._nx.check_xfer_state(self._xfer)
+            s = self._nx.check_xfer_state(self._xfer)
         except Exception as e:  # noqa: BLE001 - the binding raises its own types
             self.error = f"NIXL status check failed: {e}"
             s = "ERR"
@@ -88,7 +88,7 @@ class NixlTransfer(TransferHandle):
         x, self._xfer = self._xfer, None
         if x is not None:
             try:
-                self._agent._nx.release_xfer_handle(x)
+                self._nx.release_xfer_handle(x)
             except Exception as e:  # noqa: BLE001
                 log.warning("NIXL could not release a transfer handle: %s", e)
 
@@ -189,7 +189,7 @@ class NixlAgent(TransferAgent):
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         if not len(local):
-            return NixlTransfer(self, None, 0, 0, "DONE")
+            return NixlTransfer(self._nx, None, 0, 0, "DONE")
         nx = self._nx
         try:
             xfer = nx.initialize_xfer(op, nx.get_xfer_descs(local.as_nixl(), local.kind.value),
@@ -202,7 +202,7 @@ class NixlAgent(TransferAgent):
         except Exception as e:  # noqa: BLE001
             nx.release_xfer_handle(xfer)
             raise AgentError(f"NIXL could not post a {op} to {peer!r}: {e}") from e
-        return NixlTransfer(self, xfer, len(local), local.nbytes, first)
+        return NixlTransfer(self._nx, xfer, len(local), local.nbytes, first)
 
     def _close(self) -> None:
         self._stop_progress.set()

@@ -37,10 +37,10 @@ from .conn_agent import ConnectionAgent
 from .connection import Connection, Listener
 from .staging import coalesce
 
-__all__ = ["TcpAgent", "TcpConnection", "TcpListener", "default_host"]
+__all__ = ["TcpAgent", "TcpConnection", "TcpListener", "default_host", "dial", "TCP_OPTIONS", "WILDCARD_HOSTS"]
 
-_OPTIONS = {"host", "advertise_host", "vectored"}
-_WILDCARDS = {"", "0.0.0.0", "::"}
+TCP_OPTIONS = {"host", "advertise_host", "vectored"}
+WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 
 
 def _load_vectored():
@@ -105,9 +105,9 @@ class TcpConnection(Connection):
     # --- set-up --------------------------------------------------------------------------------------
     @classmethod
     def listen(cls, options: dict[str, Any]) -> "TcpListener":
-        unknown = set(options) - _OPTIONS
+        unknown = set(options) - TCP_OPTIONS
         if unknown:
-            raise AgentError(f"unknown tcp agent options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+            raise AgentError(f"unknown tcp agent options {sorted(unknown)}; known: {sorted(TCP_OPTIONS)}")
         return TcpListener(options.get("host") or default_host(), options.get("advertise_host"),
                            options.get("vectored", True), cls)
 
@@ -122,7 +122,7 @@ class TcpConnection(Connection):
 
     @classmethod
     def establish(cls, endpoint: dict[str, Any], deadline: float, options: dict[str, Any]) -> "TcpConnection":
-        sock = _dial(endpoint["host"], endpoint["port"], deadline)
+        sock = dial(endpoint["host"], endpoint["port"], deadline)
         return cls(sock, vectored=options.get("vectored", True))
 
     # --- I/O -----------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class TcpConnection(Connection):
             self._sock.close()
 
 
-def _dial(host: str, port: int, deadline: float) -> socket.socket:
+def dial(host: str, port: int, deadline: float) -> socket.socket:
     left = deadline - time.monotonic()
     if left <= 0:
         raise ConnectionDeadline(f"no time left to connect to {host}:{port}")
@@ -235,7 +235,7 @@ class TcpListener(Listener):
                              "$KVBRIDGE_AGENT_HOST to an address of this machine)") from None
         self._sock.setblocking(False)
         if not advertise_host:
-            advertise_host = socket.gethostbyname(socket.gethostname()) if host in _WILDCARDS else host
+            advertise_host = socket.gethostbyname(socket.gethostname()) if host in WILDCARD_HOSTS else host
         self._endpoint = {"host": advertise_host, "port": int(self._sock.getsockname()[1])}
         self._vectored = vectored
         self._conn_class = conn_class

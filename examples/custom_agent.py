@@ -1,8 +1,11 @@
 """A complete custom TransferAgent in one page: Linux cross-memory attach (process_vm_readv/writev).
 
 It reads and writes another process's registered host memory directly, one-sided, with no daemon and no
-library: the same kernel mechanism UCX's `cma` transport uses. It passes kvbridge's agent conformance suite
-(tests/agents/test_conformance.py) like the built-in agents.
+library: the same kernel mechanism UCX's `cma` transport uses. Everything it needs comes from
+`kvbridge.agents`. It passes kvbridge's agent conformance suite like the built-in agents; from a checkout's
+root:
+
+    kvbridge check-agent examples.custom_agent:CmaAgent
 
 Use it by name after registering it:
 
@@ -29,11 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvbridge.agents import DescriptorList, MemoryKind, MemoryRegion, RegionTable, TransferAgent
-from kvbridge.agents.base import TransferHandle
-from kvbridge.agents.envelope import field, open_envelope, seal
-from kvbridge.agents.handles import FutureTransfer
-from kvbridge.errors import PeerError
+from kvbridge.agents import (DescriptorList, FutureTransfer, MemoryKind, MemoryRegion, PeerError, RegionTable,
+                             TransferAgent, TransferHandle, field, open_envelope, seal)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 for _fn in (_libc.process_vm_readv, _libc.process_vm_writev):

@@ -4,8 +4,9 @@ Write a Connection when your library can only send and receive (sockets, pipes, 
 collective library): implement listen/establish, send/recv of whole buffers, poll and close, and
 ConnectionAgent does the rest: requests, bounds checks on the serving side, handles, deadlines, cancel.
 This one relies on the default send_regions/recv_regions, which gather scattered descriptors into a staging
-buffer and send it in chunks. It passes kvbridge's agent conformance suite (tests/agents/test_conformance.py)
-like the built-in agents. Use it by name after registering it:
+buffer and send it in chunks. It passes kvbridge's agent conformance suite
+(`kvbridge check-agent examples.custom_connection:UdsAgent`) like the built-in agents. Use it by name after
+registering it:
 
     from kvbridge.agents import register_agent, create_agent
     from examples.custom_connection import UdsAgent
@@ -25,9 +26,8 @@ import tempfile
 import time
 from typing import Any
 
-from kvbridge.agents.conn_agent import ConnectionAgent
-from kvbridge.agents.connection import Connection, Listener
-from kvbridge.errors import ConnectionClosed, ConnectionDeadline, ConnectionFailed, PeerError
+from kvbridge.agents import (Connection, ConnectionAgent, ConnectionClosed, ConnectionDeadline, ConnectionFailed,
+                             Listener, PeerError)
 
 
 def _left(deadline: float) -> float:

@@ -6,6 +6,7 @@ Modules (lowest first):
     config            model shapes, seeded presets, the KV layout of a model under a TP/PP split
     weights           seeded weights and TP/PP sharding; gguf_model / hf_model / sources: other weights
     tokenizer         GGUF byte-level BPE and chat template
+    text              the one text codec (prompts, chat, streamed detokenization), also used by serving
     model             one rank's slice of a Llama-family decoder with paged attention
     sampling          greedy and seeded sampling
     comm              process groups, TP all-reduce, PP send/recv, step-plan broadcast (every wait bounded)

@@ -3,8 +3,9 @@
     kvbridge generate --model smollm2 --prompt "What is the capital of France?"
     kvbridge generate --model seeded:tiny --tp 2 --pp 2 --prompt "abc" --max-tokens 16
 
-Prints the completion on stdout and one timing line on stderr. Models without a tokenizer (seeded) take the
-prompt's UTF-8 bytes as token ids and print token ids.
+Prints the completion on stdout and one timing line on stderr. Text goes through the one text codec
+(`executor/text.py`, the serving workers' too); models without a tokenizer (seeded) take the prompt's UTF-8
+bytes as token ids, and their completion is printed as token ids (a random model's bytes are rarely text).
 """
 
 from __future__ import annotations
@@ -18,49 +19,9 @@ from ..errors import KvBridgeError
 from .runtime import Executor, ExecutorConfig
 from .sampling import SamplingParams
 from .sources import describe_models
+from .text import TextCodec
 
 __all__ = ["main"]
-
-
-class _Text:
-    """Text <-> ids for a model spec: the GGUF's tokenizer, a Hugging Face tokenizer.json, or raw bytes."""
-
-    def __init__(self, spec: str) -> None:
-        self.tok = self.hf = self.template = None
-        if spec == "smollm2" or spec.startswith("gguf:"):
-            from .gguf_model import GGUFFile, smollm2_path
-            from .tokenizer import GGUFTokenizer
-
-            self.tok = GGUFTokenizer(GGUFFile(smollm2_path() if spec == "smollm2" else spec[5:]).meta)
-        elif os.path.isdir(spec):
-            from .hf_model import hf_tokenizer
-
-            self.hf, self.template = hf_tokenizer(spec)
-
-    @property
-    def has_chat(self) -> bool:
-        return bool(self.tok.chat_template if self.tok else self.template)
-
-    def prompt_ids(self, text: str, chat: bool) -> list[int]:
-        if self.tok:
-            return self.tok.encode(self.tok.apply_chat_template([{"role": "user",
-                                                                  "content": text}]) if chat else text)
-        if self.hf:
-            if chat and self.template:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-                text = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-                    self.template).render(messages=[{"role": "user", "content": text}],
-                                          add_generation_prompt=True)
-            return self.hf.encode(text, add_special_tokens=False).ids
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        if self.tok:
-            return self.tok.decode(ids)
-        if self.hf:
-            return self.hf.decode(ids, skip_special_tokens=True)
-        return " ".join(map(str, ids))
 
 
 def main(argv: list[str]) -> int:
@@ -85,9 +46,9 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     try:
-        text = _Text(a.model)
-        chat = text.has_chat if a.chat is None else a.chat
-        ids = text.prompt_ids(a.prompt, chat)
+        codec = TextCodec(a.model)
+        chat = codec.has_chat_template if a.chat is None else a.chat
+        ids = codec.encode(codec.chat_prompt([{"role": "user", "content": a.prompt}]) if chat else a.prompt)
         world = a.tp * a.pp
         cfg = ExecutorConfig(model=a.model, tp=a.tp, pp=a.pp, num_blocks=a.num_blocks,
                              tokens_per_block=a.tokens_per_block, device=a.device, dtype=a.dtype,
@@ -102,7 +63,7 @@ def main(argv: list[str]) -> int:
     except KvBridgeError as e:
         print(f"kvbridge generate: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(text.decode(out))
+    print(codec.decode(out) if codec.has_tokenizer else " ".join(map(str, out)))
     print(f"[kvbridge generate] {a.model} TP{a.tp}xPP{a.pp} {a.device}: prompt {len(ids)} tokens, "
           f"{len(out)} new; "
           f"load {t1 - t0:.1f}s, generate {t2 - t1:.1f}s, total {t2 - t0:.1f}s", file=sys.stderr)

@@ -1,22 +1,25 @@
 """CacheTransceiver: one rank's entry point, with TensorRT-LLM's method names so an engine can drive it.
 
-    ctx = CacheTransceiver.context(pool_tensor, layout, rank, config, instance=...)
+    ctx = CacheTransceiver.context(buffers, layout, rank, num_blocks, config=None, instance=None)
     ctx.respond_and_send_async(req)          # req.request_id, req.block_ids, req.num_tokens
     ctx.check_context_transfer_status(...)   # -> [SendResult]: blocks of these requests may be freed here
 
-    gen = CacheTransceiver.generation(pool_tensor, layout, rank, config, instance=...)
+    gen = CacheTransceiver.generation(buffers, layout, rank, num_blocks, config=None, instance=None)
     gen.request_and_receive_async(req)       # req.request_id, req.disagg_params, req.block_ids, req.num_tokens
     gen.check_gen_transfer_status(...)       # -> [ReceiveResult]
 
+`buffers` is the rank's KV pool (one block_major tensor, or one per local layer) of `num_blocks` blocks;
+`config` defaults to `TransceiverConfig()`; `instance` names this worker to its peers.
+
 Completion is per rank; an executor of several ranks frees or starts a request only when every rank reports
-it finished: `Agreement` does that given the executor's all-gather (torch.distributed or anything else).
+it finished: the executor agrees on that (`executor/hooks.py`'s HookTally, over its own all-gather).
 Every call here is non-blocking or bounded by `timeout_s`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from ..errors import DeadlineExceeded, KvBridgeError
 from ..formatter.layout import KVLayout
@@ -27,7 +30,7 @@ from .pull import ReceiveResult
 from .receiver import Receiver
 from .sender import Sender, SendResult
 
-__all__ = ["CacheTransceiver", "Agreement"]
+__all__ = ["CacheTransceiver"]
 
 
 class CacheTransceiver:
@@ -130,43 +133,3 @@ def _collect(poll: Callable[[], list], at_least: int, timeout_s: float, what: st
         time.sleep(0.001)
         out += poll()
     return out
-
-
-class Agreement:
-    """Completion agreed by all ranks of an executor.
-
-    Each rank adds its locally finished results; `agree(all_gather)` exchanges the finished ids (all_gather
-    takes this rank's list of ids and returns every rank's list) and returns the results finished on EVERY
-    rank, with ok only if ok everywhere (the local result is returned; `failed_elsewhere` marks the rest).
-    """
-
-    def __init__(self) -> None:
-        self._local: dict[int, Any] = {}
-
-    def add(self, results: Iterable[Any]) -> None:
-        for r in results:
-            rid = getattr(r, "request_id", None)
-            rid = r.ctx_request_id if rid is None else rid
-            self._local[rid] = r
-
-    def agree(self, all_gather: Callable[[list[int]], list[list[int]]]) -> list[tuple[Any, bool]]:
-        """[(local result, ok on every rank)] for ids finished on every rank."""
-        mine = sorted(self._local)
-        tagged = [rid * 2 + (1 if _ok(self._local[rid]) else 0) for rid in mine]
-        lists = all_gather(tagged)
-        done: dict[int, list[bool]] = {}
-        for lst in lists:
-            for t in lst:
-                done.setdefault(t // 2, []).append(bool(t % 2))
-        out = []
-        for rid in mine:
-            oks = done.get(rid, [])
-            if len(oks) == len(lists):
-                out.append((self._local.pop(rid), all(oks)))
-        return out
-
-
-def _ok(r: Any) -> bool:
-    if hasattr(r, "ok"):
-        return bool(r.ok)
-    return getattr(r, "status", "") == "complete"

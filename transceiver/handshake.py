@@ -3,7 +3,7 @@
 `accept_welcome` validates everything the Welcome carries (layout, pool bases, memory kind) and picks the
 transfer agent for the peer pair: the first kind, in this rank's preference order, that the context rank
 offers and that connects (an intra-node agent refuses a peer on another host, so "auto" falls back to NIXL).
-`piece_digests_for` hashes what one side holds of a reader's pieces (verification mode). Both raise
+`context_digests` hashes what a context rank holds of one generation rank's pieces (verification mode). Both raise
 KvBridgeError subclasses naming what was wrong; neither touches sockets.
 """
 

@@ -10,7 +10,7 @@ from kvbridge.agents import DescriptorList, MemoryRegion, XferState
 from kvbridge.errors import RegistrationError
 
 from .chunked import ChunkedCmaAgent
-from .peer import Peer, pattern
+from kvbridge.agents.conformance.peer import Peer, pattern
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from kvbridge.agents import DescriptorList, MemoryRegion, available_agents, crea
 from kvbridge.agents.envelope import seal
 from kvbridge.errors import AgentError, PeerError, TransferFailed
 
-from .peer import Peer, alloc, pattern
+from kvbridge.agents.conformance.peer import Peer, alloc, pattern
 
 KINDS = ["tcp", "gloo"]
 NBYTES = 4 << 20
@@ -221,7 +221,7 @@ def test_restarted_peer_is_reached_at_its_new_endpoint():
 def test_transfers_of_many_staging_chunks_arrive_in_order(monkeypatch, spec):
     """Staged connections split a transfer into chunks (gloo: double-buffered, two tags); with 64 KiB of
     staging, 4 MiB of odd-sized scattered ranges makes ~100 chunks that must land in order."""
-    from .peer import resolve
+    from kvbridge.agents.conformance.peer import resolve
 
     cls = resolve(spec)
     monkeypatch.setattr(cls.connection_class, "staging_bytes", 64 << 10)

@@ -21,7 +21,7 @@ from kvbridge.agents.base import DescriptorList, MemoryKind
 from kvbridge.agents.envelope import open_envelope, seal
 from kvbridge.errors import PeerError, TransferFailed
 
-from .peer import Peer, alloc, pattern
+from kvbridge.agents.conformance.peer import Peer, alloc, pattern
 
 KINDS = ["tcp", "gloo"]
 NBYTES = 1 << 20

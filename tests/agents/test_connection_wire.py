@@ -12,7 +12,7 @@ from kvbridge.agents import conn_wire as wire
 from kvbridge.agents import staging
 from kvbridge.errors import ProtocolError
 
-from .peer import pattern
+from kvbridge.agents.conformance.peer import pattern
 
 
 def _req(**kw) -> wire.Request:

@@ -1,8 +1,10 @@
-"""A peer process for agent tests: owns a registered buffer of position-dependent values, answers commands.
+"""The conformance suite's peer: a separate process that owns a registered buffer of position-dependent
+values and answers commands over a multiprocessing pipe (between our own processes, never the network).
 
-Run through `Peer(spec, nbytes, device)`: it spawns a fresh interpreter (multiprocessing 'spawn'), which
-creates the agent, fills and registers its buffer and sends back its metadata. Commands: connect to the
-test's agent, dump the buffer, re-send metadata, exit. The pipe is between our own test processes.
+`Peer(spec, nbytes, device)` spawns a fresh interpreter ('spawn'), which builds the agent named by `spec`,
+fills and registers its buffer and sends back its metadata. Commands: connect to the caller's agent, dump the
+buffer, re-send metadata, exit; `kill()` ends it with SIGKILL (the "peer that dies" check). Every wait on the
+pipe has a deadline. Also holds the small buffer helpers the checks share (`pattern`, `alloc`, `descs`).
 """
 
 from __future__ import annotations
@@ -11,22 +13,46 @@ import importlib
 import multiprocessing as mp
 import os
 import sys
+import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+__all__ = ["Peer", "resolve", "warm_up", "pattern", "alloc", "to_numpy", "device_of", "descs", "restore"]
 
 
 def resolve(spec: str):
-    """An agent class from a registry name ('nixl') or 'module:Class'."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-    if ":" in spec:
-        mod, _, attr = spec.partition(":")
-        return getattr(importlib.import_module(mod), attr)
-    from kvbridge.agents import get_agent_class
+    """An agent class from a registry name ('nixl') or 'module:Class'.
 
-    return get_agent_class(spec)
+    The module is looked up on sys.path plus the current directory (so `examples.custom_agent:CmaAgent`
+    works from a checkout's root), then inside the kvbridge package (`kvbridge.examples.custom_agent`).
+    """
+    from ..base import TransferAgent
+    from ..registry import get_agent_class
+
+    if ":" not in spec:
+        return get_agent_class(spec)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name != mod_name.partition(".")[0]:
+            raise
+        mod = importlib.import_module(f"kvbridge.{mod_name}")
+    cls = getattr(mod, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, TransferAgent)):
+        raise TypeError(f"{spec}: {attr!r} in {mod.__name__} is not a TransferAgent subclass")
+    return cls
+
+
+def warm_up() -> None:
+    """Import torch now if it is installed: kvbridge's staging copies load it on first use, and its import
+    (seconds on a busy machine) must not be charged to the first transfer's deadline."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:
@@ -62,7 +88,7 @@ def addr_of(buf) -> int:
 
 def descs(owner, offsets, lengths):
     """A DescriptorList of byte ranges (offsets from the start) of a local buffer or of a Peer's buffer."""
-    from kvbridge.agents import DescriptorList, MemoryKind
+    from ..memory import DescriptorList, MemoryKind
 
     base = owner.addr if isinstance(owner, Peer) else addr_of(owner)
     dev = device_of(owner)
@@ -84,14 +110,14 @@ def restore(buf, values: np.ndarray) -> None:
 
 
 def _main(conn, spec: str, nbytes: int, device: str, seed: int) -> None:
-    from kvbridge.agents import MemoryRegion
+    from ..memory import MemoryRegion
 
+    warm_up()
     cls = resolve(spec)
     agent = cls(f"peer-{os.getpid()}")
     buf = alloc(nbytes, device, seed)
     reg = agent.register_memory(MemoryRegion.of(buf))
-    addr = reg.region.addr
-    conn.send(("ready", agent.metadata(), addr))
+    conn.send(("ready", agent.metadata(), reg.region.addr))
     while conn.poll(120):
         cmd, arg = conn.recv()
         if cmd == "connect":
@@ -112,15 +138,26 @@ def _main(conn, spec: str, nbytes: int, device: str, seed: int) -> None:
 
 
 class Peer:
-    def __init__(self, spec: str, nbytes: int, device: str = "cpu", seed: int = 7) -> None:
+    """The peer process; `call(cmd)` talks to it with a deadline, `close()` ends it, `kill()` kills it."""
+
+    def __init__(self, spec: str, nbytes: int, device: str = "cpu", seed: int = 7,
+                 start_timeout: float = 60.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_main, args=(child, spec, nbytes, device, seed), daemon=True)
         self.proc.start()
-        if not self.conn.poll(60):
-            raise TimeoutError("peer process did not start within 60 s")
-        tag, self.metadata, self.addr = self.conn.recv()
-        assert tag == "ready"
+        deadline = time.monotonic() + start_timeout
+        while not self.conn.poll(0.2) and self.proc.is_alive() and time.monotonic() < deadline:
+            pass  # a bounded wait that also notices a peer that died while starting
+        if not self.conn.poll(0):
+            self.kill()
+            raise TimeoutError(f"the {spec} peer process did not send its metadata within {start_timeout:g} s "
+                               f"(exit code {self.proc.exitcode}; its stderr says why)")
+        msg = self.conn.recv()
+        if not (isinstance(msg, tuple) and len(msg) == 3 and msg[0] == "ready"):
+            self.kill()
+            raise RuntimeError(f"the {spec} peer process sent {msg!r} instead of its metadata")
+        _, self.metadata, self.addr = msg
         self.nbytes, self.seed, self.device = nbytes, seed, device
 
     def call(self, cmd: str, arg=None, timeout: float = 60):
@@ -129,7 +166,16 @@ class Peer:
             raise TimeoutError(f"peer did not answer {cmd!r} within {timeout} s")
         return self.conn.recv_bytes() if cmd == "dump" else self.conn.recv()
 
+    def kill(self) -> None:
+        """SIGKILL the peer and reap it (bounded): it dies without releasing anything."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(30)
+
     def close(self) -> None:
+        if not self.proc.is_alive():
+            self.proc.join(1)
+            return
         try:
             self.conn.send(("exit", None))
             self.conn.poll(30)
@@ -138,3 +184,4 @@ class Peer:
         self.proc.join(30)
         if self.proc.is_alive():
             self.proc.kill()
+            self.proc.join(5)
