@@ -8,7 +8,8 @@ real requests that must all succeed byte-exact (soak_frames.py, soak_live.py).
 Part B: --requests requests through a context-only and a generation-only executor with client aborts,
 leases left to expire and one generation-executor restart (soak_requests.py).
 
-The JSON holds {frames, crashes, hangs, requests, aborted, restarts, lost, leaked_blocks, corrupted}, the
+The JSON holds {frames, crashes, hangs, requests, aborted, restarts, lost, leaked_blocks, corrupted,
+kv_checked, kv_mismatched (part B: the positional KV check of every completed request)}, the
 durations, and each part's details.
 """
 
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     "lost",
                     "leaked_blocks",
                     "corrupted",
+                    "kv_mismatched",
                     "requests_per_s",
                     "run_s",
                 ],
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             "lost": req.get("lost", 0),
             "leaked_blocks": req.get("leaked_blocks", 0),
             "corrupted": req.get("corrupted", 0),
+            "kv_checked": req.get("kv_checked", 0),
+            "kv_mismatched": req.get("kv_mismatched", 0),
             "durations_s": {
                 "decoder": (out.get("decoder") or {}).get("seconds"),
                 "live": live.get("seconds"),
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "lost",
         "leaked_blocks",
         "corrupted",
+        "kv_mismatched",
     ]
     print(table([out], keys))
     if a.json:
@@ -177,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         or out["lost"]
         or out["leaked_blocks"]
         or out["corrupted"]
+        or out["kv_mismatched"]
     )
     return 1 if bad else 0
 

@@ -5,6 +5,9 @@ Owns the client side of the soak: worker threads that each carry one request at 
 generation-only decode, the restart of the generation executor mid-run, and the final accounting:
     lost       a request that reached no terminal state within its deadline
     corrupted  a completed request whose tokens differ from aggregated decoding of the same prompt
+    kv_mismatched  a completed request whose generation-side prompt KV, position by position (per layer and
+               kv head, in token order), differs from its context-side KV (executor/kv_check.py): tokens
+               cannot see misplaced KV, this can
     leaked     free blocks per rank at the end vs the start, both executors (the generation one after restart)
 Never touches rank internals; the one private read is the context executor's "released" events, taken (and
 so dropped) as they arrive: Executor has no public wait for a release done by its rank hooks.
@@ -21,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import ExecutorError
+from ..executor.kv_check import mismatches
 from ..executor.runtime import Executor, ExecutorConfig
 from ..executor.transceiver_hook import context_endpoints, hooked_executor_config
 from ..transceiver import DisaggParams
@@ -62,6 +66,8 @@ class Tally:
     failed: int = 0  # any other terminal failure (named in errors)
     lost: int = 0
     corrupted: int = 0
+    kv_checked: int = 0  # completed requests whose KV went through the positional check
+    kv_mismatched: int = 0
     late_abort_completed: int = 0  # an abort that came after the request had finished: it completed normally
     errors: Counter = field(default_factory=Counter)
     log: list = field(default_factory=list)  # (seconds into the run, what) of the first 50 failures
@@ -123,7 +129,8 @@ class RequestSoak:
         d = os.path.join(self.run_dir, tag)
         os.makedirs(d, exist_ok=True)
         return Executor.start(
-            hooked_executor_config(role, f"{tag}-instance", d, XCFG, model=MODEL, timeout_s=120, **split)
+            hooked_executor_config(role, f"{tag}-instance", d, XCFG, model=MODEL, timeout_s=120, kv_digests=True,
+                                   **split)
         )
 
     def expected(self) -> list[list[int]]:
@@ -173,6 +180,8 @@ class RequestSoak:
             "stuck_clients": stuck,
             "leaked_blocks": leaked,
             "corrupted": t.corrupted,
+            "kv_checked": t.kv_checked,
+            "kv_mismatched": t.kv_mismatched,
             "corrupted_prompts": dict(t.corrupted_prompts),
             "errors": dict(t.errors.most_common(12)),
             "error_log": t.log,
@@ -258,9 +267,24 @@ class RequestSoak:
         except ExecutorError as e:
             self._ended_by_error(gen, e)
             return
-        self._finish(gen, rid, k, deadline, aborted_by_client=fate < self.expire_p + self.abort_p)
+        if self._finish(gen, rid, k, deadline, aborted_by_client=fate < self.expire_p + self.abort_p):
+            self._check_kv(gen, res.request_id, rid)
 
-    def _finish(self, gen: Executor, rid: int, k: int, deadline: float, aborted_by_client: bool) -> None:
+    def _check_kv(self, gen: Executor, ctx_rid: int, gen_rid: int) -> None:
+        """The positional KV check of a completed request (both digests were recorded as it ran)."""
+        try:
+            bad = mismatches(self.ctx.kv_digest(ctx_rid, timeout=self.deadline_s),
+                             gen.kv_digest(gen_rid, timeout=self.deadline_s))
+        except ExecutorError as e:
+            if id(gen) not in self._closed:  # else: the restart closed it before its digest was read
+                self.tally.add(failed=1, error=f"kv digest: {e}")
+            return
+        self.tally.add(kv_checked=1, kv_mismatched=int(bool(bad)))
+        if bad:
+            self.tally.add(error=f"kv mismatch of context request {ctx_rid}: {bad[0]}")
+
+    def _finish(self, gen: Executor, rid: int, k: int, deadline: float, aborted_by_client: bool) -> bool:
+        """Wait for the generation request's end and count it; True when it completed."""
         while True:
             try:
                 c = gen.wait(rid, timeout=0.5)
@@ -268,24 +292,25 @@ class RequestSoak:
             except ExecutorError as e:
                 if id(gen) in self._closed:
                     self.tally.add(restart_failed=1)
-                    return
+                    return False
                 if "timed out" not in str(e):
                     self._ended_by_error(gen, e)
-                    return
+                    return False
                 if time.monotonic() > deadline:
                     self.tally.add(
                         lost=1, error=f"generation request {rid} not finished within {self.deadline_s} s"
                     )
-                    return
+                    return False
         if c.finish_reason == "aborted":
             if aborted_by_client:
                 self.tally.add(aborted=1)
             else:
                 self.tally.add(failed=1, error=f"aborted: {c.error}")
-            return
+            return False
         if c.tokens != self.want[k]:
             self.tally.add(corrupted=1, corrupted_prompt=str(k))
         self.tally.add(completed=1, late_abort_completed=int(aborted_by_client))
+        return True
 
     def _ended_by_error(self, gen: Executor, e: Exception) -> None:
         if id(gen) in self._closed:

@@ -9,6 +9,7 @@ The API (see engine.py for when each call is allowed):
     ex.generate([[1, 2, 3]], max_tokens=8) -> [[...tokens...]]                  aggregated
     res = ex.prefill(prompt) -> ContextResult(request_id, block_ids, num_tokens, first_token)   context-only
     ex.read_kv(res.request_id) -> [layers, 2, kv_heads, tokens, head_dim] tensor (whole model, CPU)
+    ex.kv_digest(rid) -> KVDigest: per (layer, kv head) digests in token order (kv_check.py; kv_digests=True)
     ex.release(res.request_id)                                                   blocks unpinned and freed
     g = ex.add_generation(prompt, first_token, max_tokens) -> GenerationHandle(request_id, block_ids)
     ex.write_kv(g.request_id, kv); ex.kv_ready(g.request_id); ex.wait(g.request_id) -> Completion
@@ -33,6 +34,7 @@ from .config import ModelConfig
 from .connector.base import KvConnectorConfig
 from .connector.factory import connector_wire
 from .kv_cache_manager import TORCH_DTYPES
+from .kv_check import KVDigest, RankDigest, merge
 from .kv_io import assemble, shard_of
 from .launch import free_port, spawn_ranks, stop_processes
 from .sampling import SamplingParams
@@ -54,6 +56,8 @@ class ExecutorConfig:
         timeout_s: bound on start-up, every collective and every wait of this handle.
         threads_per_rank: torch intra-op threads per rank process.
         rank_hook, rank_hook_args: "module:factory" built in every rank process (the transceiver): hooks.py.
+        kv_digests: every rank records a positional digest of each context-only request's KV when its
+            prefill is done and of each generation-only request's KV when it is ready (`kv_digest`).
         kv_connector_config: a KV cache connector (connector/base.py), e.g.
             KvConnectorConfig.persistent("/data/kv", max_bytes=8 << 30): prompts' KV saved to and loaded
             from a folder shared across executors and restarts.
@@ -74,6 +78,7 @@ class ExecutorConfig:
     rank_hook: str | None = None
     rank_hook_args: dict = field(default_factory=dict)
     kv_connector_config: KvConnectorConfig | dict | None = None
+    kv_digests: bool = False
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
@@ -113,6 +118,7 @@ class _State:
     kv: dict = field(default_factory=dict)           # (rid, rank) -> tensor
     partial: dict = field(default_factory=dict)      # rid -> tokens so far of a streaming request
     stats: dict = field(default_factory=dict)        # rank -> event
+    digests: dict = field(default_factory=dict)      # (rid, rank) -> RankDigest
     ready: dict = field(default_factory=dict)        # rank -> event
     fatal: str | None = None
 
@@ -143,7 +149,7 @@ class Executor:
             "max_batch_seqs": cfg.max_batch_seqs, "timeout_s": cfg.timeout_s,
             "threads_per_rank": cfg.threads_per_rank, "port": free_port(),
             "rank_hook": cfg.rank_hook, "rank_hook_args": cfg.rank_hook_args,
-            "kv_connector": connector_wire(cfg.kv_connector_config),
+            "kv_connector": connector_wire(cfg.kv_connector_config), "kv_digests": bool(cfg.kv_digests),
         })
         ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
         ex._pipes = [Pipes(rx, tx) for rx, tx in zip(from_rank, to_rank)]
@@ -334,6 +340,18 @@ class Executor:
                                  "has_payload": True}, x.view(torch.uint8).numpy().tobytes())
         self._send({"t": "write", "rid": int(request_id)})
 
+    def kv_digest(self, request_id: int, timeout: float | None = None) -> KVDigest:
+        """The request's positional KV digest, merged from every rank (kv_check.py): the one recorded when its
+        prefill was done (context-only) or its KV was ready (generation-only), taken once; else, for a live
+        request, its KV now. Raises ExecutorError when a rank has none (e.g. kv_digests off)."""
+        world = self.layout.world_size
+        self._send({"t": "digest", "rid": int(request_id)})
+        self._wait_for(lambda st: all((request_id, r) in st.digests for r in range(world)) or None,
+                       timeout or self.cfg.timeout_s, f"the KV digest of request {request_id}")
+        with self._cv:
+            shards = {r: self._st.digests.pop((request_id, r)) for r in range(world)}
+        return merge(self.layout, shards)
+
     def free_blocks(self, timeout: float | None = None) -> list[int]:
         """Free blocks on every rank, in rank order (taken between two steps)."""
         with self._cv:
@@ -397,6 +415,9 @@ class Executor:
             self._st.kv[(int(msg["rid"]), rank)] = x
         elif t == "stats":
             self._st.stats[rank] = msg
+        elif t == "kv_digest":
+            d = RankDigest.from_wire(msg)
+            self._st.digests[(d.request_id, rank)] = d
         elif t == "tok":
             toks = self._st.partial.setdefault(int(msg["rid"]), [])
             if int(msg["n"]) == len(toks) + 1:

@@ -3,7 +3,7 @@
 Rank 0 is the leader: it reads commands from the parent (`Executor`), plans each step with the `Engine`,
 broadcasts the plan (msgpack bytes in a tensor), runs it like every other rank, and reports events. Other
 ranks only run plans. Every rank talks to the parent over its own pair of pipes with msgpack frames (never
-pickle): KV shards for `read_kv`/`write_kv`, its readiness, and its fatal error (then it exits non-zero).
+pickle): KV shards for `read_kv`/`write_kv`, KV digests (`kv_check.py`), its readiness, and its fatal error (then it exits non-zero).
 
 Never frees a block except as a plan says, so every rank's allocator stays identical to the leader's; the
 plan carries the leader's free-block count before its ops and each rank checks it.
@@ -29,6 +29,7 @@ from .config import kv_layout_for
 from .engine import Engine, Request
 from .hooks import HOOK_IDLE_S, HookTally, RankContext, exchange_reports, load_hook, validate_report
 from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
+from .kv_check import DigestBook
 from .kv_io import gather_blocks, scatter_blocks
 from .model import StageModel, StepBatch
 from .sampling import SamplingParams, sample
@@ -136,6 +137,8 @@ class _Runner:
         self.model = StageModel(self.mcfg, self.layout, rank, w, self.kv, self.comm.all_reduce_tp)
         self.tp_rank, self.pp_rank = self.layout.coords(rank)
         self.sampler_rank = self.layout.rank_of(0, self.layout.split.pp - 1)
+        self.digests = DigestBook(self.layout, rank)  # positional KV check (kv_check.py): reports any time,
+        self.record_digests = bool(cfg.get("kv_digests"))  # records at ctx_done / ready only when asked
         self.hook = None
         if cfg.get("rank_hook"):
             self.hook = load_hook(cfg["rank_hook"], RankContext(rank, self.layout, self.kv, self.device,
@@ -174,6 +177,8 @@ class _Runner:
                     self.hook.on_generation_alloc(rid, blocks, int(op[2]), dict(op[3]) if len(op) > 3 else {})
             elif kind == "ready":
                 kv.mark_ready(rid)
+                if self.record_digests:  # the prompt KV just arrived: hash it before decoding appends
+                    self.digests.record(rid, kv)
             elif kind == "conn_alloc":  # blocks the KV connector loads a stored prompt prefix into
                 kv.add_sequence_for_transfer(rid, int(op[2]))
             elif kind == "release":
@@ -185,6 +190,8 @@ class _Runner:
                 if self.hook is not None and hasattr(self.hook, "on_abort"):
                     self.hook.on_abort(rid)
             elif kind == "ctx_done":  # the previous step's context-only prefill, with its first token
+                if self.record_digests:
+                    self.digests.record(rid, kv)
                 if self.hook is not None:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)  # the KV is in memory before an agent reads it
@@ -226,6 +233,8 @@ class _Runner:
                 self._read_kv(int(op[1]))
             elif op[0] == "drop":
                 self.inbox.take_kv(int(op[1]), self.timeout)
+            elif op[0] == "digest":
+                self.pipes.send(self.digests.report(int(op[1]), kv).to_wire())
             elif op[0] == "stats":
                 self.pipes.send({"t": "stats", "rank": self.rank, "free": kv.get_num_free_blocks(),
                                  "live": kv.request_ids()})
@@ -360,6 +369,8 @@ def _apply_command(eng: Engine, c: dict, post: list) -> bool:
                 post.append(["drop", int(c["rid"])])  # every rank discards the shard it was sent
         elif t == "stats":
             post.append(["stats", 0])
+        elif t == "digest":
+            post.append(["digest", int(c["rid"])])
         else:
             eng._error(int(c.get("rid", -1)), f"unknown command {t!r}")
     except (KeyError, TypeError, ValueError, IndexError) as e:

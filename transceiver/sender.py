@@ -115,6 +115,7 @@ class Sender(IOThread, SenderWork):
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
         self._npinned = 0  # entries held by the I/O thread
         self._queued = 0  # publishes not yet taken up by the I/O thread
+        self._nfetched = 0  # fetches accepted (a generation rank was given a request's blocks): `fetches`
         self._count_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._start_io(zctx, f"kvb-sender-r{pool.rank}")
@@ -140,6 +141,13 @@ class Sender(IOThread, SenderWork):
         """Requests whose blocks are pinned on this rank (published and not yet finished)."""
         with self._count_lock:
             return self._npinned + self._queued
+
+    @property
+    def fetches(self) -> int:
+        """Fetches accepted since start: each is a generation rank now reading (or about to read) a request's
+        blocks. Lets a caller wait for that event instead of guessing how long it takes."""
+        with self._count_lock:
+            return self._nfetched
 
     def mark_layers_ready(self, ctx_request_id: int, layers_ready: int) -> None:
         """Layer-wise streaming: the first `layers_ready` local layers of the request are now final."""
@@ -351,6 +359,8 @@ class Sender(IOThread, SenderWork):
                         f"rank {self.pool.rank}", e.rid, "fetch")
             return
         e.fetched[s.gen_rank] = ident
+        with self._count_lock:
+            self._nfetched += 1
         e.deadline = time.monotonic() + self.config.lease_s
         local = self.layout.local_layers(self.pool.rank)
         if msg.staged and self.pool.arena is not None and e.layers_ready >= local and self._stage(ident, e, s):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 
 BLOCK = 64 << 10  # bytes per object
@@ -13,8 +16,11 @@ def pattern(n_objects: int, writer: int) -> np.ndarray:
     return x.view(np.uint8)
 
 
-def write_objects(root: str, names: list[str], writer: int, rounds: int, tag: bytes) -> int:
-    """Write every object `rounds` times (the same bytes each round) through a FileAgent; returns writes done."""
+def write_objects(root: str, names: list[str], writer: int, rounds: int, tag: bytes, gate: str | None = None) -> int:
+    """Write every object `rounds` times (the same bytes each round) through a FileAgent; returns writes done.
+
+    gate: a path; after the first round, wait (up to 60 s) until it exists before writing the others, so a
+    reader can be sure to read while this writer is still writing."""
     from kvbridge.agents import DescriptorList, MemoryRegion
     from kvbridge.agents.file_agent import FileAgent, file_set, object_addrs
 
@@ -26,11 +32,17 @@ def write_objects(root: str, names: list[str], writer: int, rounds: int, tag: by
     lengths = np.full(n, BLOCK, dtype=np.int64)
     local = DescriptorList(src.ctypes.data + np.arange(n, dtype=np.int64) * BLOCK, lengths)
     done = 0
-    for _ in range(rounds):
+    for r in range(rounds):
         h = agent.write(peer, local, DescriptorList(object_addrs(np.arange(n)), lengths))
         h.wait(60)
         h.release()
         done += n
+        if r == 0 and gate is not None:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"writer {writer}: the reader did not open the gate {gate} within 60 s")
+                time.sleep(0.01)
     reg.release()
     agent.close()
     return done

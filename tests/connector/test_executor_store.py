@@ -114,16 +114,19 @@ def test_an_aborted_load_frees_its_blocks_only_after_the_load_ended(tmp_path, fr
     store = tmp_path / "store"
     shutil.copytree(stored, store)
     cfg = _cfg(store)
+    gate = tmp_path / "loads-may-end"  # the slow store reports no load as ended until this file exists
     cfg.kv_connector_config = KvConnectorConfig("tests.connector.slow_store", "PersistentKvConnectorScheduler",
-                                                "SlowLoadWorker", {"root": str(store), "slow_load_s": 3.0})
+                                                "SlowLoadWorker", {"root": str(store), "gate": str(gate)})
     with Executor.start(cfg) as ex:
         rid = ex.submit(P, max_tokens=6)
         deadline = time.monotonic() + 30
-        while ex.free_blocks() == [BLOCKS] and time.monotonic() < deadline:
-            time.sleep(0.02)  # until admitted: blocks allocated, the load (reported 3 s after it ended) going on
+        while ex.free_blocks() == [BLOCKS]:
+            assert time.monotonic() < deadline, "the request was not admitted (no blocks taken) within 30 s"
+            time.sleep(0.02)  # until admitted: blocks allocated, the load going on
         ex.abort(rid)
         assert ex.wait(rid).finish_reason == "aborted"
         assert ex.free_blocks() == [BLOCKS - 11]  # held: the store may still be writing into them
+        gate.touch()  # now the load ends: only then do its blocks come back
         assert _settle(ex) == [BLOCKS]
         c = ex.wait(ex.submit(P, max_tokens=6))  # the executor goes on: the same prompt loads and decodes
         assert c.tokens == fresh["P"] and c.loaded_tokens == 10 * TPB

@@ -195,8 +195,9 @@ def test_registry_builds_the_file_agent():
 def test_two_processes_writing_the_same_objects_at_once_leave_a_readable_store(agent, tmp_path):
     names = [f"shared{i:03d}" for i in range(N)]
     ctx = mp.get_context("spawn")
+    gate = tmp_path.parent / f"{tmp_path.name}.gate"  # writers pause after round 1 until it exists
     with ctx.Pool(2) as pool:
-        jobs = [pool.apply_async(write_objects, (str(tmp_path), names, w, 6, TAG)) for w in (1, 2)]
+        jobs = [pool.apply_async(write_objects, (str(tmp_path), names, w, 6, TAG, str(gate))) for w in (1, 2)]
         # read while they write: every object read is complete and verified (or not there yet)
         dst = np.zeros(BLOCK, dtype=np.uint8)
         agent.register(dst)
@@ -211,7 +212,9 @@ def test_two_processes_writing_the_same_objects_at_once_leave_a_readable_store(a
                     continue
                 assert any(np.array_equal(dst, v[i]) for v in versions)
                 seen += 1
+                gate.touch()  # a complete object was read while both writers were still at work
         assert [j.get(120) for j in jobs] == [6 * N, 6 * N]
+        assert seen > 0
     for i in range(N):
         _read(agent, str(tmp_path), dst, names, [i])
         assert any(np.array_equal(dst, v[i]) for v in versions)

@@ -59,6 +59,22 @@ def _finished(c, rid):
     return [(status, detail) for r, status, detail in c.ctx_status()[0]["finished"] if r == rid]
 
 
+def _wait_fetched(c, timeout: float = 10.0) -> None:
+    """Wait (bounded) until the context rank handed the request's blocks to the generation rank's fetch."""
+    deadline = time.monotonic() + timeout
+    while c.ctx_status()[0]["fetches"] < 1:
+        assert time.monotonic() < deadline, f"the generation rank did not fetch within {timeout} s"
+        time.sleep(0.02)
+
+
+def _wait_crossed(link, at_least: int, timeout: float) -> int:
+    """Bytes received on the generation side's veth, once at least `at_least` (or the time ran out)."""
+    deadline = time.monotonic() + timeout
+    while (got := link.bytes_moved()) < at_least and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
 def _request_succeeds(c, rid, ctx_blocks, gen_blocks, n):
     c.publish([(rid, ctx_blocks, n, rid)])
     (ans,) = c.pull([_pull(c, rid, gen_blocks, n)])
@@ -85,7 +101,7 @@ def test_cutting_the_link_mid_transfer_is_detected_and_a_later_request_succeeds(
     _request_succeeds(c, 1, [0, 1], [0, 1], 20)
     ctx.call("publish_streaming", [(2, [4, 5], 20, 2)])  # no layer ready: the pull is in flight, waiting
     gen.call("submit", {"pulls": [_pull(c, 2, [4, 5], 20)]})
-    time.sleep(0.5)
+    _wait_fetched(c)
     assert c.ctx_status()[0]["pinned"] == 1 and gen.call("gen_status")["in_flight"] == 1
     t0 = time.monotonic()
     link.set_gen_link(False)
@@ -132,9 +148,13 @@ def test_a_read_cut_mid_data_writes_nothing_after_its_failure_is_reported():
         ctx, gen = c.ctx[0], c.gen[0]
         link.limit_ctx_rate("16mbit")
         ctx.call("publish", [(1, list(range(16)), 256, 1)])
+        total = 16 * BIG.block_bytes(0)  # the READ: 4 MiB
+        before = link.bytes_moved()
         gen.call("submit", {"pulls": [_pull(c, 1, list(range(4, 20)), 256)]})
-        time.sleep(0.8)  # a third of the data is across
+        _wait_crossed(link, before + total // 3, 60)  # a third of the data is across (waited for, bounded)
         link.set_gen_link(False)
+        crossed = link.bytes_moved() - before
+        assert total // 3 <= crossed < total, f"{crossed} of {total} bytes crossed before the cut: not mid-data"
         gen.conn.send(("collect", {"timeout": 25}))
         reported = gen.conn.poll(12)  # a design that waits for the read to settle may hold the result
         link.set_gen_link(True)
@@ -144,7 +164,10 @@ def test_a_read_cut_mid_data_writes_nothing_after_its_failure_is_reported():
         r = ans["results"][0]
         assert not r["ok"] and r["error_type"] == "PeerGone", r
         after_report = gen.call("pool_digest")
-        time.sleep(6)  # TCP retransmits resume within a few seconds of the restore
+        # wait for the event that could break the invariant: the rest of the READ crossing the restored link
+        # (TCP retransmits resume within seconds). A read truly cancelled never sends it: then the bound ends
+        # the wait, and the pool must still be unchanged.
+        _wait_crossed(link, before + total, 20)
         assert gen.call("pool_digest") == after_report, (
             "bytes landed in the pool after the pull reported failure"
         )

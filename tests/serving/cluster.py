@@ -1,5 +1,5 @@
 """Test helpers for serving: launch a config's workers and router (real processes, real HTTP), start one
-worker by hand, compute the aggregated reference, read server-sent events, poll pools back to full."""
+worker or router by hand (it binds port 0 itself and announces the port it got: no free-port-then-bind race), compute the aggregated reference, read server-sent events, poll pools back to full."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import yaml
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 from kvbridge.serving.config import parse_config
 from kvbridge.serving.launcher import Cluster
+from kvbridge.serving.listen import wait_port_file
 
 MODEL = "seeded:tiny3"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(40, 77)), [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -50,6 +51,19 @@ def start_process(args: list[str], log_path: str) -> subprocess.Popen:
     with open(log_path, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *args], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_announced(args: list[str], log_path: str, timeout: float = 240) -> tuple[subprocess.Popen, str]:
+    """`kvbridge worker|router <args> --port-file` whose config gives it port 0: (process, its base URL) once it
+    has bound its socket and announced the port (bounded; the process is stopped if it never does)."""
+    port_file = log_path + ".port"
+    p = start_process([*args, "--port-file", port_file], log_path)
+    try:
+        port = wait_port_file(port_file, timeout, p)
+    except BaseException:
+        stop_process(p)
+        raise
+    return p, f"http://127.0.0.1:{port}"
 
 
 def stop_process(p: subprocess.Popen) -> None:

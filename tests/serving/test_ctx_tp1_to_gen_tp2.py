@@ -10,9 +10,7 @@ import threading
 import httpx
 import pytest
 
-from kvbridge.executor.launch import free_port
-
-from .cluster import MODEL, PATIENT, PROMPTS, config, launch, sse_events, start_process, stop_process, \
+from .cluster import MODEL, PATIENT, PROMPTS, config, launch, sse_events, start_announced, stop_process, \
     streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
 
@@ -61,18 +59,20 @@ def test_ctx_tp1_to_gen_tp2_answers_exactly_the_aggregated_tokens(cluster, want)
 def test_a_failed_transfer_reaches_the_client_as_an_error_with_its_reason(cluster, tmp_path):
     """Fault: a context worker advertising its transceiver on 127.0.0.2, where nothing listens."""
     gen = cluster.cfg.generation[0].url
-    ctx_port, router_port = free_port(), free_port()
     bad = {**CFG, "transceiver": {**CFG["transceiver"], "advertise_host": "127.0.0.2", "pickup_timeout_s": 3},
-           "context_servers": {"urls": [f"127.0.0.1:{ctx_port}"]},
+           "context_servers": {"urls": ["127.0.0.1:0"]},
            "generation_servers": {"tp": 2, "urls": [gen.removeprefix("http://")]},
-           "router": {"port": router_port}}
-    path = config(tmp_path, "bad", bad)
-    ctx = start_process(["worker", "--config", path, "--role", "context"], str(tmp_path / "ctx.log"))
-    router = start_process(["router", "--config", path], str(tmp_path / "router.log"))
+           "router": {"port": 0}}
+    ctx, bad_ctx = start_announced(["worker", "--config", config(tmp_path, "bad", bad), "--role", "context"],
+                                   str(tmp_path / "ctx.log"))
+    router = None
     try:
-        wait_healthy(f"http://127.0.0.1:{ctx_port}", ctx)
-        wait_healthy(f"http://127.0.0.1:{router_port}", router)
-        url = f"http://127.0.0.1:{router_port}/v1/completions"
+        wait_healthy(bad_ctx, ctx)
+        bad["context_servers"] = {"urls": [bad_ctx.removeprefix("http://")]}
+        router, base = start_announced(["router", "--config", config(tmp_path, "bad-router", bad)],
+                                       str(tmp_path / "router.log"))
+        wait_healthy(base, router)
+        url = base + "/v1/completions"
         for stream in (False, True):  # a stream fails before its first byte: a real HTTP error, not 200
             r = httpx.post(url, json={"prompt": PROMPTS[0], "max_tokens": 4, "stream": stream}, timeout=120)
             assert r.status_code == 502, r.text
@@ -80,10 +80,11 @@ def test_a_failed_transfer_reaches_the_client_as_an_error_with_its_reason(cluste
             assert err["code"] == "kv_transfer_failed" and err["type"] == "server_error"
             assert err["message"].startswith("generation worker gen0: KV transfer from ctx0 failed")
             assert "127.0.0.2" in err["message"]
-        assert wait_pool_full(f"http://127.0.0.1:{ctx_port}", BLOCKS, 1, timeout=30) == [BLOCKS]
+        assert wait_pool_full(bad_ctx, BLOCKS, 1, timeout=30) == [BLOCKS]
         assert wait_pool_full(gen, BLOCKS, 2) == [BLOCKS] * 2
     finally:
-        stop_process(router)
+        if router is not None:
+            stop_process(router)
         stop_process(ctx)
 
 
@@ -114,15 +115,17 @@ def test_a_context_worker_that_fails_before_handing_over_is_retried_on_another(c
     """ctx0 answers /health but fails requests with 503: the router retries on ctx1 and marks ctx0 down."""
     fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FailingWorker)
     threading.Thread(target=fake.serve_forever, daemon=True).start()
-    router_port = free_port()
-    cfg = {**CFG, "router": {"port": router_port, "policy": "round_robin", "health_interval_s": 60},
+    cfg = {**CFG, "router": {"port": 0, "policy": "round_robin", "health_interval_s": 60},
            "context_servers": {"instances": 2, "urls": [f"127.0.0.1:{fake.server_port}",
                                                         cluster.cfg.context[0].url.removeprefix("http://")]},
            "generation_servers": {"tp": 2, "urls": [cluster.cfg.generation[0].url.removeprefix("http://")]}}
-    path = config(tmp_path, "retry", cfg)
-    router = start_process(["router", "--config", path], str(tmp_path / "router.log"))
     try:
-        base = f"http://127.0.0.1:{router_port}"
+        router, base = start_announced(["router", "--config", config(tmp_path, "retry", cfg)],
+                                       str(tmp_path / "router.log"))
+    except BaseException:
+        fake.shutdown()
+        raise
+    try:
         wait_healthy(base, router)
         for _ in range(2):
             r = httpx.post(base + "/v1/completions", timeout=120,

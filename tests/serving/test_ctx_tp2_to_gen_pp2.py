@@ -10,9 +10,7 @@ import time
 import httpx
 import pytest
 
-from kvbridge.executor.launch import free_port
-
-from .cluster import MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, start_process, \
+from .cluster import MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, start_announced, \
     stop_process, streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
 
@@ -99,7 +97,10 @@ def test_32_concurrent_requests_are_all_answered_and_both_pools_end_full(urls, w
     assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
 
 
-def test_worker_metrics_merge_the_transceiver_metrics_of_every_rank_process(urls):
+def test_worker_metrics_merge_the_transceiver_metrics_of_every_rank_process(urls, want):
+    # its own request first: the counters below must not depend on what earlier tests left (it passes alone)
+    out = _complete(urls["router"], {"prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert out["kvbridge"]["token_ids"] == want["prompts"][2] and out["kvbridge"]["recomputed"] is False
     ctx, gen = httpx.get(urls["ctx"] + "/metrics").text, httpx.get(urls["gen"] + "/metrics").text
     # counted inside the rank processes (transceiver/metrics.py), summed over them by the worker's /metrics
     assert 'kvbridge_transfers_total{outcome="ok",role="generation"}' in gen
@@ -129,21 +130,21 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_generation(urls):
 
 def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want, tmp_path):
     """Fault: a context worker advertising its transceiver on 127.0.0.2, where nothing listens."""
-    ctx_port, router_port = free_port(), free_port()
     bad = {**CFG, "transceiver": {**CFG["transceiver"], "advertise_host": "127.0.0.2", "pickup_timeout_s": 3},
-           "context_servers": {"tp": 1, "urls": [f"127.0.0.1:{ctx_port}"],
+           "context_servers": {"tp": 1, "urls": ["127.0.0.1:0"],
                                "executor": {"num_blocks": 32, "tokens_per_block": 4}},
            "generation_servers": {"pp": 2, "urls": [urls["gen"].removeprefix("http://")]},
-           "router": {"port": router_port}}
-    path = config(tmp_path, "bad", bad)
-    ctx = start_process(["worker", "--config", path, "--role", "context"], str(tmp_path / "ctx.log"))
-    router = start_process(["router", "--config", path], str(tmp_path / "router.log"))
+           "router": {"port": 0}}
+    ctx, bad_ctx = start_announced(["worker", "--config", config(tmp_path, "bad", bad), "--role", "context"],
+                                   str(tmp_path / "ctx.log"))
+    router = None
     try:
-        bad_ctx = f"http://127.0.0.1:{ctx_port}"
         wait_healthy(bad_ctx, ctx)
-        wait_healthy(f"http://127.0.0.1:{router_port}", router)
-        out = _complete(f"http://127.0.0.1:{router_port}/v1", {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-                                                               "temperature": 0})
+        bad["context_servers"] = {**bad["context_servers"], "urls": [bad_ctx.removeprefix("http://")]}
+        router, base = start_announced(["router", "--config", config(tmp_path, "bad-router", bad)],
+                                       str(tmp_path / "router.log"))
+        wait_healthy(base, router)
+        out = _complete(base + "/v1", {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
         kb = out["kvbridge"]
         assert kb["recomputed"] is True and "127.0.0.2" in kb["transfer_error"], kb
         assert kb["token_ids"] == want["prompts"][0]
@@ -151,7 +152,8 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
         assert "kvbridge_serving_recomputes_total 1.0" in httpx.get(urls["gen"] + "/metrics").text
     finally:
-        stop_process(router)
+        if router is not None:
+            stop_process(router)
         stop_process(ctx)
 
 
@@ -163,14 +165,12 @@ def _requests_served(metrics: str) -> float:
 
 def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_path):
     """A router whose request_timeout_s is shorter than the answer: 504 to the client, generation aborted."""
-    router_port = free_port()
-    cfg = {**CFG, "router": {"port": router_port, "request_timeout_s": 3},
+    cfg = {**CFG, "router": {"port": 0, "request_timeout_s": 3},
            "context_servers": {"tp": 2, "urls": [urls["ctx"].removeprefix("http://")]},
            "generation_servers": {"pp": 2, "urls": [urls["gen"].removeprefix("http://")]}}
-    path = config(tmp_path, "short", cfg)
-    router = start_process(["router", "--config", path], str(tmp_path / "router.log"))
+    router, base = start_announced(["router", "--config", config(tmp_path, "short", cfg)],
+                                   str(tmp_path / "router.log"))
     try:
-        base = f"http://127.0.0.1:{router_port}"
         wait_healthy(base, router)
         before = _requests_served(httpx.get(urls["gen"] + "/metrics").text)
         r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1000}, timeout=60)

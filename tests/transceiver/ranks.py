@@ -81,13 +81,20 @@ def _serve(conn) -> None:
             elif cmd == "ctx_status":
                 tr = state["tr"]
                 state["results"] += tr.check_context_transfer_status()
-                conn.send({"pinned": tr.sender.pinned,
+                conn.send({"pinned": tr.sender.pinned, "fetches": tr.sender.fetches,
                            "finished": [(r.ctx_request_id, r.status, r.detail) for r in state["results"]]})
             elif cmd == "cancel":
                 state["tr"].cancel_request(arg)
                 conn.send(True)
             elif cmd == "gen_status":  # pulls this generation rank still has in flight
                 conn.send({"in_flight": state["tr"].receiver.in_flight})
+            elif cmd == "arrived_layers":  # (blocks, n, salt) of a pull in flight: its local layers whose
+                blocks, n, salt = arg  # bytes in those blocks already equal the context's (block_major pools)
+                lay, nb = state["layout"], state["nb"]
+                img = pool_image(lay, state["rank"], nb, state["held"] + [(blocks, n, salt)], state["bg"])
+                per = lambda a: a.reshape(nb, lay.local_layers(state["rank"]), -1)[list(blocks)]  # noqa: E731
+                got, want_ = per(state["buf"]), per(img)
+                conn.send([li for li in range(got.shape[1]) if np.array_equal(got[:, li], want_[:, li])])
             elif cmd == "pool_digest":  # xxh3-64 of the whole pool: did anything write into it since?
                 import xxhash
 

@@ -54,6 +54,24 @@ def _wait_finished(c, rid, timeout):
     return [], timeout
 
 
+def _wait_fetched(c, n: int = 1, timeout: float = 5.0) -> None:
+    """Wait (bounded) until the context rank has handed blocks to `n` fetches: a generation rank is reading."""
+    deadline = time.monotonic() + timeout
+    while (got := c.ctx_status()[0]["fetches"]) < n:
+        assert time.monotonic() < deadline, f"{got} of {n} fetches reached the context rank within {timeout} s"
+        time.sleep(0.01)
+
+
+def _wait_layers(c, pull: tuple, n: int, timeout: float = 5.0) -> list[int]:
+    """Wait (bounded) until at least `n` local layers of `pull` (blocks, tokens, salt) are in the generation
+    pool byte for byte; returns the layers that are."""
+    deadline = time.monotonic() + timeout
+    while len(got := c.gen[0].call("arrived_layers", pull)) < n:
+        assert time.monotonic() < deadline, f"layers {got} arrived within {timeout} s, expected {n}"
+        time.sleep(0.01)
+    return got
+
+
 def test_unfetched_request_expires_and_a_later_read_is_refused_cleanly(cluster):
     c = cluster
     c.publish([(1, [0, 1], 20, 1)])
@@ -109,7 +127,7 @@ def test_generation_abort_during_read_frees_both_sides_once(cluster):
     c = cluster
     c.ctx[0].call("publish_streaming", [(7, [0, 1], 20, 7)])  # no layer ready: the read is in progress
     c.gen[0].call("submit", {"pulls": [_pull(7, c)]})
-    time.sleep(0.5)
+    _wait_fetched(c)
     assert c.ctx_status()[0]["pinned"] == 1
     t0 = time.monotonic()
     ans = c.gen[0].call("collect", {"cancel": 7, "timeout": 5})
@@ -126,7 +144,7 @@ def test_context_abort_during_read_stops_the_reader_then_releases(cluster):
     c = cluster
     c.ctx[0].call("publish_streaming", [(9, [0, 1], 20, 9)])
     c.gen[0].call("submit", {"pulls": [_pull(9, c)]})
-    time.sleep(0.5)
+    _wait_fetched(c)
     t0 = time.monotonic()
     c.ctx[0].call("cancel", 9)
     ans = c.gen[0].call("collect", {"timeout": 5})
@@ -143,7 +161,7 @@ def test_abort_after_handover_changes_nothing(cluster):
     c = cluster
     _next_request_succeeds(c, 11, 0, 0)
     c.ctx[0].call("cancel", 11)
-    time.sleep(0.2)
+    _next_request_succeeds(c, 111, 4, 4)  # the I/O thread takes commands in order: the cancel was handled
     assert _finished(c, 11) == [("complete", "all readers confirmed")]
     assert c.ctx_status()[0]["pinned"] == 0
 
@@ -152,9 +170,13 @@ def test_streamed_layers_arrive_as_they_become_ready(cluster):
     c = cluster
     c.ctx[0].call("publish_streaming", [(12, [0, 1], 20, 12)])
     c.gen[0].call("submit", {"pulls": [_pull(12, c)]})
+    _wait_fetched(c)
+    pull = ([0, 1], 20, 12)  # the generation blocks, tokens and salt of the pull
+    assert c.gen[0].call("arrived_layers", pull) == []  # no layer ready: none read
     for layers in (1, 3, 4):
-        time.sleep(0.1)
         c.ctx[0].call("layers_ready", (12, layers))
+        # each ready layer arrives while the later ones are still not ready (so not read): in order, no sooner
+        assert _wait_layers(c, pull, layers) == list(range(layers))
     ans = c.gen[0].call("collect", {"timeout": 5})
     assert ans["results"][0]["ok"] and ans["mismatched_bytes"] == 0
     assert c.wait_ctx_released()[0]["pinned"] == 0
@@ -164,7 +186,7 @@ def test_killed_context_rank_is_detected_within_the_deadline(cluster):
     c = cluster
     c.ctx[0].call("publish_streaming", [(13, [0, 1], 20, 13)])
     c.gen[0].call("submit", {"pulls": [_pull(13, c)]})
-    time.sleep(0.5)
+    _wait_fetched(c)
     t0 = time.monotonic()
     c.ctx[0].proc.kill()  # kill -9 mid-transfer
     ans = c.gen[0].call("collect", {"timeout": 5})
@@ -187,7 +209,7 @@ def test_killed_generation_rank_releases_the_context_blocks(cluster):
     c = cluster
     c.ctx[0].call("publish_streaming", [(15, [0, 1], 20, 15)])
     c.gen[0].call("submit", {"pulls": [_pull(15, c)]})
-    time.sleep(0.5)
+    _wait_fetched(c)
     assert c.ctx_status()[0]["pinned"] == 1
     t0 = time.monotonic()
     c.gen[0].proc.kill()

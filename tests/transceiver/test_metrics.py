@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from prometheus_client import REGISTRY
 
@@ -30,7 +32,11 @@ def test_a_transfer_is_counted_with_its_bytes_and_phases():
     with CacheTransceiver.context(ctx_buf, lay, 0, 8, cfg) as ctx, \
             CacheTransceiver.generation(gen_buf, lay, 0, 8, cfg) as gen:
         ctx.respond_and_send_async(_Req(request_id=1, block_ids=np.array([1, 2]), num_tokens=20))
-        assert _value("kvbridge_pinned_requests", rank="0") in (0.0, 1.0)
+        # the gauge goes to 1 once the I/O thread takes the request up (bounded wait on that event)
+        deadline = time.monotonic() + 10
+        while _value("kvbridge_pinned_requests", rank="0") != 1.0:
+            assert time.monotonic() < deadline, "the pinned gauge never showed the published request"
+            time.sleep(0.01)
         gen.request_and_receive_async(_Req(request_id=1, block_ids=np.array([3, 4]), num_tokens=20,
                                            disagg_params=DisaggParams(1, ctx.instance, (ctx.endpoint,), lay)))
         (r,) = gen.check_gen_transfer_status(1, timeout_s=20)

@@ -1,0 +1,196 @@
+"""Positional KV check: a request's KV as per (layer, kv-head) digests of its K and V in token order.
+
+Token equality cannot see misplaced KV (RoPE is applied before the cache is written, so decode attention does
+not depend on slot order): a block-order bug would still decode the right tokens. This module makes order
+visible. Each rank hashes its share of a request's KV gathered by the request's block table in token order;
+the digests are keyed by GLOBAL (layer, kv_head), so the context executor's digest and the generation
+executor's digest compare directly whatever their TP/PP split or tokens_per_block (the remap from one layout
+to the other is the key itself: heads split across TP ranks, layers across PP stages, blocks of any size).
+
+    rank side   DigestBook.record(rid, kv)   at "ctx_done" (context) and "ready" (generation), when enabled
+                DigestBook.report(rid, kv)   -> RankDigest (to the parent, msgpack over the rank's pipe)
+    parent      merge(layout, {rank: RankDigest}) -> KVDigest;  mismatches(ctx, gen) -> [text, ...]
+
+Owns the digest form and the comparison. Never changes a pool, never runs on the transfer path: it is a
+check for tests, the soak and debugging (ExecutorConfig.kv_digests turns the recording on).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+import xxhash
+
+from ..errors import ExecutorError
+from ..formatter.layout import KVLayout
+from .kv_cache_manager import KVCacheManager
+from .kv_io import gather_blocks
+
+__all__ = ["KVDigest", "RankDigest", "DigestBook", "shard_digests", "merge", "mismatches",
+           "check_positional", "DIGEST_VERSION"]
+
+DIGEST_VERSION = 1  # bump when the canonical bytes or the hash change
+MAX_RECORDED = 4096  # digests a rank keeps (oldest dropped first); a request's digest is taken once
+
+
+Key = tuple[int, int]  # (global layer, global kv head)
+
+
+@dataclass(frozen=True)
+class KVDigest:
+    """A request's KV (or one rank's share of it), position by position.
+
+    Attributes:
+        num_tokens: tokens hashed (the request's prompt when recorded at ctx_done / ready).
+        dtype: the pool dtype (digests of different dtypes never compare equal).
+        digests: (layer, kv_head) -> one xxh3-64 hex digest per kv index (K, then V) of that head's
+            [num_tokens, head_dim] elements in token order.
+    """
+
+    num_tokens: int
+    dtype: str
+    digests: Mapping[Key, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class RankDigest:
+    """One rank's answer to a digest request (the message on the rank -> parent pipe)."""
+
+    request_id: int
+    rank: int
+    digest: KVDigest | None
+    missing: str = ""  # why there is no digest (never recorded, already taken, ...)
+
+    def to_wire(self) -> dict:
+        msg = {"t": "kv_digest", "v": DIGEST_VERSION, "rid": self.request_id, "rank": self.rank,
+               "missing": self.missing}
+        if self.digest is not None:
+            d = self.digest
+            msg.update(num_tokens=d.num_tokens, dtype=d.dtype,
+                       keys=[[k[0], k[1]] for k in d.digests], values=[list(v) for v in d.digests.values()])
+        return msg
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> "RankDigest":
+        """Decode (strictly) a rank's kv_digest frame; raises ExecutorError naming the bad field."""
+        def need(name: str, typ):
+            v = msg.get(name)
+            if not isinstance(v, typ) or isinstance(v, bool):
+                raise ExecutorError(f"kv_digest frame: field {name!r} is {v!r:.80}, expected {typ.__name__}")
+            return v
+
+        if msg.get("v") != DIGEST_VERSION:
+            raise ExecutorError(f"kv_digest frame: version {msg.get('v')!r}, expected {DIGEST_VERSION}")
+        rid, rank, missing = need("rid", int), need("rank", int), need("missing", str)
+        if missing:
+            return cls(rid, rank, None, missing)
+        keys, values = need("keys", list), need("values", list)
+        if len(keys) != len(values):
+            raise ExecutorError(f"kv_digest frame: {len(keys)} keys but {len(values)} values")
+        table: dict[Key, tuple[str, ...]] = {}
+        for k, v in zip(keys, values):
+            if (not isinstance(k, list) or len(k) != 2 or not all(type(i) is int for i in k)
+                    or not isinstance(v, list) or not all(isinstance(s, str) for s in v)):
+                raise ExecutorError(f"kv_digest frame: bad entry {k!r:.40} -> {v!r:.80}")
+            table[(k[0], k[1])] = tuple(v)
+        return cls(rid, rank, KVDigest(need("num_tokens", int), need("dtype", str), MappingProxyType(table)))
+
+
+def shard_digests(layout: KVLayout, rank: int, pool: torch.Tensor, block_ids: list[int],
+                  num_tokens: int) -> KVDigest:
+    """The digest of `rank`'s share of a request held in `block_ids` (token order) of its block_major pool."""
+    x = gather_blocks(pool, block_ids, num_tokens).cpu()  # [local_layers, kv_factor, local_heads, n, D]
+    raw = x.view(torch.uint8) if x.numel() else x  # bytes of each element, whatever the dtype (bf16 too)
+    tp_rank, pp_rank = layout.coords(rank)
+    layers, heads = layout.stage_layers(pp_rank), layout.head_range(tp_rank)
+    table: dict[Key, tuple[str, ...]] = {}
+    for li, layer in enumerate(layers):
+        for hi, head in enumerate(heads):
+            table[(layer, head)] = tuple(xxhash.xxh3_64_hexdigest(raw[li, k, hi].contiguous().numpy().tobytes())
+                                         for k in range(x.shape[1]))
+    return KVDigest(int(num_tokens), layout.shape.dtype, MappingProxyType(table))
+
+
+class DigestBook:
+    """A rank's recorded digests (bounded; the oldest go first). Lives on the rank's main thread."""
+
+    def __init__(self, layout: KVLayout, rank: int, limit: int = MAX_RECORDED) -> None:
+        self.layout, self.rank, self.limit = layout, rank, limit
+        self._book: OrderedDict[int, KVDigest] = OrderedDict()
+
+    def record(self, request_id: int, kv: KVCacheManager) -> None:
+        """Hash the request's KV as its blocks hold it now (every token it has)."""
+        blocks = kv.get_batch_cache_indices([request_id])[0]
+        self._book[request_id] = shard_digests(self.layout, self.rank, kv.pool, blocks, kv.num_tokens(request_id))
+        self._book.move_to_end(request_id)
+        while len(self._book) > self.limit:
+            self._book.popitem(last=False)
+
+    def report(self, request_id: int, kv: KVCacheManager) -> RankDigest:
+        """The recorded digest (taken: a second report of it says missing), else one of a live request now."""
+        d = self._book.pop(request_id, None)
+        if d is None and request_id in kv:
+            blocks = kv.get_batch_cache_indices([request_id])[0]
+            d = shard_digests(self.layout, self.rank, kv.pool, blocks, kv.num_tokens(request_id))
+        if d is None:
+            return RankDigest(request_id, self.rank, None,
+                              f"rank {self.rank} recorded no KV digest of request {request_id} (not a "
+                              f"context-only or generation-only request of this executor, digests off, or "
+                              f"already taken)")
+        return RankDigest(request_id, self.rank, d)
+
+
+def merge(layout: KVLayout, shards: Mapping[int, RankDigest]) -> KVDigest:
+    """The whole request's digest from every rank's; replicated kv heads must agree across ranks."""
+    if set(shards) != set(range(layout.world_size)):
+        raise ExecutorError(f"kv digest needs every rank 0..{layout.world_size - 1}, got {sorted(shards)}")
+    out: dict[Key, tuple[str, ...]] = {}
+    first = None
+    for r in sorted(shards):
+        s = shards[r]
+        if s.digest is None:
+            raise ExecutorError(s.missing)
+        d = s.digest
+        first = first or d
+        if (d.num_tokens, d.dtype) != (first.num_tokens, first.dtype):
+            raise ExecutorError(f"rank {r} hashed {d.num_tokens} tokens of {d.dtype}, rank 0 "
+                                f"{first.num_tokens} of {first.dtype}")
+        for k, v in d.digests.items():
+            if k in out and out[k] != v:
+                raise ExecutorError(f"rank {r}'s replica of layer {k[0]} kv head {k[1]} differs from another "
+                                    f"rank's")
+            out[k] = v
+    s = layout.shape
+    want = {(layer, h) for layer in range(s.num_layers) for h in range(s.num_kv_heads)}
+    if set(out) != want:
+        raise ExecutorError(f"kv digest covers {len(out)} (layer, kv head) pairs, the model has {len(want)}")
+    return KVDigest(first.num_tokens, first.dtype, MappingProxyType(dict(sorted(out.items()))))
+
+
+def mismatches(ctx: KVDigest, gen: KVDigest, limit: int = 8) -> list[str]:
+    """Where the generation side's KV differs from the context side's (empty: equal, position by position)."""
+    if (ctx.num_tokens, ctx.dtype) != (gen.num_tokens, gen.dtype):
+        return [f"context hashed {ctx.num_tokens} tokens of {ctx.dtype}, generation {gen.num_tokens} of "
+                f"{gen.dtype}"]
+    if set(ctx.digests) != set(gen.digests):
+        return [f"context has {len(ctx.digests)} (layer, kv head) pairs, generation {len(gen.digests)}"]
+    out = []
+    for key, cv in ctx.digests.items():
+        for k, (a, b) in enumerate(zip(cv, gen.digests[key])):
+            if a != b:
+                out.append(f"layer {key[0]} kv head {key[1]} {'KV'[k] if len(cv) == 2 else k}: context {a}, "
+                           f"generation {b}")
+    if len(out) > limit:
+        out = out[:limit] + [f"... and {len(out) - limit} more"]
+    return out
+
+
+def check_positional(ctx: KVDigest, gen: KVDigest, what: str = "request") -> None:
+    """Raise ExecutorError listing where the two differ; return quietly when equal byte for byte."""
+    bad = mismatches(ctx, gen)
+    if bad:
+        raise ExecutorError(f"positional KV check of {what} failed: " + "; ".join(bad))
