@@ -263,25 +263,23 @@ class KVCacheManager:
         """Generation-only: blocks for a prompt whose KV will be written by a transfer; returns block ids.
 
         The request stays AWAITING_KV (the engine must not decode it) until `mark_ready`. With `tokens` (the
-        prompt) its full blocks are registered for reuse at `mark_ready`; with `num_reused` (from
-        `match_prefix`) its first blocks are cached ones, and only the rest await KV.
+        prompt) its full blocks are registered for reuse at `mark_ready`. With `num_reused`, the request was
+        started by `add_sequence_reusing(request_id, tokens, num_reused)` (its first blocks are cached ones)
+        and is grown here: only the blocks after them await KV.
         """
         if num_reused:
-            self.add_sequence_reusing(request_id, list(tokens or ()), num_reused)
-            try:
-                self.prepare_resources([(request_id, max(1, prompt_len))])
-            except KVCacheError:
-                self._seqs[request_id].freed = True
-                self._release(request_id)
-                raise
-            blocks = list(self._seqs[request_id].blocks)
+            s = self._get(request_id)
+            if s.num_tokens != num_reused or s.state != SeqState.ACTIVE:
+                raise KVCacheError(f"request {request_id} holds {s.num_tokens} tokens ({s.state}), not the "
+                                   f"{num_reused} reused ones a transfer allocation expects")
+            self.prepare_resources([(request_id, max(1, prompt_len))])
         else:
-            blocks = self.add_sequence(request_id, prompt_len)
+            self.add_sequence(request_id, prompt_len)
         s = self._seqs[request_id]
         s.state = SeqState.AWAITING_KV
         s.num_tokens = int(prompt_len)
         s.tokens = [int(t) for t in tokens] if tokens is not None else None
-        return blocks
+        return list(s.blocks)
 
     def mark_ready(self, request_id: int) -> None:
         """The prompt KV of a generation-only request has arrived; it may decode now."""

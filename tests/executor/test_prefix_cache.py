@@ -135,6 +135,7 @@ def test_generation_blocks_are_cached_only_once_their_kv_arrived_and_can_start_f
     assert m.match_prefix(p) == 0  # awaiting KV: not reusable
     m.mark_ready(1)
     assert m.match_prefix(p) == 8
+    m.add_sequence_reusing(2, p, 8)
     blocks = m.add_sequence_for_transfer(2, len(p), tokens=p, num_reused=8)
     assert blocks[:2] == m.get_batch_cache_indices([1])[0][:2] and len(blocks) == 3
     m.mark_ready(2)
