@@ -247,7 +247,8 @@ class Engine:
                     batch.append([r.request_id, r.reused, list(r.prompt[r.reused:]), True,
                                   r.mode == "context_only", r.sampling.to_wire()])
                     r.state = "prefill"
-            else:
+            else:  # (reuse needs the rank hooks: they read only the blocks after the reused ones)
+                r.reused = self._reuse(r) if self.hooked else 0
                 op = ["xfer", r.request_id, len(r.prompt), r.ctx_info]
                 if self.match_prefix is not None:
                     op += [r.reused, list(r.prompt)]

@@ -177,8 +177,7 @@ class _Runner:
                 blocks = kv.add_sequence_for_transfer(rid, int(op[2]), op[5] if len(op) > 5 else None, reused)
                 if self.hook is not None:
                     info = dict(op[3]) if len(op) > 3 else {}
-                    if reused:
-                        info["reused_tokens"] = reused
+                    info["reused_tokens"] = reused  # set here, never taken from the client's ctx_info
                     self.hook.on_generation_alloc(rid, blocks, int(op[2]), info)
             elif kind == "ready":
                 kv.mark_ready(rid)
