@@ -9,6 +9,7 @@ BENCHES = {
     "transfer": "kvbridge.bench.transfer",
     "plan": "kvbridge.bench.plan",
     "soak": "kvbridge.bench.soak",
+    "prefix": "kvbridge.bench.prefix",
 }
 
 
