@@ -192,3 +192,15 @@ def test_random_operations_with_reuse_return_the_pool_to_full():
             m.unpin(rid)
     _full(m)
     assert m.reused_tokens > 0
+
+
+def test_a_failed_transfer_onto_a_cached_prefix_frees_only_its_own_blocks():
+    m = _mgr()
+    p = list(range(30, 39))
+    _prefill(m, 1, p)
+    m.free_resources(1)
+    m.add_sequence_reusing(2, p, 8)
+    m.add_sequence_for_transfer(2, len(p), tokens=p, num_reused=8)
+    m.free_resources(2)  # aborted before its KV arrived: the new block is freed, the prefix stays cached
+    assert m.match_prefix(p) == 8 and m.get_num_cached_blocks() == 2
+    _full(m)

@@ -104,3 +104,15 @@ def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens
         assert json.loads(c2.transfer)["bytes"] == per_token * (len(p2) - 20)
         assert ctx.free_blocks(timeout=30) == [48, 48]
         assert gen.free_blocks() == [48]
+
+
+def test_fetch_carries_its_token_range_and_an_older_peers_fetch_means_all():
+    from kvbridge import codec
+    from kvbridge.transceiver import messages as m
+
+    assert m.decode(m.Fetch(7, 1, False, False, 16).encode()).from_token == 16
+    old = codec.pack({"v": m.PROTOCOL_VERSION, "t": "fetch", "ctx_request_id": 7, "gen_rank": 1})
+    assert m.decode(old).from_token == 0
+    with pytest.raises(m.ProtocolError, match="from_token"):
+        m.decode(codec.pack({"v": m.PROTOCOL_VERSION, "t": "fetch", "ctx_request_id": 7, "gen_rank": 1,
+                             "from_token": "16"}))
