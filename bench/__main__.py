@@ -10,6 +10,7 @@ BENCHES = {
     "plan": "kvbridge.bench.plan",
     "soak": "kvbridge.bench.soak",
     "control": "kvbridge.bench.control",
+    "prefix": "kvbridge.bench.prefix",
 }
 
 

@@ -29,6 +29,13 @@ With a KV connector (connector/leader.py), an admitted request whose prompt pref
 allocated and waits ("loading") until every rank loaded it, then prefills the rest ("loaded"); a finished
 request's blocks stay held while the connector saves them.
 
+With block reuse (`match_prefix`, rank 0's KVCacheManager.match_prefix), an admitted request whose prompt
+prefix is cached in full blocks starts on those blocks: a "reuse" op (placed FIRST in the plan, before any op
+that allocates and so could evict, so every rank finds what the leader saw) and a prefill of the rest only;
+a generation-only request gets the same op and its transfer reads only the blocks after the reused ones
+(the hook finds `reused_tokens` in ctx_info). The leader's reservations stay per request (shared blocks are
+counted in every request holding them): pessimistic, so a running request never runs out of blocks.
+
 Scheduling: FIFO admission while the pool can reserve every admitted request's blocks to completion (so a
 running request never runs out of blocks) and the step's prefill token budget allows; a request that could
 never fit is refused at once. New requests join between steps; all decoding requests step together.
@@ -67,6 +74,7 @@ class Request:
     transfer: str = ""                      # generation-only: the transfer's stats note from the rank hooks
     stream: bool = False                    # report each new token ("tok" events) before "done"
     loaded: int = 0                         # prompt tokens loaded by the KV connector (not computed)
+    reused: int = 0                         # prompt tokens served from the local prefix cache (block reuse)
 
 
 class Engine:
@@ -82,7 +90,7 @@ class Engine:
 
     def __init__(self, num_blocks: int, tokens_per_block: int, *, max_batch_tokens: int = 2048,
                  max_batch_seqs: int = 64, max_position: int = 4096, vocab_size: int | None = None,
-                 connector=None, hooked: bool = False) -> None:
+                 connector=None, hooked: bool = False, match_prefix=None) -> None:
         self.num_blocks, self.tpb = num_blocks, tokens_per_block
         self.max_batch_tokens, self.max_batch_seqs = max_batch_tokens, max_batch_seqs
         self.max_position = max_position
@@ -101,6 +109,8 @@ class Engine:
         # request settled (release / abort / kv_ready), never earlier.
         self.hooked = hooked
         self._hook_held: dict[int, tuple[list, int]] = {}
+        self.match_prefix = match_prefix  # (tokens, max_tokens) -> cached leading tokens; None: no reuse
+        self._reuse_ops: list[list] = []  # "reuse" ops of the next plan: they run before every other op
 
     # --- driver API (commands from the Executor handle) ------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -226,27 +236,33 @@ class Engine:
             if r.mode != "generation_only":
                 if len(r.prompt) > budget and budget != self.max_batch_tokens:
                     break
-                n = self.conn.admit(r) if self.conn is not None else 0
+                r.reused = self._reuse(r)
+                n = self.conn.admit(r) if self.conn is not None and not r.reused else 0
                 if n:  # the connector loads the first n prompt tokens into its blocks first
-                    self._ops.append(["conn_alloc", r.request_id, len(r.prompt)])
+                    self._ops.append(["conn_alloc", r.request_id, len(r.prompt)]
+                                     + ([r.prompt[:n]] if self.match_prefix is not None else []))
                     r.state, r.num_cached, r.loaded = "loading", n, n
                 else:
-                    budget -= len(r.prompt)
-                    batch.append([r.request_id, 0, list(r.prompt), True, r.mode == "context_only",
-                                  r.sampling.to_wire()])
+                    budget -= len(r.prompt) - r.reused
+                    batch.append([r.request_id, r.reused, list(r.prompt[r.reused:]), True,
+                                  r.mode == "context_only", r.sampling.to_wire()])
                     r.state = "prefill"
-            else:
-                self._ops.append(["xfer", r.request_id, len(r.prompt), r.ctx_info])
+            else:  # (reuse needs the rank hooks: they read only the blocks after the reused ones)
+                r.reused = self._reuse(r) if self.hooked else 0
+                op = ["xfer", r.request_id, len(r.prompt), r.ctx_info]
+                if self.match_prefix is not None:
+                    op += [r.reused, list(r.prompt)]
+                self._ops.append(op)
                 r.state = "awaiting_kv"
                 self._events.append({"t": "gen_alloc", "rid": r.request_id})
             self.waiting.popleft()
             self.reserved += r.reserved
         self.step += 1
-        plan = {"v": PLAN_VERSION, "step": self.step, "stop": False, "ops": self._ops, "batch": batch,
-                "post": self._post_ops}
+        plan = {"v": PLAN_VERSION, "step": self.step, "stop": False, "ops": self._reuse_ops + self._ops,
+                "batch": batch, "post": self._post_ops}
         if self.conn is not None:
             plan["conn"] = self.conn.plan_section(batch)
-        self._ops, self._post_ops = [], []
+        self._ops, self._post_ops, self._reuse_ops = [], [], []
         return plan
 
     def step_done(self, plan: dict[str, Any], sampled: list[int]) -> list[dict]:
@@ -265,6 +281,8 @@ class Engine:
                 ev = {"t": "ctx", "rid": rid, "first_token": int(tok), "num_tokens": r.num_cached}
                 if r.loaded:
                     ev["loaded"] = r.loaded
+                if r.reused:
+                    ev["reused"] = r.reused
                 self._events.append(ev)
                 continue
             r.state = "running"
@@ -288,6 +306,8 @@ class Engine:
                 ev["transfer"] = r.transfer
             if r.loaded:
                 ev["loaded"] = r.loaded
+            if r.reused:
+                ev["reused"] = r.reused
             self._events.append(ev)
 
     def _stream(self, r: Request) -> None:
@@ -336,6 +356,16 @@ class Engine:
         r.state, r.finish_reason = "finished", reason
         self.reserved -= r.reserved
         self.requests.pop(r.request_id, None)
+
+    def _reuse(self, r: Request) -> int:
+        """Leading prompt tokens of `r` cached in full blocks (short of the last prompt token, which is computed
+        on the context side and is the first pulled one on the generation side); queues its "reuse" op."""
+        if self.match_prefix is None:
+            return 0
+        n = int(self.match_prefix(r.prompt, len(r.prompt) - 1))
+        if n:
+            self._reuse_ops.append(["reuse", r.request_id, list(r.prompt), n])
+        return n
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.tpb)

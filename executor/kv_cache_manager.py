@@ -19,6 +19,14 @@ adapted to kvbridge's own requests (plain request ids and token counts):
     add_sequence_for_transfer(...)  generation-only: blocks for a prompt whose KV arrives from elsewhere;
     mark_ready(request_id)          ...and the KV has arrived, the request may decode.
 
+Block reuse (`enable_block_reuse=True`, prefix_tree.py): a request's FULL blocks whose tokens are known are
+registered in a prefix tree once their KV is written (`update_resources` with the step's tokens,
+`mark_ready`); `free_resources` then keeps them cached instead of recycling them, and they are evicted LRU
+only when an allocation finds the free list empty. `match_prefix` (read-only) finds the longest cached prefix
+of a prompt and `add_sequence_reusing` starts a request on those blocks (shared, reference counted). A block
+held by any live request (pinned, in flight, awaiting KV) is never evicted; `get_num_free_blocks` counts the
+evictable cached blocks as free. Without reuse nothing is cached and every block is recycled at once.
+
 Every misuse (unknown request, double free, unpinning an unpinned request) raises a KVCacheError subclass;
 nothing is a silent no-op, and a refused call leaves the manager exactly as it was.
 """
@@ -33,6 +41,7 @@ import torch
 
 from ..errors import KVCacheError, KVCacheExhausted
 from ..formatter.layout import KVLayout
+from .prefix_tree import PrefixTree
 
 __all__ = ["KVCacheManager", "SeqState", "TORCH_DTYPES"]
 
@@ -59,6 +68,8 @@ class _Seq:
     pins: int = 0
     freed: bool = False          # free_resources was called while pinned: free on the last unpin
     extra: dict = field(default_factory=dict)
+    tokens: list[int] | None = field(default_factory=list)  # token ids known (None: unknown, never cached)
+    keys: list[bytes] = field(default_factory=list)          # chain keys of its first len(keys) full blocks
 
 
 class KVCacheManager:
@@ -70,10 +81,14 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         device: where the pool lives ("cpu", "cuda:0", ...).
         max_blocks_per_seq: refuse a single request needing more blocks than this (default: num_blocks).
+        enable_block_reuse: keep finished requests' full blocks cached for reuse (default off here; the
+            executor turns it on from its config).
+        model_id: names the weights; with the layout it makes the fingerprint of the cached blocks' keys.
     """
 
     def __init__(self, layout: KVLayout, rank: int, num_blocks: int, *, device: str | torch.device = "cpu",
-                 max_blocks_per_seq: int | None = None) -> None:
+                 max_blocks_per_seq: int | None = None, enable_block_reuse: bool = False,
+                 model_id: str = "") -> None:
         if layout.order != "block_major":
             raise KVCacheError(f"the executor's pool must be 'block_major', got {layout.order!r}")
         if num_blocks <= 0:
@@ -87,6 +102,10 @@ class KVCacheManager:
                                 device=device)
         self._free: deque[int] = deque(range(self.num_blocks))
         self._seqs: dict[int, _Seq] = {}
+        self.fingerprint = f"{layout.fingerprint()}:{model_id}"
+        self._tree = PrefixTree(self.num_blocks, self.tokens_per_block, self.fingerprint) \
+            if enable_block_reuse else None
+        self.reused_tokens = 0  # prompt tokens served from cached blocks (add_sequence_reusing), ever
 
     # --- queries ------------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -98,8 +117,25 @@ class KVCacheManager:
         return self.num_blocks
 
     def get_num_free_blocks(self) -> int:
-        """Blocks on the free list (pinned blocks of freed requests are not free yet)."""
-        return len(self._free)
+        """Blocks on the free list plus cached blocks no request holds (pinned blocks of freed requests are
+        not free yet)."""
+        return len(self._free) + (self._tree.num_evictable if self._tree is not None else 0)
+
+    @property
+    def block_reuse(self) -> bool:
+        return self._tree is not None
+
+    def get_num_cached_blocks(self) -> int:
+        """Blocks registered for reuse (held by requests or evictable); 0 without block reuse."""
+        return self._tree.num_cached if self._tree is not None else 0
+
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> int:
+        """Read-only: how many leading tokens of `tokens` (a multiple of tokens_per_block, at most
+        `max_tokens`) are cached in full blocks. 0 without block reuse."""
+        if self._tree is None:
+            return 0
+        limit = len(tokens) if max_tokens is None else min(len(tokens), int(max_tokens))
+        return len(self._tree.match(tokens, limit // self.tokens_per_block)) * self.tokens_per_block
 
     def get_needed_resource_to_completion(self, total_tokens: int, request_id: int | None = None) -> int:
         """Blocks still to allocate for a request to reach `total_tokens` (prompt + max new tokens).
@@ -172,15 +208,16 @@ class KVCacheManager:
                 raise KVCacheExhausted(f"request {rid} needs {nb} blocks for {n} tokens, more than the "
                                        f"{self.max_blocks_per_seq} one request may hold")
             want += max(0, nb - held)
-        if want > len(self._free):
+        free = self.get_num_free_blocks()
+        if want > free:
             raise KVCacheExhausted(f"{want} more blocks needed for requests {[r for r, _ in needs]}, "
-                                   f"only {len(self._free)} of {self.num_blocks} free; request refused")
+                                   f"only {free} of {self.num_blocks} free; request refused")
         for rid, n in needs:
             s = self._seqs.get(rid)
             if s is None:
                 s = self._seqs[rid] = _Seq(blocks=[])
             for _ in range(self.blocks_for(n) - len(s.blocks)):
-                s.blocks.append(self._free.popleft())
+                s.blocks.append(self._take())
 
     def add_sequence(self, request_id: int, num_tokens: int) -> list[int]:
         """A new request holding `num_tokens` tokens; returns its block ids.
@@ -194,16 +231,55 @@ class KVCacheManager:
         self.prepare_resources([(request_id, max(1, num_tokens))])
         return list(self._seqs[request_id].blocks)
 
-    def add_sequence_for_transfer(self, request_id: int, prompt_len: int) -> list[int]:
+    def add_sequence_reusing(self, request_id: int, tokens: list[int], num_reused: int) -> list[int]:
+        """A new request whose first `num_reused` tokens are served from cached blocks; returns their ids.
+
+        `num_reused` must be what `match_prefix` just returned (a multiple of tokens_per_block); the request
+        then holds those blocks (shared with others, never evicted while held) and `num_reused` tokens, and
+        knows `tokens` (its prompt) so its own full blocks are registered as they are written.
+        Raises:
+            KVCacheError: the id is in use, reuse is off, or the cache no longer holds that prefix.
+        """
+        if request_id in self._seqs:
+            raise KVCacheError(f"request {request_id} already has blocks on rank {self.rank}")
+        tpb = self.tokens_per_block
+        if num_reused and (self._tree is None or num_reused % tpb or num_reused > len(tokens)):
+            raise KVCacheError(f"request {request_id}: cannot reuse {num_reused} tokens (reuse "
+                               f"{'on' if self._tree else 'off'}, {tpb} tokens/block, prompt {len(tokens)})")
+        hit = self._tree.match(tokens, num_reused // tpb) if num_reused else []
+        if len(hit) * tpb != num_reused:
+            raise KVCacheError(f"request {request_id}: {num_reused} tokens to reuse on rank {self.rank}, but "
+                               f"only {len(hit) * tpb} are cached: allocators diverged")
+        for b in hit:
+            self._tree.hold(b)
+        s = self._seqs[request_id] = _Seq(blocks=list(hit), num_tokens=num_reused,
+                                          tokens=[int(t) for t in tokens])
+        self._key_blocks(s, len(hit))
+        self.reused_tokens += num_reused
+        return list(hit)
+
+    def add_sequence_for_transfer(self, request_id: int, prompt_len: int, tokens: list[int] | None = None,
+                                  num_reused: int = 0) -> list[int]:
         """Generation-only: blocks for a prompt whose KV will be written by a transfer; returns block ids.
 
-        The request stays AWAITING_KV (the engine must not decode it) until `mark_ready`.
+        The request stays AWAITING_KV (the engine must not decode it) until `mark_ready`. With `tokens` (the
+        prompt) its full blocks are registered for reuse at `mark_ready`. With `num_reused`, the request was
+        started by `add_sequence_reusing(request_id, tokens, num_reused)` (its first blocks are cached ones)
+        and is grown here: only the blocks after them await KV.
         """
-        blocks = self.add_sequence(request_id, prompt_len)
+        if num_reused:
+            s = self._get(request_id)
+            if s.num_tokens != num_reused or s.state != SeqState.ACTIVE:
+                raise KVCacheError(f"request {request_id} holds {s.num_tokens} tokens ({s.state}), not the "
+                                   f"{num_reused} reused ones a transfer allocation expects")
+            self.prepare_resources([(request_id, max(1, prompt_len))])
+        else:
+            self.add_sequence(request_id, prompt_len)
         s = self._seqs[request_id]
         s.state = SeqState.AWAITING_KV
         s.num_tokens = int(prompt_len)
-        return blocks
+        s.tokens = [int(t) for t in tokens] if tokens is not None else None
+        return list(s.blocks)
 
     def mark_ready(self, request_id: int) -> None:
         """The prompt KV of a generation-only request has arrived; it may decode now."""
@@ -211,6 +287,7 @@ class KVCacheManager:
         if s.state != SeqState.AWAITING_KV:
             raise KVCacheError(f"request {request_id} is {s.state}, not awaiting KV; cannot mark it ready")
         s.state = SeqState.ACTIVE
+        self._register_full(s)
 
     def add_padding_request(self, request_id: int, num_tokens: int = 1) -> list[int]:
         """A dummy request that pads a batch (e.g. to a CUDA-graph size); free it like any other."""
@@ -218,13 +295,29 @@ class KVCacheManager:
         self._seqs[request_id].state = SeqState.PADDING
         return blocks
 
-    def update_resources(self, done: Iterable[tuple[int, int]]) -> None:
-        """After a step: each (request_id, num_tokens) now holds num_tokens tokens of KV in its blocks."""
+    def update_resources(self, done: Iterable[tuple[int, int]],
+                         tokens: dict[int, list[int]] | None = None) -> None:
+        """After a step: each (request_id, num_tokens) now holds num_tokens tokens of KV in its blocks.
+
+        Args:
+            done: (request_id, num_tokens) per request of the step.
+            tokens: request_id -> the token ids the step fed it (its last ones); with block reuse, blocks
+                that are now full and whose tokens are all known are registered in the prefix tree.
+        """
         for rid, n in done:
             s = self._get(rid)
             if self.blocks_for(n) > len(s.blocks):
                 raise KVCacheError(f"request {rid} holds {len(s.blocks)} blocks, too few for {n} tokens")
             s.num_tokens = int(n)
+            new = (tokens or {}).get(rid)
+            if new is not None and s.tokens is not None:
+                start = int(n) - len(new)
+                if len(s.tokens) == start:
+                    s.tokens.extend(int(t) for t in new)
+                elif len(s.tokens) < int(n):
+                    s.tokens = None  # a gap: this request's later blocks cannot be keyed
+            if s.state == SeqState.ACTIVE:
+                self._register_full(s)
 
     def free_resources(self, request_id: int) -> None:
         """The request is finished: free its blocks now, or at the last unpin while it is pinned.
@@ -280,5 +373,35 @@ class KVCacheManager:
 
     def _release(self, request_id: int) -> None:
         s = self._seqs.pop(request_id)
-        self._free.extend(s.blocks)
+        if self._tree is None:
+            self._free.extend(s.blocks)
+        else:  # the last block goes first into the LRU, so a prefix's leaves are evicted before its root
+            freed = [b for b in reversed(s.blocks) if self._tree.drop(b)]
+            self._free.extend(reversed(freed))
         s.blocks = []
+
+    def _take(self) -> int:
+        """One block for a request: from the free list, else the LRU evictable cached block."""
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b = self._tree.evict_one() if self._tree is not None else None
+            if b is None:  # prepare_resources counted first: this is a bug, not exhaustion
+                raise KVCacheError(f"rank {self.rank}: no free or evictable block left")
+        if self._tree is not None:
+            self._tree.hold(b)
+        return b
+
+    def _key_blocks(self, s: _Seq, upto: int) -> None:
+        """Extend `s.keys` to its first `upto` full blocks (their tokens must be known)."""
+        tpb, tree = self.tokens_per_block, self._tree
+        while len(s.keys) < upto:
+            i = len(s.keys)
+            parent = s.keys[-1] if s.keys else tree.root
+            s.keys.append(tree.register(s.blocks[i], parent, s.tokens[i * tpb:(i + 1) * tpb]))
+
+    def _register_full(self, s: _Seq) -> None:
+        """Register the request's full, written blocks whose tokens are known (block reuse only)."""
+        if self._tree is None or s.tokens is None or s.state == SeqState.PADDING:
+            return
+        self._key_blocks(s, min(s.num_tokens, len(s.tokens)) // self.tokens_per_block)

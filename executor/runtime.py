@@ -61,6 +61,8 @@ class ExecutorConfig:
         kv_connector_config: a KV cache connector (connector/base.py), e.g.
             KvConnectorConfig.persistent("/data/kv", max_bytes=8 << 30): prompts' KV saved to and loaded
             from a folder shared across executors and restarts.
+        enable_block_reuse: keep finished requests' full KV blocks cached and start requests whose prompt
+            prefix is cached on those blocks (kv_cache_manager.py); serving turns it on by default.
     """
 
     model: str = "seeded:tiny"
@@ -79,6 +81,7 @@ class ExecutorConfig:
     rank_hook_args: dict = field(default_factory=dict)
     kv_connector_config: KvConnectorConfig | dict | None = None
     kv_digests: bool = False
+    enable_block_reuse: bool = False
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
@@ -92,6 +95,7 @@ class ContextResult:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    reused_tokens: int = 0  # leading prompt tokens served from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Completion:
     error: str = ""  # why an aborted request was aborted (e.g. the KV transfer's error), when known
     transfer: str = ""  # generation-only: the KV transfer's stats (JSON text from rank 0's hook)
     loaded_tokens: int = 0  # prompt tokens whose KV the KV connector loaded instead of computing them
+    reused_tokens: int = 0  # prompt tokens served from this executor's prefix cache (block reuse)
 
 
 @dataclass
@@ -150,6 +155,7 @@ class Executor:
             "threads_per_rank": cfg.threads_per_rank, "port": free_port(),
             "rank_hook": cfg.rank_hook, "rank_hook_args": cfg.rank_hook_args,
             "kv_connector": connector_wire(cfg.kv_connector_config), "kv_digests": bool(cfg.kv_digests),
+            "enable_block_reuse": bool(cfg.enable_block_reuse),
         })
         ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
         ex._pipes = [Pipes(rx, tx) for rx, tx in zip(from_rank, to_rank)]
@@ -259,7 +265,7 @@ class Executor:
             self._st.partial.pop(request_id, None)
             self._st.events.pop(("gen_alloc", request_id), None)
         return Completion(request_id, list(ev["tokens"]), ev["reason"], str(ev.get("error", "")),
-                          str(ev.get("transfer", "")), int(ev.get("loaded", 0)))
+                          str(ev.get("transfer", "")), int(ev.get("loaded", 0)), int(ev.get("reused", 0)))
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 16,
                  sampling: SamplingParams | None = None,
@@ -275,7 +281,8 @@ class Executor:
         rid = self.submit(prompt, max_tokens=1, mode="context_only", sampling=sampling, stop_ids=(),
                           request_id=request_id)
         ev = self._wait_event(("ctx", rid), timeout, f"the prefill of request {rid}")
-        return ContextResult(rid, tuple(ev["block_ids"]), int(ev["num_tokens"]), int(ev["first_token"]))
+        return ContextResult(rid, tuple(ev["block_ids"]), int(ev["num_tokens"]), int(ev["first_token"]),
+                             int(ev.get("reused", 0)))
 
     def release(self, request_id: int, timeout: float | None = None) -> None:
         """Unpin and free a context-only request's blocks on every rank (after its transfers finished)."""

@@ -9,7 +9,8 @@ rank's hook (on_abort): the transfer is cancelled and its blocks are freed only 
 endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
 when its prefill is done and report "release" once their readers confirmed (or the lease ran out).
 Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready",
-or "abort" with the transfer's error. The executor frees or starts a request only when every rank agrees.
+or "abort" with the transfer's error; with block reuse they read only the tokens after ctx_info["reused_tokens"]
+(set by the executor: its blocks already hold that prefix). The executor frees or starts a request only when every rank agrees.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class _Req:
     block_ids: Any
     num_tokens: int
     disagg_params: Any = None
+    from_token: int = 0  # prefix reuse: the blocks already hold tokens [0, from_token)
 
 
 class TransceiverHook:
@@ -91,7 +93,7 @@ class TransceiverHook:
         try:
             p = params if isinstance(params, DisaggParams) else DisaggParams.from_dict(params)
             self.tr.request_and_receive_async(_Req(request_id, np.asarray(block_ids, dtype=np.int64), prompt_len,
-                                                   p))
+                                                   p, int((ctx_info or {}).get("reused_tokens", 0))))
         except Exception as e:  # noqa: BLE001 - bad params from a client: abort this request, keep serving
             self._failed.append((request_id, f"{type(e).__name__}: {e}"))
 

@@ -130,7 +130,9 @@ class _Runner:
         split = ParallelSplit(cfg["tp"], cfg["pp"], tuple(cfg["layers_per_stage"]) if cfg["layers_per_stage"]
                               else None)
         self.layout = kv_layout_for(self.mcfg, split, cfg["dtype"], cfg["tokens_per_block"])
-        self.kv = KVCacheManager(self.layout, rank, cfg["num_blocks"], device=self.device)
+        self.kv = KVCacheManager(self.layout, rank, cfg["num_blocks"], device=self.device,
+                                 enable_block_reuse=bool(cfg.get("enable_block_reuse", False)),
+                                 model_id=str(cfg["model"]))
         self.comm = Comm(self.layout, rank, cfg["port"], self.device, self.timeout)
         w = stage_weights(src, self.layout, rank, device=self.device, dtype=TORCH_DTYPES[cfg["dtype"]])
         del src
@@ -171,16 +173,21 @@ class _Runner:
             kind, rid = op[0], int(op[1])
             if kind == "free":
                 kv.free_resources(rid)
+            elif kind == "reuse":  # block reuse: the request starts on the cached blocks of its prompt prefix
+                kv.add_sequence_reusing(rid, [int(t) for t in op[2]], int(op[3]))
             elif kind == "xfer":
-                blocks = kv.add_sequence_for_transfer(rid, int(op[2]))
+                reused = int(op[4]) if len(op) > 4 else 0
+                blocks = kv.add_sequence_for_transfer(rid, int(op[2]), op[5] if len(op) > 5 else None, reused)
                 if self.hook is not None:
-                    self.hook.on_generation_alloc(rid, blocks, int(op[2]), dict(op[3]) if len(op) > 3 else {})
+                    info = dict(op[3]) if len(op) > 3 else {}
+                    info["reused_tokens"] = reused  # set here, never taken from the client's ctx_info
+                    self.hook.on_generation_alloc(rid, blocks, int(op[2]), info)
             elif kind == "ready":
                 kv.mark_ready(rid)
                 if self.record_digests:  # the prompt KV just arrived: hash it before decoding appends
                     self.digests.record(rid, kv)
             elif kind == "conn_alloc":  # blocks the KV connector loads a stored prompt prefix into
-                kv.add_sequence_for_transfer(rid, int(op[2]))
+                kv.add_sequence_for_transfer(rid, int(op[2]), op[3] if len(op) > 3 else None)
             elif kind == "release":
                 kv.free_resources(rid)
                 kv.unpin(rid)
@@ -222,7 +229,7 @@ class _Runner:
                     self.comm.send_tokens_to_leader(torch.tensor(sampled, dtype=torch.int64))
             if self.rank == 0 and self.rank != self.sampler_rank:
                 sampled = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
-            kv.update_resources(needs)
+            kv.update_resources(needs, {int(b[0]): b[2] for b in batch})
             for b in batch:
                 if b[4]:
                     kv.pin(int(b[0]))
@@ -237,7 +244,8 @@ class _Runner:
                 self.pipes.send(self.digests.report(int(op[1]), kv).to_wire())
             elif op[0] == "stats":
                 self.pipes.send({"t": "stats", "rank": self.rank, "free": kv.get_num_free_blocks(),
-                                 "live": kv.request_ids()})
+                                 "live": kv.request_ids(), "cached": kv.get_num_cached_blocks(),
+                                 "reused": kv.reused_tokens})
             else:
                 raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
         return sampled
@@ -272,7 +280,8 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
         conn = ConnectorLeader(cfg, run.kv, run.mcfg.to_dict())
     eng = Engine(cfg["num_blocks"], cfg["tokens_per_block"], max_batch_tokens=cfg["max_batch_tokens"],
                  max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position,
-                 vocab_size=run.mcfg.vocab_size, connector=conn, hooked=run.hook is not None)
+                 vocab_size=run.mcfg.vocab_size, connector=conn, hooked=run.hook is not None,
+                 match_prefix=run.kv.match_prefix if run.kv.block_reuse else None)
     tally = HookTally(run.layout.world_size)
     idle_wait = HOOK_IDLE_S if run.hook is not None or conn is not None else 0.02
     quiet_wait = idle_wait  # grows while the engine holds no request (nothing a hook could report on)

@@ -20,6 +20,10 @@ template (pools are keyed by identity; a transceiver keeps one RankPool per peer
 costs its block-id validation, the segment bases and one broadcast add per side into a single allocation.
 
 Block ids come from a peer: they are validated (range, count) here and raise PlanError naming the problem.
+
+A token range: `first_token` > 0 plans only tokens [first_token, n) (prefix reuse: the generation side
+already holds the rest). The segments start there; with equal block sizes and a block-aligned start they are
+still whole blocks, otherwise the general (in-block offset) path is taken.
 """
 
 from __future__ import annotations
@@ -148,15 +152,16 @@ def _check_blocks(blocks, need: int, num_blocks: int, side: str) -> np.ndarray:
     return b
 
 
-def _segment_groups(n: int, tc: int, tg: int) -> list[tuple[int, np.ndarray]]:
-    """Token segments of [0, n) cut at multiples of tc and of tg, grouped by length: [(length, starts)]."""
-    if tc == tg:
+def _segment_groups(n: int, tc: int, tg: int, first: int = 0) -> list[tuple[int, np.ndarray]]:
+    """Token segments of [first, n) cut at multiples of tc and of tg, grouped by length: [(length, starts)]."""
+    if tc == tg and first % tc == 0:
         full, rem = divmod(n, tc)
-        out = [(tc, np.arange(0, full * tc, tc, dtype=np.int64))] if full else []
+        out = [(tc, np.arange(first, full * tc, tc, dtype=np.int64))] if full * tc > first else []
         if rem:
             out.append((rem, np.array([full * tc], dtype=np.int64)))
         return out
     starts = np.union1d(np.arange(0, n, tc, dtype=np.int64), np.arange(0, n, tg, dtype=np.int64))
+    starts = np.union1d(starts[starts > first], np.array([first], dtype=np.int64))
     lens = np.diff(np.append(starts, n))
     return [(int(length), starts[lens == length]) for length in np.unique(lens)]
 
@@ -271,25 +276,28 @@ def clear_plan_cache() -> None:
         _TEMPLATES.clear()
 
 
-def _validate(ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks, num_tokens) -> tuple[int, np.ndarray,
-                                                                                            np.ndarray]:
+def _validate(ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks, num_tokens,
+              first_token: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
     n = int(num_tokens)
     if n <= 0:
         raise PlanError(f"a request needs at least one token, got {num_tokens}")
+    if not 0 <= int(first_token) < n:
+        raise PlanError(f"first token {first_token} to copy is outside the request's {n} tokens")
     cb = _check_blocks(ctx_blocks, -(-n // ctx.tpb), ctx.num_blocks, "context")
     gb = _check_blocks(gen_blocks, -(-n // gen.tpb), gen.num_blocks, "generation")
     return n, cb, gb
 
 
-def _prepare(piece: Piece, ctx: RankPool, gen: RankPool, cb: np.ndarray, gb: np.ndarray, n: int) -> list:
+def _prepare(piece: Piece, ctx: RankPool, gen: RankPool, cb: np.ndarray, gb: np.ndarray, n: int,
+             first: int = 0) -> list:
     """Per segment length: (src offsets, dst offsets, segment bases per side, run bytes) of a piece's plan."""
     tpl = _template(piece, ctx, gen)
     ca, ga = ctx.addressing, gen.addressing
     tc, tg = ctx.tpb, gen.tpb
     todo = []
-    for length, starts in _segment_groups(n, tc, tg):
+    for length, starts in _segment_groups(n, tc, tg, first):
         unit, off_s, off_d = tpl.for_length(length)
-        if tc == tg:  # segments are whole blocks (the last one maybe partial): no in-block offsets
+        if tc == tg and first % tc == 0:  # whole blocks (the last one maybe partial): no in-block offsets
             first = int(starts[0]) // tc
             ss = cb[first:first + starts.size] * ca.block_stride
             sd = gb[first:first + starts.size] * ga.block_stride
@@ -331,7 +339,7 @@ def _count(todo: list) -> int:
 
 
 def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks,
-               num_tokens: int) -> Fragments:
+               num_tokens: int, first_token: int = 0) -> Fragments:
     """Fragments that copy `piece` of a request's first `num_tokens` tokens from ctx's blocks to gen's.
 
     Args:
@@ -339,11 +347,12 @@ def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_block
         ctx, gen: source and destination pools.
         ctx_blocks, gen_blocks: block ids of the request on each side (only the first ceil(n / tpb) are used).
         num_tokens: the request's token count n.
+        first_token: copy only tokens [first_token, n) (the generation side holds the others).
     Returns:
         Fragments (src in ctx's pool, dst in gen's), adjacent runs already merged.
     """
-    n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens)
-    todo = _prepare(piece, ctx, gen, cb, gb, n)
+    n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
+    todo = _prepare(piece, ctx, gen, cb, gb, n, int(first_token))
     out = np.empty((3, _count(todo)), dtype=np.int64)
     _emit(todo, out, 0)
     return Fragments(out[0], out[1], out[2])
@@ -357,14 +366,15 @@ def plan_stats(piece: Piece, ctx: RankPool, gen: RankPool, num_tokens: int) -> i
 
 
 def plan_pieces(pieces, ctx_pools: dict[int, RankPool], gen: RankPool, ctx_blocks, gen_blocks,
-                num_tokens: int) -> dict[int, Fragments]:
+                num_tokens: int, first_token: int = 0) -> dict[int, Fragments]:
     """Fragments per context rank for every piece a generation rank reads (one read per context rank).
 
     Args:
         pieces: the generation rank's pieces (RankMapping.pieces).
         ctx_pools: context rank -> its pool.
         gen: the generation rank's pool.
-        ctx_blocks, gen_blocks, num_tokens: as for `plan_piece` (the same block ids on every context rank).
+        ctx_blocks, gen_blocks, num_tokens, first_token: as for `plan_piece` (the same block ids on every
+            context rank).
     Returns:
         context rank -> Fragments; all of them views into one allocation.
     """
@@ -375,8 +385,8 @@ def plan_pieces(pieces, ctx_pools: dict[int, RankPool], gen: RankPool, ctx_block
         pool = ctx_pools[p.ctx_rank]
         key = (pool.num_blocks, pool.tpb)
         if key not in checked:
-            n, checked[key], gb = _validate(pool, gen, ctx_blocks, gen_blocks, num_tokens)
-        plans.setdefault(p.ctx_rank, []).append(_prepare(p, pool, gen, checked[key], gb, n))
+            n, checked[key], gb = _validate(pool, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
+        plans.setdefault(p.ctx_rank, []).append(_prepare(p, pool, gen, checked[key], gb, n, int(first_token)))
     total = sum(_count(t) for todos in plans.values() for t in todos)
     out = np.empty((3, total), dtype=np.int64)
     res, pos = {}, 0

@@ -3,6 +3,12 @@
 Policies:
     round_robin   the next healthy worker in turn
     least_loaded  the healthy worker with the fewest requests this router has in flight on it (ties in turn)
+    prefix_aware  the worker most likely to hold the prompt's prefix in its KV cache (block reuse): a
+                  rendezvous (highest-random-weight) hash of the request's routing key (`routing_key`: its
+                  leading prompt tokens or text) over the healthy workers, so the turns of one conversation
+                  land where its history is cached and removing a worker moves only its own keys; falls back
+                  to the least loaded worker when the chosen one has PREFIX_LOAD_SLACK more requests in flight
+                  than it, and to least_loaded for a request without a key.
 A worker that refused a connection or failed /health is skipped until its /health answers 200 again; when
 every worker of a pool looks unhealthy, they are tried anyway (health may be stale) rather than failing
 without trying. Owns no sockets: the router polls /health and reports what it saw.
@@ -10,11 +16,44 @@ without trying. Owns no sockets: the router polls /health and reports what it sa
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from .config import POLICIES, ServerSpec
 
-__all__ = ["WorkerRef", "Pool"]
+__all__ = ["WorkerRef", "Pool", "routing_key", "PREFIX_KEY_TOKENS"]
+
+PREFIX_KEY_TOKENS = 64    # leading prompt tokens (or 4x as many characters) that make a request's routing key
+PREFIX_LOAD_SLACK = 4     # prefix_aware gives up affinity when its worker is this many requests busier
+
+
+def routing_key(body: Any) -> bytes | None:
+    """The prefix_aware routing key of an OpenAI-style request body: its leading prompt tokens, the leading
+    characters of a text prompt, or of its chat messages; None when it has no prompt to key on.
+
+    A conversation's turns share their leading tokens (system prompt + first user message), so they share a
+    key; long enough (PREFIX_KEY_TOKENS) that conversations sharing only a system prompt spread out.
+    """
+    if not isinstance(body, dict):
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return b"t" + b",".join(str(t).encode() for t in prompt[:PREFIX_KEY_TOKENS])
+    if isinstance(prompt, str) and prompt:
+        return b"s" + prompt[:4 * PREFIX_KEY_TOKENS].encode("utf-8", "replace")
+    msgs = body.get("messages")
+    if isinstance(msgs, list) and msgs:
+        text = json.dumps(msgs, sort_keys=True, default=str)[:4 * PREFIX_KEY_TOKENS]
+        return b"m" + text.encode("utf-8", "replace")
+    return None
+
+
+def _weight(key: bytes, worker: str) -> bytes:
+    return hashlib.blake2b(key + b"\0" + worker.encode(), digest_size=8).digest()
 
 
 @dataclass
@@ -51,15 +90,28 @@ class Pool:
         self.policy = policy
         self._next = 0
 
-    def pick(self, exclude: set[str] = frozenset()) -> WorkerRef | None:
-        """The worker for the next request, not one named in `exclude`; None when none is left."""
+    def pick(self, exclude: set[str] = frozenset(), key: bytes | None = None) -> WorkerRef | None:
+        """The worker for the next request, not one named in `exclude`; None when none is left.
+
+        Args:
+            exclude: workers already tried for this request.
+            key: the request's `routing_key` (used by prefix_aware only).
+        """
         left = [w for w in self.workers if w.name not in exclude]
         pool = [w for w in left if w.healthy] or left
         if not pool:
             return None
         n = len(self.workers)
         order = sorted(pool, key=lambda w: (self.workers.index(w) - self._next) % n)
-        w = min(order, key=lambda w: w.in_flight) if self.policy == "least_loaded" else order[0]
+        least = min(order, key=lambda w: w.in_flight)
+        if self.policy == "prefix_aware" and key is not None:
+            w = max(pool, key=lambda w: _weight(key, w.name))
+            if w.in_flight - least.in_flight >= PREFIX_LOAD_SLACK:
+                w = least
+        elif self.policy in ("least_loaded", "prefix_aware"):
+            w = least
+        else:
+            w = order[0]
         self._next = (self.workers.index(w) + 1) % n
         return w
 

@@ -7,9 +7,9 @@ anything and never touches the network.
 
     model: smollm2                      # a model spec (kvbridge generate --help lists them)
     on_transfer_failure: fail           # or recompute: the generation worker prefills the prompt itself
-    executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}
+    executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}   # enable_block_reuse: true
     transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
-    router: {host: 127.0.0.1, port: 8000, policy: round_robin}
+    router: {host: 127.0.0.1, port: 8000, policy: round_robin}    # or least_loaded, prefix_aware
     context_servers: {instances: 1, tp: 3, urls: ["127.0.0.1:8001"]}
     generation_servers: {instances: 1, tp: 1, urls: ["127.0.0.1:8002"], device: cuda:0}
 """
@@ -28,13 +28,14 @@ from ..transceiver.config import TransceiverConfig
 __all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_config", "ROLES", "POLICIES"]
 
 ROLES = ("context", "generation")
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 FAILURE_MODES = ("fail", "recompute")
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
-             "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int}
+             "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
+             "enable_block_reuse": bool}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
@@ -74,8 +75,9 @@ class ServerSpec:
         """The ExecutorConfig of this server, with the transceiver as its rank hook."""
         from ..executor.transceiver_hook import hooked_executor_config  # only where an executor starts
 
+        executor = {"enable_block_reuse": True, **self.executor}  # block reuse is on by default in serving
         return hooked_executor_config(self.role, instance, run_dir, self.transceiver, model=model, tp=self.tp,
-                                      pp=self.pp, layers_per_stage=self.layers_per_stage, **self.executor)
+                                      pp=self.pp, layers_per_stage=self.layers_per_stage, **executor)
 
 
 @dataclass(frozen=True)
@@ -304,7 +306,8 @@ def _get(d: dict, key: str, t, path: str, default: Any = None, required: bool = 
     if t is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v)
     types = t if isinstance(t, tuple) else (t,)
-    if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, float) and not math.isfinite(v)):
+    if (isinstance(v, bool) and bool not in types) or not isinstance(v, types) or \
+            (isinstance(v, float) and not math.isfinite(v)):
         names = " or ".join("null" if x is type(None) else x.__name__ for x in types)
         raise ServeConfigError(f"{where}: expected {names}, got {v!r}")
     return v

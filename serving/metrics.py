@@ -13,6 +13,10 @@ Worker metrics (label role = context | generation):
     kvbridge_serving_in_flight{role}                       requests being served now
     kvbridge_serving_recomputes_total                      transfers that failed and were recomputed locally
     kvbridge_serving_transfer_seconds                      each request's KV transfer (Completion.transfer)
+    kvbridge_serving_prefix_tokens_total{role, kind}       prompt tokens (kind=prompt) and those served from
+                                                           the prefix cache (kind=reused): hit rate = ratio
+    kvbridge_serving_prefix_bytes_saved_total{role}        KV bytes of reused tokens: not computed (context)
+                                                           or not moved (generation)
 Router metrics:
     kvbridge_router_requests_total{endpoint, status}, kvbridge_router_hop_seconds{hop},
     kvbridge_router_retries_total, kvbridge_router_worker_in_flight{worker}
@@ -84,6 +88,14 @@ def _router_families() -> tuple:
             Gauge("kvbridge_router_worker_in_flight", "Requests in flight per worker", ["worker"]))
 
 
+@functools.cache
+def _prefix_families() -> tuple:
+    from prometheus_client import Counter
+
+    return (Counter("kvbridge_serving_prefix_tokens", "Prompt tokens and prefix-cache hits", ["role", "kind"]),
+            Counter("kvbridge_serving_prefix_bytes_saved", "KV bytes of reused prompt tokens", ["role"]))
+
+
 class WorkerMetrics:
     """One worker's request metrics (the families are registered once per process)."""
 
@@ -98,6 +110,13 @@ class WorkerMetrics:
         self.seconds.labels(self.role, "total").observe(total_s)
         if phase and phase_s is not None:
             self.seconds.labels(self.role, phase).observe(phase_s)
+
+    def prefix(self, prompt_tokens: int, reused_tokens: int, bytes_per_token: int) -> None:
+        """A request's prompt and how much of it the prefix cache served (block reuse)."""
+        tokens, saved = _prefix_families()
+        tokens.labels(self.role, "prompt").inc(prompt_tokens)
+        tokens.labels(self.role, "reused").inc(reused_tokens)
+        saved.labels(self.role).inc(reused_tokens * bytes_per_token)
 
 
 class RouterMetrics:

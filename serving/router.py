@@ -29,7 +29,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .balancer import Pool, WorkerRef
+from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
 from .metrics import RouterMetrics, render
 from .protocol import DEADLINE_HEADER, SSE_DONE, ApiError, add_common_routes, read_json, sse
@@ -105,7 +105,7 @@ def build_router(cfg: ServeConfig) -> FastAPI:
         tried: set[str] = set()
         errors: list[str] = []
         while True:
-            w = ctx.pick(tried)
+            w = ctx.pick(tried, routing_key(body))
             left = deadline - time.monotonic()
             if w is None or left <= 0:
                 why = "; ".join(errors) or f"context workers: {ctx.describe()}"
@@ -155,7 +155,7 @@ def build_router(cfg: ServeConfig) -> FastAPI:
 
     async def generation_hop(request: Request, path: str, body: dict, stream: bool, deadline: float,
                              ctx_data: dict, ctx_w: WorkerRef):
-        w = gen.pick()
+        w = gen.pick(key=routing_key(body))
         if w is None:
             raise ApiError(503, "no generation worker is configured", "server_error", "no_generation_worker")
         left = deadline - time.monotonic()

@@ -152,6 +152,7 @@ async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[st
     sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed)
     t0 = time.monotonic()
     res = await be.prefill(prompt, sampling, max(0.1, deadline - t0))
+    WorkerMetrics(spec.role).prefix(len(prompt), res.reused_tokens, _kv_bytes_per_token(be.ex.layout))
     params = DisaggParams(res.request_id, st.instance, st.endpoints, be.ex.layout).to_dict()
     out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name)
     return {"id": new_id(req.kind), "object": "text_completion", "created": int(time.time()),
@@ -159,7 +160,8 @@ async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[st
             "choices": [{"index": 0, "text": st.codec.decode([res.first_token]), "finish_reason": None}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1},
             "disaggregated_params": out.to_dict(),
-            "kvbridge": {"context_worker": spec.name, "prefill_ms": round((time.monotonic() - t0) * 1e3, 3)}}
+            "kvbridge": {"context_worker": spec.name, "prefill_ms": round((time.monotonic() - t0) * 1e3, 3),
+                         "reused_tokens": res.reused_tokens}}
 
 
 async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline: float,
@@ -217,6 +219,7 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
     while done is None:
         toks, done = await anext(events)
     _finish_extra(extra, done, metrics)
+    _prefix_metrics(st, extra, len(prompt), done, metrics)
     text = st.codec.decode(toks)
     return response(rid, req, cfg.model_name, text, done.finish_reason, len(prompt), len(toks), extra)
 
@@ -232,6 +235,7 @@ async def _stream(st: WorkerState, req: GenRequest, rid: str, prompt: list[int],
             text = detok.delta(toks, final=done is not None)
             if done is not None:
                 _finish_extra(extra, done, metrics)
+                _prefix_metrics(st, extra, len(prompt), done, metrics)
                 last = {**extra, "token_ids": new}
                 yield sse(chunk(rid, req, model, text, done.finish_reason, last, first))
                 if req.include_usage:
@@ -259,6 +263,17 @@ def _finish_extra(extra: dict[str, Any], done, metrics: WorkerMetrics) -> None:
             metrics.transfer.observe(float(extra["transfer"]["ms"]["total"]) / 1e3)
         except (ValueError, KeyError, TypeError):
             extra["transfer"] = {"raw": done.transfer}
+
+
+def _kv_bytes_per_token(layout) -> int:
+    """KV bytes of one token over all ranks of an executor."""
+    return sum(layout.block_bytes(r) for r in range(layout.world_size)) // layout.shape.tokens_per_block
+
+
+def _prefix_metrics(st: WorkerState, extra: dict[str, Any], prompt_len: int, done, metrics: WorkerMetrics) -> None:
+    """Block reuse: how many prompt tokens the executor's prefix cache served (in the response and /metrics)."""
+    extra["reused_tokens"] = done.reused_tokens
+    metrics.prefix(prompt_len, done.reused_tokens, _kv_bytes_per_token(st.backend.ex.layout))
 
 
 def _prompt_ids(st: WorkerState, req: GenRequest) -> list[int]:

@@ -82,12 +82,15 @@ class CacheTransceiver:
 
     # --- generation side ------------------------------------------------------------------------------
     def request_and_receive_async(self, req: Any) -> None:
-        """Start pulling req.disagg_params' KV into req.block_ids (first req.num_tokens tokens)."""
+        """Start pulling req.disagg_params' KV into req.block_ids (first req.num_tokens tokens).
+
+        With req.from_token > 0 (prefix reuse) the blocks already hold tokens [0, from_token): only the
+        rest is read."""
         params = req.disagg_params
         if isinstance(params, dict):
             params = DisaggParams.from_dict(params)
         self._need_receiver().submit(req.request_id, params, req.block_ids, req.num_tokens,
-                                     getattr(req, "timeout_s", None))
+                                     getattr(req, "timeout_s", None), int(getattr(req, "from_token", 0) or 0))
 
     def check_gen_transfer_status(self, at_least_request_num: int = 0, timeout_s: float = 0.0
                                   ) -> list[ReceiveResult]:

@@ -9,7 +9,9 @@ Conversation (generation rank G pulls a request from context rank C):
 
     G -> C  Hello(gen_instance, gen_rank, gen_layout, agents)         once per peer pair
     C -> G  Welcome(ctx_instance, ctx_rank, ctx_layout, agents, pool_bases, num_blocks, lease_s)
-    G -> C  Fetch(ctx_request_id, gen_rank, stream, staged)           per request
+    G -> C  Fetch(ctx_request_id, gen_rank, stream, staged, from_token)  per request (from_token > 0: the
+                                                                      generation side holds the prefix and
+                                                                      reads only tokens [from_token, n))
     C -> G  Blocks(ctx_request_id, block_ids, num_tokens, layers_ready, lease_s, staging_addr, staging_bytes)
             (staged: the context rank packed the piece into a slot of its arena; one read moves it)
     C -> G  LayersReady(ctx_request_id, layers_ready)                 streaming: pushed as layers finish
@@ -137,6 +139,7 @@ class Fetch(Message):
     gen_rank: int = msg(int)
     stream: bool = msg(bool, default=False)
     staged: bool = msg(bool, default=False)  # ask the context rank to pack the piece into its arena
+    from_token: int = msg(int, default=0)  # prefix reuse: read only tokens [from_token, num_tokens); 0 = all
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,7 @@ class Pull:
     marks: dict[str, float] = field(default_factory=dict)
     verifying: Any = None  # Future of {ctx_rank: digests}: unpacking staged legs, then hashing (verify mode)
     staged: bool = False
+    from_token: int = 0  # prefix reuse: the local blocks already hold tokens [0, from_token); read the rest
 
     def mark(self, what: str) -> None:
         self.marks.setdefault(what, time.monotonic())
@@ -127,7 +128,8 @@ class Pull:
             return
         sub = Piece(leg.ctx_rank, range(start, ready_stop), leg.piece.heads)
         t0 = time.monotonic()
-        frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens)
+        frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens,
+                                      self.from_token)
         self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + time.monotonic() - t0
         h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
                        DescriptorList(frags.src, frags.length, remote.kind, remote.device))

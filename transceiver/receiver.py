@@ -86,11 +86,18 @@ class Receiver(IOThread, ReceiverWork):
 
     # --- engine-facing API ----------------------------------------------------------------------------
     def submit(self, request_id: int, params: DisaggParams, block_ids, num_tokens: int,
-               timeout_s: float | None = None) -> None:
-        """Start pulling `params`' request into local `block_ids` (the first num_tokens tokens)."""
+               timeout_s: float | None = None, from_token: int = 0) -> None:
+        """Start pulling `params`' request into local `block_ids` (the first num_tokens tokens).
+
+        from_token > 0 (prefix reuse): the local blocks already hold tokens [0, from_token); only the rest
+        is read (never the staged path, which moves whole pieces).
+        """
+        if not 0 <= int(from_token) < int(num_tokens):
+            raise TransceiverError(f"request {request_id}: from_token {from_token} outside its {num_tokens} "
+                                   f"tokens")
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
         self._command("submit", int(request_id), params, blocks, int(num_tokens),
-                      float(timeout_s or self.config.transfer_timeout_s))
+                      float(timeout_s or self.config.transfer_timeout_s), int(from_token))
 
     def cancel(self, request_id: int) -> None:
         """Abort a pull; it still reports a (failed) result once its reads have settled."""
@@ -138,7 +145,7 @@ class Receiver(IOThread, ReceiverWork):
 
     def _do_command(self, cmd) -> None:
         if cmd[0] == "submit":
-            _, rid, params, blocks, n, timeout = cmd
+            _, rid, params, blocks, n, timeout, from_token = cmd
             now = time.monotonic()
             try:
                 mapping = mapping_for(params.ctx_layout, self.layout)
@@ -150,7 +157,8 @@ class Receiver(IOThread, ReceiverWork):
                 return
             legs = {p.ctx_rank: Leg(p.ctx_rank, params.endpoints[p.ctx_rank], p)
                     for p in mapping.pieces(self.pool.rank)}
-            self._pulls[rid] = Pull(rid, params.ctx_request_id, params.ctx_instance, blocks, n, now + timeout, legs)
+            self._pulls[rid] = Pull(rid, params.ctx_request_id, params.ctx_instance, blocks, n, now + timeout, legs,
+                                    from_token=from_token)
             for leg in legs.values():
                 self._ensure_session(leg.endpoint, now)
         elif cmd[0] == "cancel":
@@ -318,7 +326,7 @@ class Receiver(IOThread, ReceiverWork):
                     leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
                     staged = self._want_staged(pull, leg, peer)
                     self._send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers,
-                                             staged).encode())
+                                             staged, pull.from_token).encode())
                     leg.fetch_sent = True
                     if not peer.legs:  # an idle peer: its silence is measured from this request on
                         peer.last_heard = now
