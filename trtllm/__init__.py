@@ -12,11 +12,20 @@ Modules:
 Sits beside serving: it may import executor, transceiver, formatter and agents; nothing below imports it.
 """
 
-from ..transceiver.upstream import Backend, CacheTransceiverConfig
-from .kv_cache_manager import CacheType, KVCacheManager, KvCacheConfig, Mapping, ScheduledRequests
-from .llm_request import LlmRequest, LlmRequestState, LlmRequestType
-from .transceiver import KvCacheTransceiver, create_kv_cache_transceiver
+from importlib import import_module
 
-__all__ = ["Backend", "CacheTransceiverConfig", "CacheType", "KVCacheManager", "KvCacheConfig",
-           "KvCacheTransceiver", "LlmRequest", "LlmRequestState", "LlmRequestType", "Mapping",
-           "ScheduledRequests", "create_kv_cache_transceiver"]
+# Imported on first use, so serving/config.py's hook (serve_config) does not load torch into the router.
+_WHERE = {
+    "Backend": "..transceiver.upstream", "CacheTransceiverConfig": "..transceiver.upstream",
+    "CacheType": ".kv_cache_manager", "KVCacheManager": ".kv_cache_manager", "KvCacheConfig": ".kv_cache_manager",
+    "Mapping": ".kv_cache_manager", "ScheduledRequests": ".kv_cache_manager",
+    "LlmRequest": ".llm_request", "LlmRequestState": ".llm_request", "LlmRequestType": ".llm_request",
+    "KvCacheTransceiver": ".transceiver", "create_kv_cache_transceiver": ".transceiver",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_WHERE[name], __name__), name)
