@@ -21,6 +21,11 @@ _WHERE = {
     "Mapping": ".kv_cache_manager", "ScheduledRequests": ".kv_cache_manager",
     "LlmRequest": ".llm_request", "LlmRequestState": ".llm_request", "LlmRequestType": ".llm_request",
     "KvCacheTransceiver": ".transceiver", "create_kv_cache_transceiver": ".transceiver",
+    "KvCacheConnectorScheduler": ".connector", "KvCacheConnectorWorker": ".connector", "LlmArgs": ".connector",
+    "RequestData": ".connector", "SchedulerOutput": ".connector", "kv_connector_config": ".connector",
+    "mpi_rank": ".connector",
+    "PersistentKvCacheConnectorLeader": ".persistent", "PersistentKvCacheConnectorWorker": ".persistent",
+    "PersistentKvCacheConnectorMetadata": ".persistent",
 }
 __all__ = sorted(_WHERE)
 
