@@ -161,8 +161,10 @@ def load_config(path: str) -> ServeConfig:
 
 
 def parse_config(d: Any) -> ServeConfig:
-    """Validate a serving config mapping (see the module docstring)."""
-    top = _map(d, "the config")
+    """Validate a serving config mapping (see the module docstring), or a trtllm-serve one (kvbridge.trtllm)."""
+    from ..trtllm.serve_config import maybe_translate
+
+    top = _map(maybe_translate(d), "the config")
     _known(top, _TOP, "")
     model = _get(top, "model", str, "", required=True)
     if not model:

@@ -93,8 +93,13 @@ class TransceiverConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "TransceiverConfig":
-        """Build from a config file's mapping; unknown keys are an error that names them."""
+        """Build from a config file's mapping (or TensorRT-LLM's cache_transceiver_config, upstream.py);
+        unknown keys are an error that names them."""
         d = dict(d or {})
+        from .upstream import CacheTransceiverConfig, is_upstream  # TensorRT-LLM's cache_transceiver_config
+
+        if is_upstream(d):
+            d = CacheTransceiverConfig.from_dict(d).settings()
         if "agent" in d:  # single-agent shorthand: agent: nixl
             d["agents"] = d.pop("agent")
         known = {f.name for f in fields(cls)}

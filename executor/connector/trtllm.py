@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ... import codec
-from .base import ConnectorContext, ConnectorRequest, SchedulerOutput
+from .base import ConnectorContext, ConnectorRequest, RequestData, SchedulerOutput
 from .keys import namespace_from
 from .persistent import PersistentKvConnectorScheduler, PersistentKvConnectorWorker, PersistentMeta
 
@@ -81,6 +81,17 @@ def _view(request: Any, num_computed_tokens: int | None = None) -> ConnectorRequ
     return ConnectorRequest(int(request.request_id), tokens, prompt_len, int(num_computed_tokens))
 
 
+def _output(so: Any) -> SchedulerOutput:
+    """TensorRT-LLM's SchedulerOutput as ours (the same field names); None: an empty one."""
+    def rows(rs: Any) -> list[RequestData]:
+        return [RequestData(int(r.request_id), list(r.new_tokens), list(r.new_block_ids), int(r.computed_position),
+                            int(r.num_scheduled_tokens)) for r in rs or ()]
+
+    if so is None:
+        return SchedulerOutput()
+    return SchedulerOutput(rows(so.new_requests), rows(so.cached_requests))
+
+
 class KvBridgeStoreScheduler(_TrtScheduler):
     """TensorRT-LLM scheduler half (rank 0) over kvbridge's PersistentKvConnectorScheduler."""
 
@@ -96,7 +107,7 @@ class KvBridgeStoreScheduler(_TrtScheduler):
         self._inner.update_state_after_alloc(_view(request, 0), list(block_ids))
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes | None:
-        meta = self._inner.build_connector_meta(SchedulerOutput())
+        meta = self._inner.build_connector_meta(_output(scheduler_output))
         return None if meta is None else codec.pack(meta.to_wire())
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:

@@ -1,0 +1,84 @@
+"""`kvbridge serve --check CONFIG`: validate a serving config (kvbridge's or trtllm-serve's) and print the
+deployment `kvbridge serve` would start: workers, their ranks and devices, the transfer agents.
+
+Exit 0: valid. Exit 2: invalid, with the reason (naming the key) on stderr. Starts nothing, opens no socket;
+reads the model spec only as far as its config (a seeded preset's head and layer counts check TP/PP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import yaml
+
+from ..errors import KvBridgeError, ServeConfigError
+from ..serving.config import ServeConfig, ServerSpec, load_config
+from .serve_config import is_trtllm_serve_config
+
+__all__ = ["main", "describe"]
+
+
+def _check_model(cfg: ServeConfig) -> None:
+    spec = cfg.model
+    if spec.startswith("seeded:"):
+        from ..executor.config import parse_seeded_spec
+        from ..formatter.layout import ParallelSplit
+
+        mcfg, _ = parse_seeded_spec(spec)
+        for s in cfg.servers():
+            try:
+                mcfg.check_split(ParallelSplit(s.tp, s.pp, s.layers_per_stage))
+            except (KvBridgeError, ValueError) as e:
+                key = "context_servers" if s.role == "context" else "generation_servers"
+                raise ServeConfigError(f"{key}: {e} (model {spec})") from None
+    elif spec.startswith("gguf:"):
+        if not os.path.isfile(spec[5:]):
+            raise ServeConfigError(f"model: {spec[5:]!r} is not a file")
+    elif spec != "smollm2" and not os.path.isdir(spec):
+        raise ServeConfigError(f"model: {spec!r} is not a kvbridge model spec (seeded:<preset>, smollm2, "
+                               f"gguf:FILE, or a checkpoint directory with config.json + *.safetensors); a Hugging "
+                               f"Face id is not downloaded")
+
+
+def _devices(s: ServerSpec) -> list[str]:
+    dev = s.executor.get("device", "cpu")
+    n = s.tp * s.pp
+    if dev == "cpu":
+        return ["cpu"] * n
+    base = int(dev.split(":", 1)[1]) if ":" in dev else 0
+    return [f"cuda:{base + r} (mod the GPU count)" if dev == "cuda" else f"cuda:{base + r}" for r in range(n)]
+
+
+def describe(cfg: ServeConfig) -> str:
+    """The deployment, one line per worker and rank."""
+    lines = [f"model: {cfg.model}", f"router: {cfg.router.url} (policy {cfg.router.policy})"]
+    for s in cfg.servers():
+        ex = s.executor
+        agents = s.transceiver.get("agents", s.transceiver.get("agent", ["auto"]))
+        agents = [agents] if isinstance(agents, str) else list(agents)
+        lines.append(f"{s.name}: {s.role} worker at {s.url}, tp={s.tp} pp={s.pp}, "
+                     f"{ex.get('num_blocks', 256)} blocks x {ex.get('tokens_per_block', 16)} tokens per rank, "
+                     f"agents {','.join(agents)}")
+        for r, dev in enumerate(_devices(s)):
+            lines.append(f"  rank {r} (tp {r % s.tp}, pp {r // s.tp}): {dev}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kvbridge serve --check",
+                                 description="validate a serving config and print its deployment")
+    ap.add_argument("config", help="a kvbridge or trtllm-serve disaggregated config (YAML)")
+    a = ap.parse_args(argv)
+    try:
+        cfg = load_config(a.config)
+        _check_model(cfg)
+    except KvBridgeError as e:
+        print(f"kvbridge serve --check: invalid: {e}", file=sys.stderr)
+        return 2
+    with open(a.config, encoding="utf-8") as f:
+        upstream = is_trtllm_serve_config(yaml.safe_load(f))
+    print(f"{a.config}: valid ({'trtllm-serve disaggregated format' if upstream else 'kvbridge format'})")
+    print(describe(cfg))
+    return 0
