@@ -1,6 +1,7 @@
 """The control plane: versioned msgpack messages over ZeroMQ, the context-side Sender, the generation-side
 Receiver, and CacheTransceiver, the per-rank facade with TensorRT-LLM's method names."""
 
+from .agreement import Agreement
 from .cache_transceiver import CacheTransceiver
 from .config import TransceiverConfig
 from .params import DisaggParams
@@ -9,5 +10,5 @@ from .pull import ReceiveResult
 from .receiver import Receiver
 from .sender import Sender, SendResult
 
-__all__ = ["CacheTransceiver", "DisaggParams", "LocalPool", "ReceiveResult", "Receiver",
+__all__ = ["Agreement", "CacheTransceiver", "DisaggParams", "LocalPool", "ReceiveResult", "Receiver",
            "SendResult", "Sender", "TransceiverConfig"]

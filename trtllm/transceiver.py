@@ -33,7 +33,8 @@ import time
 from typing import Callable
 
 from ..errors import DeadlineExceeded, KvBridgeError
-from ..transceiver.cache_transceiver import Agreement, CacheTransceiver
+from ..transceiver.agreement import Agreement
+from ..transceiver.cache_transceiver import CacheTransceiver
 from ..transceiver.params import DisaggParams
 from ..transceiver.upstream import CacheTransceiverConfig
 from .kv_cache_manager import KVCacheManager
