@@ -1,0 +1,82 @@
+"""Text of a growing token list, cut at the first stop string, handed out in pieces safe to send now.
+
+Owns OpenAI's `stop` semantics at the worker that produces text: generation ends at the first occurrence of
+any stop string, the stop text (and anything after it) is never returned, and while streaming, the text that
+could still turn out to be the start of a stop string is held back, as is a trailing piece of an unfinished
+UTF-8 character. Reports how many tokens the kept text took (usage counts those). Never talks to an executor:
+the caller ends the request when `update` says it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .text import REPLACEMENT, TextCodec
+
+__all__ = ["TextCutter", "Piece"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What `update` found: the new text to send, and, once a stop string matched, how many tokens count."""
+
+    text: str
+    stopped_at: int | None = None  # tokens up to and including the one that completed the stop string
+
+
+class TextCutter:
+    """Args:
+        codec: the model's text codec.
+        stops: the request's stop strings (empty: only UTF-8 hold-back, like serving.text.Detokenizer).
+    """
+
+    def __init__(self, codec: TextCodec, stops: tuple[str, ...] = ()) -> None:
+        self.codec, self.stops = codec, tuple(s for s in stops if s)
+        self.sent = ""
+        self._checked = 0  # tokens whose text is known to hold no stop string
+
+    def update(self, tokens: list[int], final: bool = False) -> Piece:
+        """The text of `tokens` not handed out yet that is safe to send (everything once `final`)."""
+        text = self.codec.decode(tokens)
+        hit = self._find(text)
+        if hit is not None:
+            n = self._first_stopping_prefix(tokens)
+            return Piece(self._delta(text[:hit]), n)
+        self._checked = len(tokens)
+        limit = len(text)
+        if not final:
+            limit -= self._held_back(text)
+            if text[:limit].endswith(REPLACEMENT):  # a character still being built from byte tokens
+                limit = len(text[:limit].rstrip(REPLACEMENT))
+        return Piece(self._delta(text[:limit]))
+
+    # --- internals ----------------------------------------------------------------------------------------
+    def _find(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _first_stopping_prefix(self, tokens: list[int]) -> int:
+        for k in range(max(1, self._checked), len(tokens) + 1):
+            if self._find(self.codec.decode(tokens[:k])) is not None:
+                return k
+        return len(tokens)
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest end of `text` that is a proper start of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _delta(self, upto: str) -> str:
+        if upto.startswith(self.sent):
+            out = upto[len(self.sent):]
+        else:  # decoding is not always prefix-stable: send what is new
+            out = upto[len(os.path.commonprefix([upto, self.sent])):]
+        if len(upto) >= len(self.sent) or not upto.startswith(self.sent[:len(upto)]):
+            self.sent = upto
+        return out
