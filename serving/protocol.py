@@ -4,9 +4,14 @@ Owns validating a client's JSON (every bad field named in a 400 error), the `dis
 that travels router -> context worker -> router -> generation worker, and the shapes of what goes back.
 Never runs a model and never trusts a peer: everything here is checked before it reaches an executor.
 
+Token-level parameters honoured (checked here, applied by executor/sampling.py and serving/stops.py):
+temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+min_tokens, ignore_eos, stop, logprobs (+ top_logprobs for chat). A value out of range is a 400 naming it.
+
 Non-standard fields: a request may carry `disaggregated_params` ({"request_type": "context_only"} or the
-generation_only object a context worker returned); every response carries `kvbridge` (token ids, the KV
-transfer's stats, which workers served it, whether the generation worker recomputed the prompt).
+generation_only object a context worker returned, with `first_logprob` when logprobs were asked for: the
+context worker samples the first token); every response carries `kvbridge` (token ids, the KV transfer's
+stats, which workers served it, whether the generation worker recomputed the prompt).
 """
 
 from __future__ import annotations

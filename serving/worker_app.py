@@ -9,7 +9,10 @@ Routes:
     GET /health (503 once the executor failed), /metrics (Prometheus, every rank process merged),
         /v1/models, /debug/free_blocks (free blocks per rank, pinned context requests)
 
-Owns request handling and the generation side's failure policy (`on_transfer_failure`: fail returns the
+Owns request handling, the token-level parameters' path to the executor (the context and the generation side
+build the same SamplingParams, so disaggregated == aggregated tokens), stop strings (at the worker that
+produces the text: a match aborts the request, freeing its blocks), logprobs in OpenAI's shapes, and the
+generation side's failure policy (`on_transfer_failure`: fail returns the
 transfer's error; recompute prefills the prompt here, aggregated). Never frees KV itself (backend.py).
 """
 
@@ -169,19 +172,7 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
     d = req.disagg
     extra: dict[str, Any] = {"generation_worker": spec.name}
     if d is not None:  # generation_only
-        if spec.role != "generation":
-            raise ApiError(400, f"{spec.name} is a context worker; send generation_only requests to a "
-                                f"generation worker", code="wrong_role", param="disaggregated_params")
-        try:
-            DisaggParams.from_dict(d.ctx_params)
-        except KvBridgeError as e:
-            raise ApiError(400, f"disaggregated_params.ctx_params: {e}", code="invalid_disaggregated_params",
-                           param="disaggregated_params") from None
-        if req.logprobs >= 0 and d.first_logprob is None:
-            raise ApiError(400, "disaggregated_params.first_logprob: missing, and the request asks for "
-                                "logprobs (the context worker samples the first token)",
-                           param="disaggregated_params")
-        prompt, seed = d.prompt_token_ids, (d.seed if d.seed is not None else req.seed or 0)
+        prompt, seed = _generation_only(st, req), (d.seed if d.seed is not None else req.seed or 0)
         extra["context_worker"] = d.context_worker
     else:
         prompt, seed = _prompt_ids(st, req), (secrets.randbits(31) if req.seed is None else req.seed)
@@ -221,19 +212,42 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
     if req.stream:
         return StreamingResponse(_stream(out, got, events, extra, metrics, end),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    got, piece, text = await _whole(st, req, got, events)
+    toks, finish = out.cut(got, piece)
+    _finish_extra(extra, toks, got.done, metrics)
+    return response(out.rid, req, cfg.model_name, text, finish, len(prompt), len(toks), extra,
+                    out.logprobs(toks, got, 0, 0))
+
+
+def _generation_only(st: WorkerState, req: GenRequest) -> list[int]:
+    """Check a generation_only request's disaggregated_params; returns its prompt's token ids."""
+    d = req.disagg
+    if st.spec.role != "generation":
+        raise ApiError(400, f"{st.spec.name} is a context worker; send generation_only requests to a "
+                            f"generation worker", code="wrong_role", param="disaggregated_params")
+    try:
+        DisaggParams.from_dict(d.ctx_params)
+    except KvBridgeError as e:
+        raise ApiError(400, f"disaggregated_params.ctx_params: {e}", code="invalid_disaggregated_params",
+                       param="disaggregated_params") from None
+    if req.logprobs >= 0 and d.first_logprob is None:
+        raise ApiError(400, "disaggregated_params.first_logprob: missing, and the request asks for "
+                            "logprobs (the context worker samples the first token)", param="disaggregated_params")
+    return d.prompt_token_ids
+
+
+async def _whole(st: WorkerState, req: GenRequest, got, events):
+    """A non-streamed request to its end, or to its first stop string (then it is aborted: blocks freed).
+    Returns (its last Progress, the cutter's last Piece, the answer's text)."""
     cutter = TextCutter(st.codec, req.stop)
     try:
         while True:
             piece = cutter.update(got.tokens, final=got.done is not None)
             if piece.stopped_at is not None or got.done is not None:
-                break
+                return got, piece, cutter.sent
             got = await anext(events)
     finally:
-        await events.aclose()  # a stop string matched early: the request is aborted, its blocks freed
-    toks, finish = out.cut(got, piece)
-    _finish_extra(extra, toks, got.done, metrics)
-    return response(out.rid, req, cfg.model_name, cutter.sent, finish, len(prompt), len(toks), extra,
-                    out.logprobs(toks, got, 0, 0))
+        await events.aclose()
 
 
 @dataclass
