@@ -208,10 +208,12 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], positions: l
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],
                    history: list[TokenHistory | None]) -> torch.Tensor:
     """Steps 1-4 of the module docstring, on every row at once (a copy; `logits` is left alone)."""
+    rows = [i for i, h in enumerate(history) if h is not None]
+    if not rows and not any(p.logit_bias for p in params):
+        return logits
     S, V = logits.shape
     dev = logits.device
     x = logits.clone()
-    rows = [i for i, h in enumerate(history) if h is not None]
     if rows:
         counts = torch.zeros(S, V, dtype=x.dtype, device=dev)
         seen = torch.zeros(S, V, dtype=torch.bool, device=dev)

@@ -122,3 +122,13 @@ def test_bad_values_are_400s_naming_the_parameter(clients):
         with pytest.raises(openai.BadRequestError) as e:
             disagg.completions.create(model=c.cfg.model_name, prompt=PROMPTS[0], max_tokens=2, **kw)
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_requests_that_used_to_kill_a_worker_are_greedy_and_the_worker_keeps_serving(clients):
+    """top_p=0 and temperature=1e-40 made the sampler raise (inf/nan probabilities) and the rank die. Sent to
+    the worker itself: the router may refuse top_p=0 before any hop."""
+    c, _, agg = clients
+    want = agg.completions.create(model=c.cfg.model_name, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    for kw in (dict(top_p=0.0, temperature=1.0), dict(temperature=1e-40)):
+        r = agg.completions.create(model=c.cfg.model_name, prompt=PROMPTS[0], max_tokens=4, seed=3, **kw)
+        assert _kb(r)["token_ids"] == _kb(want)["token_ids"]
