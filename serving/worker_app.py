@@ -239,7 +239,7 @@ def _generation_only(st: WorkerState, req: GenRequest) -> list[int]:
 async def _whole(st: WorkerState, req: GenRequest, got, events):
     """A non-streamed request to its end, or to its first stop string (then it is aborted: blocks freed).
     Returns (its last Progress, the cutter's last Piece, the answer's text)."""
-    cutter = TextCutter(st.codec, req.stop)
+    cutter = TextCutter(st.codec, req.stop, req.min_tokens)
     try:
         while True:
             piece = cutter.update(got.tokens, final=got.done is not None)
@@ -290,7 +290,7 @@ class _Output:
 async def _stream(out: _Output, got, events, extra: dict[str, Any], metrics: WorkerMetrics, end):
     """The SSE body; `end(outcome)` is called once it finished, failed, or its client went away."""
     st, req, rid = out.st, out.req, out.rid
-    cutter, sent, first, model, offset = TextCutter(st.codec, req.stop), 0, True, st.cfg.model_name, 0
+    cutter, sent, first, model, offset = TextCutter(st.codec, req.stop, req.min_tokens), 0, True, st.cfg.model_name, 0
     outcome = "client_closed"
     try:
         while True:

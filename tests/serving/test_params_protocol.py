@@ -92,3 +92,11 @@ def test_stop_strings_cut_the_text_and_streaming_holds_back_a_possible_partial_m
     # earliest match wins; a stop inside the very first token
     assert TextCutter(codec, ("b", "ab")).update(list(b"xab")) == Piece("x", 3)
     assert TextCutter(codec, ("x",)).update(list(b"xy")) == Piece("", 1)
+
+
+def test_no_stop_string_counts_before_min_tokens():
+    codec = TextCodec("seeded:tiny3")
+    cut = TextCutter(codec, ("a",), min_tokens=3)
+    assert cut.update(list(b"ba")) == Piece("ba")           # "a" within the first min_tokens: text, not a stop
+    assert cut.update(list(b"bac")) == Piece("c")
+    assert cut.update(list(b"baca")) == Piece("", 4)        # a match after min_tokens ends it
