@@ -24,6 +24,13 @@ Who calls what, when (the transceiver's view; `Executor` in runtime.py is the in
            request finishes; its blocks are freed in the next step.
         -> event "tok": (request_id, n, token) for a request submitted with stream=True, each time it has a
            new token and is still running (n = its tokens so far; the last one comes in "done").
+        Logprobs (SamplingParams.logprobs >= 0): "ctx" carries the first token's entry ("lp"), "tok" its
+        token's ("lp"), "done" every entry sampled HERE ("lps": a generation-only request's first token
+        was sampled by the context side and has none here).
+
+Sampling: each batch entry carries the request's SamplingParams and, when its penalties or min_tokens need
+them, its TokenHistory (prompt, tokens so far, ids banned this step) -- the sampler keeps no state, so the
+context side and an aggregated executor process a request's first token identically.
 
 With a KV connector (connector/leader.py), an admitted request whose prompt prefix the connector holds is
 allocated and waits ("loading") until every rank loaded it, then prefills the rest ("loaded"); a finished
@@ -48,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ExecutorError
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenHistory
 
 __all__ = ["Engine", "Request", "MODES"]
 
@@ -75,6 +82,17 @@ class Request:
     stream: bool = False                    # report each new token ("tok" events) before "done"
     loaded: int = 0                         # prompt tokens loaded by the KV connector (not computed)
     reused: int = 0                         # prompt tokens served from the local prefix cache (block reuse)
+    logprobs: list = field(default_factory=list)  # wire TokenLogprob of each token sampled HERE (if asked)
+
+    def sample_history(self) -> list | None:
+        """The step plan's TokenHistory (wire) for this request's next token, or None when it needs none."""
+        sp, n = self.sampling, len(self.output)
+        if not sp.needs_history(n):
+            return None
+        banned = self.stop_ids if n < sp.min_tokens and not sp.ignore_eos else ()
+        prompt = self.prompt if sp.repetition_penalty != 1 else ()
+        out = self.output if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1) else ()
+        return TokenHistory(tuple(prompt), tuple(out), tuple(banned)).to_wire()
 
 
 class Engine:
@@ -128,6 +146,12 @@ class Engine:
             self._refuse(req.request_id, "a generation-only request needs the context side's first token")
             return
         toks = list(req.prompt) + ([req.first_token] if req.first_token is not None else [])
+        bias_ids = [t for t, _ in req.sampling.logit_bias]
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in bias_ids + list(req.stop_ids)):
+            bad = next(t for t in bias_ids + list(req.stop_ids) if t >= self.vocab_size)
+            self._refuse(req.request_id, f"logit_bias/stop token id {bad} is outside the model's vocabulary "
+                                         f"0..{self.vocab_size - 1}")
+            return
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in toks):
             bad = next(t for t in toks if not 0 <= t < self.vocab_size)
             self._refuse(req.request_id,
@@ -223,11 +247,12 @@ class Engine:
         budget = self.max_batch_tokens
         for r in self.requests.values():
             if r.state == "running" and len(batch) < self.max_batch_seqs:
-                batch.append([r.request_id, r.num_cached, [r.output[-1]], True, False, r.sampling.to_wire()])
+                batch.append([r.request_id, r.num_cached, [r.output[-1]], True, False, r.sampling.to_wire(),
+                              r.sample_history()])
             elif r.state == "loaded" and len(batch) < self.max_batch_seqs:  # its prefix is loaded: the rest
                 budget -= len(r.prompt) - r.num_cached
                 batch.append([r.request_id, r.num_cached, list(r.prompt[r.num_cached:]), True,
-                              r.mode == "context_only", r.sampling.to_wire()])
+                              r.mode == "context_only", r.sampling.to_wire(), r.sample_history()])
                 r.state = "prefill"
         while self.waiting and len(batch) < self.max_batch_seqs:
             r = self.requests[self.waiting[0]]
@@ -245,7 +270,7 @@ class Engine:
                 else:
                     budget -= len(r.prompt) - r.reused
                     batch.append([r.request_id, r.reused, list(r.prompt[r.reused:]), True,
-                                  r.mode == "context_only", r.sampling.to_wire()])
+                                  r.mode == "context_only", r.sampling.to_wire(), r.sample_history()])
                     r.state = "prefill"
             else:  # (reuse needs the rank hooks: they read only the blocks after the reused ones)
                 r.reused = self._reuse(r) if self.hooked else 0
@@ -265,20 +290,27 @@ class Engine:
         self._ops, self._post_ops, self._reuse_ops = [], [], []
         return plan
 
-    def step_done(self, plan: dict[str, Any], sampled: list[int]) -> list[dict]:
-        """Take the step's sampled tokens (one per batch entry, in order) and return the events to report."""
+    def step_done(self, plan: dict[str, Any], sampled: list[int], logprobs: list | None = None) -> list[dict]:
+        """Take the step's sampled tokens (one per batch entry, in order) and their logprob entries (wire
+        TokenLogprob or None per entry), and return the events to report."""
         if len(sampled) != len(plan["batch"]):
             raise ExecutorError(f"step {plan['step']}: {len(sampled)} sampled tokens for "
                                 f"{len(plan['batch'])} "
                                 f"sequences")
-        for (rid, start, toks, _s, _p, _sp), tok in zip(plan["batch"], sampled):
+        logprobs = logprobs or [None] * len(sampled)
+        for b, tok, lp in zip(plan["batch"], sampled, logprobs):
+            rid, start, toks = b[0], b[1], b[2]
             r = self.requests[rid]
             r.num_cached = start + len(toks)
             r.output.append(int(tok))
+            if lp is not None:
+                r.logprobs.append(lp)
             if r.state == "prefill" and r.mode == "context_only":
                 r.state = "ctx_done"
                 self._ops.append(["ctx_done", rid, int(tok)])  # tells every rank's hook, first token included
                 ev = {"t": "ctx", "rid": rid, "first_token": int(tok), "num_tokens": r.num_cached}
+                if lp is not None:
+                    ev["lp"] = lp
                 if r.loaded:
                     ev["loaded"] = r.loaded
                 if r.reused:
@@ -294,7 +326,8 @@ class Engine:
     # --- internals ----------------------------------------------------------------------------------------
     def _check_finished(self, r: Request) -> None:
         reason = None
-        if r.output and r.output[-1] in r.stop_ids:
+        stops = r.output and not r.sampling.ignore_eos and len(r.output) >= r.sampling.min_tokens
+        if stops and r.output[-1] in r.stop_ids:
             reason = "stop"
         elif len(r.output) >= r.max_tokens:
             reason = "length"
@@ -308,12 +341,17 @@ class Engine:
                 ev["loaded"] = r.loaded
             if r.reused:
                 ev["reused"] = r.reused
+            if r.logprobs:
+                ev["lps"] = list(r.logprobs)
             self._events.append(ev)
 
     def _stream(self, r: Request) -> None:
         """A streaming request still running: report its newest token (n = tokens so far)."""
         if r.stream and r.state == "running":
-            self._events.append({"t": "tok", "rid": r.request_id, "n": len(r.output), "tok": r.output[-1]})
+            ev = {"t": "tok", "rid": r.request_id, "n": len(r.output), "tok": r.output[-1]}
+            if r.logprobs and len(r.logprobs) == len(r.output) - (r.mode == "generation_only"):
+                ev["lp"] = r.logprobs[-1]  # the newest token was sampled here, with logprobs
+            self._events.append(ev)
 
     # --- the KV connector (connector/leader.py) -------------------------------------------------------------
     def _finish(self, r: Request, op: list) -> None:

@@ -38,6 +38,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--min-tokens", type=int, default=0)
+    ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
     ap.add_argument("--num-blocks", type=int, default=256)
@@ -45,6 +50,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     a = ap.parse_args(argv)
     t0 = time.monotonic()
+    try:
+        sp = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed, a.presence_penalty, a.frequency_penalty,
+                            a.repetition_penalty, min_tokens=a.min_tokens, ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        print(f"kvbridge generate: {e}", file=sys.stderr)
+        return 2
     try:
         codec = TextCodec(a.model)
         chat = codec.has_chat_template if a.chat is None else a.chat
@@ -57,7 +68,6 @@ def main(argv: list[str]) -> int:
                              threads_per_rank=max(1, (os.cpu_count() or 1) // world))
         with Executor.start(cfg) as ex:
             t1 = time.monotonic()
-            sp = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)
             out = ex.generate([ids], max_tokens=a.max_tokens, sampling=sp, timeout=a.timeout)[0]
             t2 = time.monotonic()
     except KvBridgeError as e:

@@ -15,6 +15,7 @@ The API (see engine.py for when each call is allowed):
     ex.write_kv(g.request_id, kv); ex.kv_ready(g.request_id); ex.wait(g.request_id) -> Completion
     ex.free_blocks() -> free blocks per rank (all back to num_blocks when idle); ex.close()
     rid = ex.submit(prompt, stream=True); ex.wait_tokens(rid, have, timeout) -> (tokens, Completion | None)
+    ex.wait_stream(rid, have, timeout) -> (tokens, logprobs, Completion | None)   (SamplingParams.logprobs)
     ex.take_released() -> context requests released since the last call (by the hook; not mixed with release)
 """
 
@@ -37,7 +38,7 @@ from .kv_cache_manager import TORCH_DTYPES
 from .kv_check import KVDigest, RankDigest, merge
 from .kv_io import assemble, shard_of
 from .launch import free_port, spawn_ranks, stop_processes
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .worker import Pipes, rank_main
 
 __all__ = ["ExecutorConfig", "Executor", "ContextResult", "GenerationHandle", "Completion"]
@@ -96,6 +97,7 @@ class ContextResult:
     num_tokens: int
     first_token: int
     reused_tokens: int = 0  # leading prompt tokens served from the prefix cache (not computed)
+    first_logprob: TokenLogprob | None = None  # when the sampling params asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class Completion:
     transfer: str = ""  # generation-only: the KV transfer's stats (JSON text from rank 0's hook)
     loaded_tokens: int = 0  # prompt tokens whose KV the KV connector loaded instead of computing them
     reused_tokens: int = 0  # prompt tokens served from this executor's prefix cache (block reuse)
+    logprobs: tuple[TokenLogprob, ...] = ()  # of each token sampled by this executor, when asked for
 
 
 @dataclass
@@ -122,6 +125,7 @@ class _State:
     events: dict = field(default_factory=dict)       # (kind, rid) -> event
     kv: dict = field(default_factory=dict)           # (rid, rank) -> tensor
     partial: dict = field(default_factory=dict)      # rid -> tokens so far of a streaming request
+    partial_lp: dict = field(default_factory=dict)   # rid -> logprob entries (wire) so far of one
     stats: dict = field(default_factory=dict)        # rank -> event
     digests: dict = field(default_factory=dict)      # (rid, rank) -> RankDigest
     ready: dict = field(default_factory=dict)        # rank -> event
@@ -205,7 +209,8 @@ class Executor:
         stream=True: its tokens can be followed with `wait_tokens` while it runs.
         """
         rid = next(self._ids) if request_id is None else int(request_id)
-        stops = self.model_config.eos_token_ids if stop_ids is None else tuple(stop_ids)
+        stops = self.model_config.eos_token_ids if stop_ids is None else tuple(stop_ids)  # also what
+        # min_tokens bans (a context-only request never stops on them, but bans them for its first token)
         self._send({"t": "add", "rid": rid, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
                     "mode": mode, "sampling": (sampling or SamplingParams()).to_wire(),
                     "stop_ids": [int(t) for t in stops], "first_token": first_token,
@@ -230,6 +235,13 @@ class Executor:
         Raises:
             ExecutorError / KVCacheExhausted: the request was refused or the executor failed.
         """
+        toks, _lps, done = self.wait_stream(request_id, have, timeout)
+        return toks, done
+
+    def wait_stream(self, request_id: int, have: int, timeout: float
+                    ) -> tuple[list[int], list[TokenLogprob], Completion | None]:
+        """`wait_tokens`, with the logprob entries of the tokens so far (those sampled here, when asked for;
+        taken with the tokens, so they always match them)."""
         keys = (("done", request_id), ("refused", request_id), ("req_error", request_id))
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -240,7 +252,8 @@ class Executor:
                 toks = self._st.partial.get(request_id, ())
                 left = deadline - time.monotonic()
                 if len(toks) > have or left <= 0:
-                    return list(toks), None
+                    lps = [TokenLogprob.from_wire(e) for e in self._st.partial_lp.get(request_id, ())]
+                    return list(toks), lps, None
                 if self._st.fatal:
                     raise ExecutorError(f"while waiting for request {request_id}: {self._st.fatal}")
                 self._cv.wait(min(left, 0.5))
@@ -249,7 +262,7 @@ class Executor:
         if ev["t"] == "req_error":
             raise ExecutorError(ev["msg"])
         c = self._completion(request_id, ev)
-        return c.tokens, c
+        return c.tokens, list(c.logprobs), c
 
     def take_released(self) -> list[int]:
         """Context-only requests released since the last call (by the rank hooks). A server calls it now and
@@ -263,9 +276,11 @@ class Executor:
     def _completion(self, request_id: int, ev: dict) -> Completion:
         with self._cv:  # a finished request leaves nothing behind
             self._st.partial.pop(request_id, None)
+            self._st.partial_lp.pop(request_id, None)
             self._st.events.pop(("gen_alloc", request_id), None)
         return Completion(request_id, list(ev["tokens"]), ev["reason"], str(ev.get("error", "")),
-                          str(ev.get("transfer", "")), int(ev.get("loaded", 0)), int(ev.get("reused", 0)))
+                          str(ev.get("transfer", "")), int(ev.get("loaded", 0)), int(ev.get("reused", 0)),
+                          tuple(TokenLogprob.from_wire(e) for e in ev.get("lps", ())))
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 16,
                  sampling: SamplingParams | None = None,
@@ -275,14 +290,19 @@ class Executor:
         return [self.wait(r, timeout).tokens for r in rids]
 
     def prefill(self, prompt: list[int], *, sampling: SamplingParams | None = None,
-                timeout: float | None = None,
-                request_id: int | None = None) -> ContextResult:
-        """Context-only: prefill `prompt`, sample its first token; the KV stays pinned until `release`."""
-        rid = self.submit(prompt, max_tokens=1, mode="context_only", sampling=sampling, stop_ids=(),
-                          request_id=request_id)
+                timeout: float | None = None, request_id: int | None = None,
+                stop_ids: tuple[int, ...] | None = None) -> ContextResult:
+        """Context-only: prefill `prompt`, sample its first token; the KV stays pinned until `release`.
+
+        stop_ids (default the model's EOS tokens) never end a context-only request; sampling.min_tokens
+        bans them for the first token, as the generation side's (or an aggregated executor's) would.
+        """
+        rid = self.submit(prompt, max_tokens=1, mode="context_only", sampling=sampling, request_id=request_id,
+                          stop_ids=stop_ids)
         ev = self._wait_event(("ctx", rid), timeout, f"the prefill of request {rid}")
+        lp = TokenLogprob.from_wire(ev["lp"]) if ev.get("lp") is not None else None
         return ContextResult(rid, tuple(ev["block_ids"]), int(ev["num_tokens"]), int(ev["first_token"]),
-                             int(ev.get("reused", 0)))
+                             int(ev.get("reused", 0)), lp)
 
     def release(self, request_id: int, timeout: float | None = None) -> None:
         """Unpin and free a context-only request's blocks on every rank (after its transfers finished)."""
@@ -429,6 +449,8 @@ class Executor:
             toks = self._st.partial.setdefault(int(msg["rid"]), [])
             if int(msg["n"]) == len(toks) + 1:
                 toks.append(int(msg["tok"]))
+                if msg.get("lp") is not None:
+                    self._st.partial_lp.setdefault(int(msg["rid"]), []).append(msg["lp"])
         elif t == "exit":
             pass
         else:

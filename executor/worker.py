@@ -32,7 +32,7 @@ from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
 from .kv_check import DigestBook
 from .kv_io import gather_blocks, scatter_blocks
 from .model import StageModel, StepBatch
-from .sampling import SamplingParams, sample
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenHistory, TokenLogprob, sample_step
 from .sources import load_source
 from .weights import stage_weights
 
@@ -112,6 +112,12 @@ class _Inbox(threading.Thread):
             return self.kv.pop(rid)
 
 
+def _logprob_width(params: list[SamplingParams]) -> int:
+    """Columns of top alternatives a step's logprobs need (0: no row asked; 1 when only the chosen one)."""
+    asked = [p.logprobs for p in params if p.logprobs >= 0]
+    return max(1, min(max(asked), MAX_TOP_LOGPROBS)) if asked else 0
+
+
 class _Runner:
     """Executes plans on one rank."""
 
@@ -164,7 +170,8 @@ class _Runner:
         return None if self.conn is None else self.conn.exchange(self.comm)
 
     # --- one plan -------------------------------------------------------------------------------------
-    def execute(self, plan: dict) -> list[int] | None:
+    def execute(self, plan: dict) -> tuple[list[int], list] | None:
+        """Run one plan; on rank 0 returns (sampled tokens, wire logprob entries or None), one per entry."""
         kv = self.kv
         if plan.get("free_before", kv.get_num_free_blocks()) != kv.get_num_free_blocks():
             raise ExecutorError(f"rank {self.rank}: {kv.get_num_free_blocks()} free blocks before step "
@@ -223,12 +230,9 @@ class _Runner:
             if not self.model.last:
                 self.comm.send_next_stage(out)
             elif self.rank == self.sampler_rank:
-                params = [SamplingParams.from_wire(b[5]) for b in batch]
-                sampled = sample(out, params, [n for _, n in needs])
-                if self.rank != 0:
-                    self.comm.send_tokens_to_leader(torch.tensor(sampled, dtype=torch.int64))
+                sampled = self._sample(batch, out, [n for _, n in needs])
             if self.rank == 0 and self.rank != self.sampler_rank:
-                sampled = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
+                sampled = self._receive_sampled(batch)
             kv.update_resources(needs, {int(b[0]): b[2] for b in batch})
             for b in batch:
                 if b[4]:
@@ -249,6 +253,39 @@ class _Runner:
             else:
                 raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
         return sampled
+
+    # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) ---------------------
+    def _sample(self, batch: list, logits: torch.Tensor, positions: list[int]) -> tuple[list[int], list]:
+        params = [SamplingParams.from_wire(b[5]) for b in batch]
+        hist = [TokenHistory.from_wire(b[6]) for b in batch]
+        toks, lps = sample_step(logits, params, positions, hist)
+        if self.rank != 0:
+            self.comm.send_tokens_to_leader(torch.tensor(toks, dtype=torch.int64))
+            k = _logprob_width(params)
+            if k:  # [S, 1 + 2k] float64 (token ids exact below 2**53), bit-cast to go as int64
+                buf = torch.zeros(len(batch), 1 + 2 * k, dtype=torch.float64)
+                for i, e in enumerate(lps):
+                    if e is not None:
+                        buf[i, 0] = e.logprob
+                        for j, (t, v) in enumerate(e.top):
+                            buf[i, 1 + j], buf[i, 1 + k + j] = t, v
+                self.comm.send_tokens_to_leader(buf.view(torch.int64).reshape(-1))
+        return toks, [None if e is None else e.to_wire() for e in lps]
+
+    def _receive_sampled(self, batch: list) -> tuple[list[int], list]:
+        toks = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
+        params = [SamplingParams.from_wire(b[5]) for b in batch]
+        k = _logprob_width(params)
+        lps: list = [None] * len(batch)
+        if k:
+            buf = self.comm.recv_tokens_from(self.sampler_rank, len(batch) * (1 + 2 * k))
+            buf = buf.view(torch.float64).reshape(len(batch), 1 + 2 * k)
+            for i, p in enumerate(params):
+                if p.logprobs >= 0:
+                    n = min(p.logprobs, self.mcfg.vocab_size)
+                    top = tuple((int(buf[i, 1 + j]), float(buf[i, 1 + k + j])) for j in range(n))
+                    lps[i] = TokenLogprob(float(buf[i, 0]), top).to_wire()
+        return toks, lps
 
     # --- KV in and out (tests and tools; the transceiver moves KV with its agents) -------------------------
     def _read_kv(self, rid: int) -> None:
@@ -313,9 +350,9 @@ def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
         plan["free_before"] = run.kv.get_num_free_blocks()
         run.comm.broadcast_plan(codec.pack(plan))
         last_bcast = time.monotonic()
-        sampled = run.execute(plan)
+        sampled, logprobs = run.execute(plan) or ([], [])
         if not idle:
-            for ev in eng.step_done(plan, sampled or []):
+            for ev in eng.step_done(plan, sampled, logprobs):
                 if ev["t"] in ("ctx", "gen_alloc"):
                     ev["block_ids"] = run.kv.get_batch_cache_indices([ev["rid"]])[0]
                 pipes.send(ev)

@@ -13,16 +13,27 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from ..errors import ExecutorError, KVCacheExhausted
 from ..executor.runtime import Completion, ContextResult, Executor
-from ..executor.sampling import SamplingParams
+from ..executor.sampling import SamplingParams, TokenLogprob
 from .protocol import ApiError
 
-__all__ = ["Backend", "POLL_S"]
+__all__ = ["Backend", "Progress", "POLL_S"]
 
 POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A followed request so far: its tokens, the logprob entries of those sampled here (when asked for),
+    and its Completion once it finished (else None)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    done: Completion | None = None
 
 
 class Backend:
@@ -66,8 +77,8 @@ class Backend:
 
     async def follow(self, rid: int, deadline: float,
                      gone: Callable[[], Awaitable[bool]] | None = None
-                     ) -> AsyncIterator[tuple[list[int], Completion | None]]:
-        """Yield (tokens so far, None) as a submitted request grows, then (tokens, Completion) once.
+                     ) -> AsyncIterator[Progress]:
+        """Yield Progress (done None) as a submitted request grows, then once with its Completion.
 
         The request is aborted if the caller stops iterating early, `gone()` turns true, the deadline passes
         or the executor fails.
@@ -80,17 +91,17 @@ class Backend:
                     raise ApiError(504, f"the request did not finish before its deadline (request {rid})",
                                    "timeout_error", "timeout")
                 try:
-                    toks, done = await self.call(self.ex.wait_tokens, rid, have, min(POLL_S, left))
+                    toks, lps, done = await self.call(self.ex.wait_stream, rid, have, min(POLL_S, left))
                 except (ExecutorError, KVCacheExhausted) as e:
                     finished = True  # refused or the executor failed: nothing left to abort
                     raise self.error(e, "generation") from None
                 if done is not None:
                     finished = True
-                    yield toks, done
+                    yield Progress(toks, lps, done)
                     return
                 if len(toks) > have:
                     have = len(toks)
-                    yield toks, None
+                    yield Progress(toks, lps)
                 if gone is not None and await gone():
                     raise ApiError(499, "the client went away", "cancelled", "client_closed")
         finally:

@@ -4,28 +4,37 @@ Owns validating a client's JSON (every bad field named in a 400 error), the `dis
 that travels router -> context worker -> router -> generation worker, and the shapes of what goes back.
 Never runs a model and never trusts a peer: everything here is checked before it reaches an executor.
 
+Token-level parameters honoured (checked here, applied by executor/sampling.py and serving/stops.py):
+temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+min_tokens, ignore_eos, stop, logprobs (+ top_logprobs for chat). A value out of range is a 400 naming it.
+
 Non-standard fields: a request may carry `disaggregated_params` ({"request_type": "context_only"} or the
-generation_only object a context worker returned); every response carries `kvbridge` (token ids, the KV
-transfer's stats, which workers served it, whether the generation worker recomputed the prompt).
+generation_only object a context worker returned, with `first_logprob` when logprobs were asked for: the
+context worker samples the first token); every response carries `kvbridge` (token ids, the KV transfer's
+stats, which workers served it, whether the generation worker recomputed the prompt).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+from ..executor.sampling import MAX_LOGIT_BIAS, TokenLogprob
 
 __all__ = ["ApiError", "GenRequest", "DisaggRequest", "parse_request", "parse_disagg", "response", "chunk",
-           "usage_chunk", "sse", "SSE_DONE", "DEADLINE_HEADER", "new_id", "read_json"]
+           "usage_chunk", "sse", "SSE_DONE", "DEADLINE_HEADER", "new_id", "read_json", "logprobs_object"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413) before it is read
 DEADLINE_HEADER = "x-kvbridge-timeout-s"  # seconds the caller still waits for this hop
 MAX_PROMPT_TOKENS = 1 << 20
-_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-                "tools": None, "functions": None}
+MAX_STOPS, MAX_STOP_CHARS = 4, 1024
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's bounds: chat top_logprobs, completions logprobs
+_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None, "functions": None}
 
 
 class ApiError(Exception):
@@ -68,6 +77,14 @@ class GenRequest:
     stream: bool
     include_usage: bool
     disagg: "DisaggRequest | None"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int = -1                 # -1: none; else top alternatives per token (chat 0..20, completions 0..5)
+    stop: tuple[str, ...] = ()         # generation ends at the first of these strings (not returned)
 
 
 @dataclass
@@ -80,12 +97,15 @@ class DisaggRequest:
     ctx_params: dict[str, Any] | None = None
     seed: int | None = None
     context_worker: str = ""
+    first_logprob: TokenLogprob | None = None  # the first token's logprobs, when the request asked for them
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"request_type": self.request_type}
         if self.request_type == "generation_only":
             d.update(first_token=self.first_token, prompt_token_ids=self.prompt_token_ids,
                      ctx_params=self.ctx_params, seed=self.seed, context_worker=self.context_worker)
+            if self.first_logprob is not None:
+                d["first_logprob"] = self.first_logprob.to_wire()
         return d
 
 
@@ -119,9 +139,6 @@ def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
         if body.get(k, ok) not in (ok, None) and not (k in ("logprobs",) and body.get(k) is False):
             raise ApiError(400, f"{k}={body[k]!r} is not supported by this server", code="unsupported",
                            param=k)
-    if body.get("stop") not in (None, [], ""):
-        raise ApiError(400, "stop sequences are not supported by this server (stop tokens of the model are)",
-                       code="unsupported", param="stop")
     prompt = messages = None
     if kind == "completion":
         prompt = body.get("prompt")
@@ -152,14 +169,25 @@ def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model: expected a string", param="model")
+    min_tokens = _int(_given(body, "min_tokens", 0), "min_tokens", 0)
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})",
+                       param="min_tokens")
     return GenRequest(kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-                      temperature=_num(body.get("temperature", 1.0), "temperature", 0.0, 100.0),
-                      top_p=_num(body.get("top_p", 1.0), "top_p", 0.0, 1.0),
+                      temperature=_num(_given(body, "temperature", 1.0), "temperature", 0.0, 100.0),
+                      top_p=_num(_given(body, "top_p", 1.0), "top_p", 0.0, 1.0),
                       top_k=_int(body.get("top_k", 0) or 0, "top_k", 0),
                       seed=None if body.get("seed") is None else _int(body["seed"], "seed", 0),
                       stream=_bool(body.get("stream", False), "stream"),
                       include_usage=_bool(so.get("include_usage", False), "stream_options.include_usage"),
-                      disagg=parse_disagg(body.get("disaggregated_params")))
+                      disagg=parse_disagg(body.get("disaggregated_params")),
+                      presence_penalty=_num(_given(body, "presence_penalty", 0.0), "presence_penalty", -2.0, 2.0),
+                      frequency_penalty=_num(_given(body, "frequency_penalty", 0.0), "frequency_penalty",
+                                             -2.0, 2.0),
+                      repetition_penalty=_positive(_given(body, "repetition_penalty", 1.0), "repetition_penalty"),
+                      logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=min_tokens,
+                      ignore_eos=_bool(_given(body, "ignore_eos", False), "ignore_eos"),
+                      logprobs=_logprobs(body, kind), stop=_stop(body.get("stop")))
 
 
 def parse_disagg(d: Any) -> DisaggRequest | None:
@@ -183,40 +211,66 @@ def parse_disagg(d: Any) -> DisaggRequest | None:
                        param="disaggregated_params")
     cw = d.get("context_worker", "")
     first = _int(d.get("first_token"), "disaggregated_params.first_token", 0)
+    lp = None
+    if d.get("first_logprob") is not None:
+        try:
+            lp = TokenLogprob.from_wire(d["first_logprob"])
+        except ValueError as e:
+            raise ApiError(400, f"disaggregated_params.first_logprob: {e}", param="disaggregated_params") from None
     return DisaggRequest("generation_only", first, ids, d["ctx_params"], _seed(d),
-                         cw if isinstance(cw, str) else "")
+                         cw if isinstance(cw, str) else "", lp)
 
 
 # --- what goes back -------------------------------------------------------------------------------------
 def response(rid: str, req: GenRequest, model: str, text: str, finish: str, prompt_len: int, n_out: int,
-             extra: dict[str, Any]) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion."""
+             extra: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A whole (non-streamed) completion or chat completion (`logprobs`: from logprobs_object)."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": finish}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": _usage(prompt_len, n_out), "kvbridge": extra}
 
 
 def chunk(rid: str, req: GenRequest, model: str, text: str | None, finish: str | None,
-          extra: dict[str, Any] | None = None, first: bool = False) -> dict[str, Any]:
-    """One streamed chunk: a text delta, and on the last one the finish reason."""
+          extra: dict[str, Any] | None = None, first: bool = False,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk: a text delta (and the logprobs of its tokens), and on the last one the finish
+    reason."""
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     out = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
     if extra:
         out["kvbridge"] = extra
     return out
+
+
+def logprobs_object(kind: str, tokens: list[int], entries: list[TokenLogprob],
+                    piece_of: Callable[[int], tuple[str, list[int]]], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs of `tokens` (entries aligned with them; piece_of(token) -> (text, bytes)): chat
+    {"content": [{token, logprob, bytes, top_logprobs}]}; completions {tokens, token_logprobs, top_logprobs,
+    text_offset} (offsets from `offset`, the characters already sent before these tokens)."""
+    if kind == "chat":
+        def one(t: int, lp: float) -> dict[str, Any]:
+            text, raw = piece_of(t)
+            return {"token": text, "logprob": lp, "bytes": raw}
+        return {"content": [{**one(t, e.logprob), "top_logprobs": [one(a, v) for a, v in e.top]}
+                            for t, e in zip(tokens, entries)]}
+    texts = [piece_of(t)[0] for t in tokens]
+    offsets = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece_of(a)[0]: v for a, v in e.top} for e in entries], "text_offset": offsets}
 
 
 def usage_chunk(rid: str, req: GenRequest, model: str, prompt_len: int, n_out: int) -> dict[str, Any]:
@@ -255,6 +309,66 @@ def _token_ids(v: Any) -> bool:
             and all(type(t) is int and t >= 0 for t in v))
 
 
+def _given(body: dict, name: str, default: Any) -> Any:
+    """body[name], or `default` when absent or null (OpenAI clients send null for "not set")."""
+    v = body.get(name)
+    return default if v is None else v
+
+
+def _positive(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+        raise ApiError(400, f"{name}: expected a number > 0, got {v!r}", param=name)
+    return float(v)
+
+
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]} (ids checked against the vocabulary by the worker)."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias: expected an object of at most {MAX_LOGIT_BIAS} token id -> bias "
+                            f"entries", param="logit_bias")
+    out = []
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit() and len(k) <= 10):
+            raise ApiError(400, f"logit_bias: key {k!r:.40} is not a token id", param="logit_bias")
+        out.append((int(k), _num(b, f"logit_bias[{k}]", -100.0, 100.0, param="logit_bias")))
+    return tuple(out)
+
+
+def _logprobs(body: dict, kind: str) -> int:
+    """How many top alternatives per token (-1: no logprobs). Chat: logprobs bool + top_logprobs 0..20;
+    completions: logprobs 0..5."""
+    hi = MAX_TOP_LOGPROBS[kind]
+    v = body.get("logprobs")
+    if kind == "completion":
+        if v is None or v is False:
+            return -1
+        if type(v) is not int or not 0 <= v <= hi:
+            raise ApiError(400, f"logprobs: expected an integer in [0, {hi}], got {v!r}", param="logprobs")
+        return v
+    on = False if v is None else _bool(v, "logprobs")
+    top = body.get("top_logprobs")
+    if top is None:
+        return 0 if on else -1
+    if type(top) is not int or not 0 <= top <= hi:
+        raise ApiError(400, f"top_logprobs: expected an integer in [0, {hi}], got {top!r}", param="top_logprobs")
+    if not on:
+        raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+    return top
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    stops = [v] if isinstance(v, str) else v
+    if stops is None:
+        return ()
+    if not (isinstance(stops, list) and len(stops) <= MAX_STOPS
+            and all(isinstance(x, str) and len(x) <= MAX_STOP_CHARS for x in stops)):
+        raise ApiError(400, f"stop: expected a string or a list of at most {MAX_STOPS} strings (each at most "
+                            f"{MAX_STOP_CHARS} characters)", param="stop")
+    return tuple(x for x in stops if x)
+
+
 def _seed(d: dict) -> int | None:
     return None if d.get("seed") is None else _int(d["seed"], "disaggregated_params.seed", 0)
 
@@ -265,9 +379,9 @@ def _int(v: Any, name: str, lo: int) -> int:
     return v
 
 
-def _num(v: Any, name: str, lo: float, hi: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise ApiError(400, f"{name}: expected a number in [{lo}, {hi}], got {v!r}", param=name)
+def _num(v: Any, name: str, lo: float, hi: float, param: str | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:  # NaN fails lo <= v
+        raise ApiError(400, f"{name}: expected a number in [{lo}, {hi}], got {v!r}", param=param or name)
     return float(v)
 
 

@@ -9,7 +9,10 @@ Routes:
     GET /health (503 once the executor failed), /metrics (Prometheus, every rank process merged),
         /v1/models, /debug/free_blocks (free blocks per rank, pinned context requests)
 
-Owns request handling and the generation side's failure policy (`on_transfer_failure`: fail returns the
+Owns request handling, the token-level parameters' path to the executor (the context and the generation side
+build the same SamplingParams, so disaggregated == aggregated tokens), stop strings (at the worker that
+produces the text: a match aborts the request, freeing its blocks), logprobs in OpenAI's shapes, and the
+generation side's failure policy (`on_transfer_failure`: fail returns the
 transfer's error; recompute prefills the prompt here, aggregated). Never frees KV itself (backend.py).
 """
 
@@ -35,8 +38,9 @@ from .backend import Backend
 from .config import ServeConfig, ServerSpec
 from .metrics import WorkerMetrics, render
 from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, add_common_routes, chunk,
-                       new_id, parse_request, read_json, response, sse, usage_chunk)
-from .text import Detokenizer, TextCodec
+                       logprobs_object, new_id, parse_request, read_json, response, sse, usage_chunk)
+from .stops import TextCutter
+from .text import TextCodec
 
 log = logging.getLogger("kvbridge.serving.worker")
 
@@ -149,12 +153,12 @@ async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[st
     prompt = _prompt_ids(st, req)
     seed = req.disagg.seed if req.disagg and req.disagg.seed is not None else req.seed
     seed = secrets.randbits(31) if seed is None else seed
-    sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed)
+    sampling = _sampling(st, req, seed)
     t0 = time.monotonic()
     res = await be.prefill(prompt, sampling, max(0.1, deadline - t0))
     WorkerMetrics(spec.role).prefix(len(prompt), res.reused_tokens, _kv_bytes_per_token(be.ex.layout))
     params = DisaggParams(res.request_id, st.instance, st.endpoints, be.ex.layout).to_dict()
-    out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name)
+    out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name, res.first_logprob)
     return {"id": new_id(req.kind), "object": "text_completion", "created": int(time.time()),
             "model": st.cfg.model_name,
             "choices": [{"index": 0, "text": st.codec.decode([res.first_token]), "finish_reason": None}],
@@ -170,35 +174,29 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
     d = req.disagg
     extra: dict[str, Any] = {"generation_worker": spec.name}
     if d is not None:  # generation_only
-        if spec.role != "generation":
-            raise ApiError(400, f"{spec.name} is a context worker; send generation_only requests to a "
-                                f"generation worker", code="wrong_role", param="disaggregated_params")
-        try:
-            DisaggParams.from_dict(d.ctx_params)
-        except KvBridgeError as e:
-            raise ApiError(400, f"disaggregated_params.ctx_params: {e}", code="invalid_disaggregated_params",
-                           param="disaggregated_params") from None
-        prompt, seed = d.prompt_token_ids, (d.seed if d.seed is not None else req.seed or 0)
+        prompt, seed = _generation_only(st, req), (d.seed if d.seed is not None else req.seed or 0)
         extra["context_worker"] = d.context_worker
     else:
         prompt, seed = _prompt_ids(st, req), (secrets.randbits(31) if req.seed is None else req.seed)
-    sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed)
+    sampling = _sampling(st, req, seed)
     gone = None if req.stream else request.is_disconnected
+    follow = req.stream or bool(req.stop)  # stop strings are looked for as the tokens arrive
 
     def submit(aggregated: bool) -> int:
         try:
             if aggregated:
-                return be.ex.submit(prompt, max_tokens=req.max_tokens, sampling=sampling, stream=req.stream)
+                return be.ex.submit(prompt, max_tokens=req.max_tokens, sampling=sampling, stream=follow)
             return be.ex.submit(prompt, max_tokens=req.max_tokens, mode="generation_only", sampling=sampling,
                                 first_token=d.first_token, ctx_info={"disagg_params": d.ctx_params},
-                                stream=req.stream)
+                                stream=follow)
         except KvBridgeError as e:
             raise be.error(e, "submit") from None
 
     events = be.follow(submit(d is None), deadline, gone)
-    toks, done = await anext(events)
-    if done is not None and done.finish_reason == "aborted" and d is not None and not toks:
-        reason = done.error or "the KV transfer was aborted"
+    got = await anext(events)
+    first_lp = d.first_logprob if d is not None else None  # the context side sampled the first token
+    if got.done is not None and got.done.finish_reason == "aborted" and d is not None and not got.tokens:
+        reason = got.done.error or "the KV transfer was aborted"
         if cfg.on_transfer_failure != "recompute":
             src = d.context_worker or "the context worker"
             raise ApiError(502, f"KV transfer from {src} failed: {reason}", "server_error",
@@ -206,47 +204,119 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
         log.warning("%s: KV transfer failed (%s); recomputing the prompt here", spec.name, reason)
         metrics.recomputes.inc()
         extra.update(recomputed=True, transfer_error=reason)
-        events = be.follow(submit(True), deadline, gone)
-        toks, done = await anext(events)
-    if done is not None and done.finish_reason == "aborted":
-        raise ApiError(500, f"the request was aborted: {done.error or 'no reason given'}", "server_error",
+        events, first_lp = be.follow(submit(True), deadline, gone), None
+        got = await anext(events)
+    if got.done is not None and got.done.finish_reason == "aborted":
+        raise ApiError(500, f"the request was aborted: {got.done.error or 'no reason given'}", "server_error",
                        "aborted")
     extra.setdefault("recomputed", False)
-    rid = new_id(req.kind)
+    out = _Output(st, req, rid=new_id(req.kind), prompt_len=len(prompt), first_lp=first_lp)
     if req.stream:
-        return StreamingResponse(_stream(st, req, rid, prompt, toks, done, events, extra, metrics, end),
+        return StreamingResponse(_stream(out, got, events, extra, metrics, end),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    while done is None:
-        toks, done = await anext(events)
-    _finish_extra(extra, done, metrics)
-    _prefix_metrics(st, extra, len(prompt), done, metrics)
-    text = st.codec.decode(toks)
-    return response(rid, req, cfg.model_name, text, done.finish_reason, len(prompt), len(toks), extra)
+    got, piece, text = await _whole(st, req, got, events)
+    toks, finish = out.cut(got, piece)
+    _finish_extra(extra, toks, got.done, metrics)
+    _prefix_metrics(st, extra, len(prompt), got.done, metrics)
+    return response(out.rid, req, cfg.model_name, text, finish, len(prompt), len(toks), extra,
+                    out.logprobs(toks, got, 0, 0))
 
 
-async def _stream(st: WorkerState, req: GenRequest, rid: str, prompt: list[int], toks: list[int], done,
-                  events, extra: dict[str, Any], metrics: WorkerMetrics, end):
+def _generation_only(st: WorkerState, req: GenRequest) -> list[int]:
+    """Check a generation_only request's disaggregated_params; returns its prompt's token ids."""
+    d = req.disagg
+    if st.spec.role != "generation":
+        raise ApiError(400, f"{st.spec.name} is a context worker; send generation_only requests to a "
+                            f"generation worker", code="wrong_role", param="disaggregated_params")
+    try:
+        DisaggParams.from_dict(d.ctx_params)
+    except KvBridgeError as e:
+        raise ApiError(400, f"disaggregated_params.ctx_params: {e}", code="invalid_disaggregated_params",
+                       param="disaggregated_params") from None
+    if req.logprobs >= 0 and d.first_logprob is None:
+        raise ApiError(400, "disaggregated_params.first_logprob: missing, and the request asks for "
+                            "logprobs (the context worker samples the first token)", param="disaggregated_params")
+    return d.prompt_token_ids
+
+
+async def _whole(st: WorkerState, req: GenRequest, got, events):
+    """A non-streamed request to its end, or to its first stop string (then it is aborted: blocks freed).
+    Returns (its last Progress, the cutter's last Piece, the answer's text)."""
+    cutter = TextCutter(st.codec, req.stop, req.min_tokens)
+    try:
+        while True:
+            piece = cutter.update(got.tokens, final=got.done is not None)
+            if piece.stopped_at is not None or got.done is not None:
+                return got, piece, cutter.sent
+            got = await anext(events)
+    finally:
+        await events.aclose()
+
+
+@dataclass
+class _Output:
+    """What one request's answer is built from: its id, and the logprobs of its tokens (the first one's from
+    the context worker when disaggregated)."""
+
+    st: WorkerState
+    req: GenRequest
+    rid: str
+    prompt_len: int
+    first_lp: Any = None
+
+    def cut(self, got, piece) -> tuple[list[int], str]:
+        """The tokens answered and the finish reason ("stop" when a stop string matched)."""
+        if piece.stopped_at is not None:
+            return list(got.tokens[:piece.stopped_at]), "stop"
+        return list(got.tokens), got.done.finish_reason
+
+    def logprobs(self, toks: list[int], got, start: int, offset: int) -> dict[str, Any] | None:
+        """OpenAI logprobs of toks[start:] (None when not asked for); offset: characters before them."""
+        if self.req.logprobs < 0:
+            return None
+        entries = ([self.first_lp] if self.first_lp is not None else []) + list(got.logprobs)
+        return logprobs_object(self.req.kind, toks[start:], entries[start:len(toks)], self._piece, offset)
+
+    def _piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes for logprobs; a raw byte that is no character alone reads "bytes:\\xNN"
+        (as vLLM writes it), so distinct tokens keep distinct texts."""
+        codec = self.st.codec
+        if not codec.has_tokenizer and 0 <= token < 256:
+            try:
+                return bytes([token]).decode("utf-8"), [token]
+            except UnicodeDecodeError:
+                return f"bytes:\\x{token:02x}", [token]
+        text = codec.decode([token])
+        return text, list(text.encode("utf-8"))
+
+
+async def _stream(out: _Output, got, events, extra: dict[str, Any], metrics: WorkerMetrics, end):
     """The SSE body; `end(outcome)` is called once it finished, failed, or its client went away."""
-    detok, sent, first, model = Detokenizer(st.codec), 0, True, st.cfg.model_name
+    st, req, rid = out.st, out.req, out.rid
+    cutter, sent, first, model, offset = TextCutter(st.codec, req.stop, req.min_tokens), 0, True, st.cfg.model_name, 0
     outcome = "client_closed"
     try:
         while True:
-            new, sent = toks[sent:], len(toks)
-            text = detok.delta(toks, final=done is not None)
-            if done is not None:
-                _finish_extra(extra, done, metrics)
-                _prefix_metrics(st, extra, len(prompt), done, metrics)
-                last = {**extra, "token_ids": new}
-                yield sse(chunk(rid, req, model, text, done.finish_reason, last, first))
+            piece = cutter.update(got.tokens, final=got.done is not None)
+            if piece.stopped_at is not None or got.done is not None:
+                toks, finish = out.cut(got, piece)
+                _finish_extra(extra, toks, got.done, metrics)
+                _prefix_metrics(st, extra, out.prompt_len, got.done, metrics)
+                last = {**extra, "token_ids": toks[sent:]}
+                yield sse(chunk(rid, req, model, piece.text, finish, last, first,
+                                out.logprobs(toks, got, sent, offset)))
                 if req.include_usage:
-                    yield sse(usage_chunk(rid, req, model, len(prompt), len(toks)))
+                    yield sse(usage_chunk(rid, req, model, out.prompt_len, len(toks)))
                 yield SSE_DONE
                 outcome = "ok"
                 return
+            new = got.tokens[sent:]
             if new:
-                yield sse(chunk(rid, req, model, text, None, {"token_ids": new}, first))
-                first = False
-            toks, done = await anext(events)
+                lps = out.logprobs(got.tokens, got, sent, offset)
+                yield sse(chunk(rid, req, model, piece.text, None, {"token_ids": new}, first, lps))
+                first, sent = False, len(got.tokens)
+                offset += sum(len(x) for x in lps["tokens"]) if lps and req.kind != "chat" else 0
+            got = await anext(events)
     except ApiError as e:
         outcome = e.code or e.type
         yield sse(e.body())
@@ -255,9 +325,9 @@ async def _stream(st: WorkerState, req: GenRequest, rid: str, prompt: list[int],
         end(outcome)
 
 
-def _finish_extra(extra: dict[str, Any], done, metrics: WorkerMetrics) -> None:
-    extra["token_ids"] = list(done.tokens)
-    if done.transfer:
+def _finish_extra(extra: dict[str, Any], toks: list[int], done, metrics: WorkerMetrics) -> None:
+    extra["token_ids"] = list(toks)
+    if done is not None and done.transfer:
         try:
             extra["transfer"] = json.loads(done.transfer)
             metrics.transfer.observe(float(extra["transfer"]["ms"]["total"]) / 1e3)
@@ -272,8 +342,25 @@ def _kv_bytes_per_token(layout) -> int:
 
 def _prefix_metrics(st: WorkerState, extra: dict[str, Any], prompt_len: int, done, metrics: WorkerMetrics) -> None:
     """Block reuse: how many prompt tokens the executor's prefix cache served (in the response and /metrics)."""
+    if done is None:  # ended by a stop string before the executor's own end: reported with the abort
+        return
     extra["reused_tokens"] = done.reused_tokens
     metrics.prefix(prompt_len, done.reused_tokens, _kv_bytes_per_token(st.backend.ex.layout))
+
+
+def _sampling(st: WorkerState, req: GenRequest, seed: int) -> SamplingParams:
+    """The executor's SamplingParams of a request (the same on the context and the generation side)."""
+    vocab = st.backend.ex.model_config.vocab_size
+    bad = next((t for t, _ in req.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"logit_bias: token id {bad} is outside the model's vocabulary 0..{vocab - 1}",
+                       param="logit_bias")
+    try:
+        return SamplingParams(req.temperature, req.top_k, req.top_p, seed, req.presence_penalty,
+                              req.frequency_penalty, req.repetition_penalty, req.logit_bias, req.min_tokens,
+                              req.ignore_eos, req.logprobs)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=str(e).split(":")[0].split(" ")[0]) from None
 
 
 def _prompt_ids(st: WorkerState, req: GenRequest) -> list[int]:
