@@ -12,8 +12,8 @@ import pytest
 
 from kvbridge.executor.launch import free_port
 
-from .cluster import MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, start_process, \
-    stop_process, streamed_tokens, wait_healthy, wait_pool_full
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, \
+    start_process, stop_process, streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
 
 CTX_BLOCKS, GEN_BLOCKS = 256, 96
@@ -172,11 +172,11 @@ def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_
     try:
         base = f"http://127.0.0.1:{router_port}"
         wait_healthy(base, router)
-        before = _requests_served(httpx.get(urls["gen"] + "/metrics").text)
+        before = _requests_served(httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text)
         r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1000}, timeout=60)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
-        after = _requests_served(httpx.get(urls["gen"] + "/metrics").text)
+        after = _requests_served(httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text)
         assert after > before  # the generation worker ended it (counted with outcome timeout / client_closed)
     finally:
         stop_process(router)
