@@ -46,15 +46,16 @@ class Supervisor:
     Args:
         cluster: the launcher's Cluster, after start() and wait_healthy().
         out: where the supervisor's lines go (default stderr).
+        now: the monotonic time it starts at (default: now).
     """
 
-    def __init__(self, cluster, out=None) -> None:
+    def __init__(self, cluster, out=None, now: float | None = None) -> None:
         self.cluster = cluster
         self.policy = cluster.cfg.on_worker_exit
         self.grace_s = cluster.cfg.role_grace_s
         self.out = out or sys.stderr
         self.track = {c.name: _Track(_State.LIVE) for c in cluster.children}
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         self.last_live = {c.role: now for c in cluster.children}
 
     def run(self) -> int:
@@ -99,8 +100,8 @@ class Supervisor:
             if live:
                 self.last_live[role] = now
             elif now - self.last_live[role] > self.grace_s:
-                what = "the router" if role == "router" else f"no {role} worker"
-                return f"{what} has not been live for role_grace_s={self.grace_s:g}s"
+                what = "the router has not" if role == "router" else f"no {role} worker has"
+                return f"{what} been live for role_grace_s={self.grace_s:g}s"
         return None
 
     def _say(self, line: str) -> None:
