@@ -100,7 +100,8 @@ def test_32_concurrent_requests_are_all_answered_and_both_pools_end_full(urls, w
 
 
 def test_worker_metrics_merge_the_transceiver_metrics_of_every_rank_process(urls):
-    ctx, gen = httpx.get(urls["ctx"] + "/metrics").text, httpx.get(urls["gen"] + "/metrics").text
+    ctx = httpx.get(urls["ctx"] + "/metrics", headers=HEADERS).text
+    gen = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
     # counted inside the rank processes (transceiver/metrics.py), summed over them by the worker's /metrics
     assert 'kvbridge_transfers_total{outcome="ok",role="generation"}' in gen
     assert 'kvbridge_transfers_total{outcome="complete",role="context"}' in ctx
@@ -109,7 +110,7 @@ def test_worker_metrics_merge_the_transceiver_metrics_of_every_rank_process(urls
     # the worker's own request metrics
     assert 'kvbridge_serving_requests_total{kind="completion",outcome="ok",role="generation"}' in gen
     assert 'kvbridge_serving_request_seconds_count{phase="prefill",role="context"}' in ctx
-    router = httpx.get(urls["router"].removesuffix("/v1") + "/metrics").text
+    router = httpx.get(urls["router"].removesuffix("/v1") + "/metrics", headers=HEADERS).text
     assert 'kvbridge_router_requests_total{endpoint="completions",status="200"}' in router
 
 
@@ -120,9 +121,10 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_generation(urls):
             if line.startswith("data:"):
                 break  # one chunk, then hang up
     deadline = time.monotonic() + 60
-    while "client_closed" not in httpx.get(urls["gen"] + "/metrics").text and time.monotonic() < deadline:
+    while ("client_closed" not in httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
+           and time.monotonic() < deadline):
         time.sleep(0.3)
-    metrics = httpx.get(urls["gen"] + "/metrics").text
+    metrics = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
     assert 'outcome="client_closed"' in metrics  # the generation worker saw the router hang up and aborted
     assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
 
@@ -149,7 +151,8 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         assert kb["token_ids"] == want["prompts"][0]
         assert wait_pool_full(bad_ctx, 32, 1, timeout=30) == [32]  # never picked up: pickup timeout frees it
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
-        assert "kvbridge_serving_recomputes_total 1.0" in httpx.get(urls["gen"] + "/metrics").text
+        metrics = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
+        assert "kvbridge_serving_recomputes_total 1.0" in metrics
     finally:
         stop_process(router)
         stop_process(ctx)
