@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start()
         took = cluster.wait_healthy()
         ctx_url, gen_url, api = cluster.cfg.context[0].url, cluster.cfg.generation[0].url, cluster.router_url
-        with httpx.Client(timeout=300) as http:
+        with httpx.Client(timeout=300, headers=cluster.headers) as http:  # the workers want the token
             _topology(out, http, ctx_url, gen_url, api, took)
             out.step(2, 4, "one request streamed through the router (POST /v1/chat/completions, stream):")
             results = [_stream(out, http, api, prompts[0], a.max_tokens)]

@@ -6,7 +6,8 @@
 #
 # --separate shows what `kvbridge serve` does for you: each context / generation worker is
 # `kvbridge worker --config CONFIG --role ROLE --index I` (run it on the host its url names), the router is
-# `kvbridge router --config CONFIG`. Every process reads the same config; ports must be given (not 0).
+# `kvbridge router --config CONFIG`. Every process reads the same config; ports must be given (not 0), and
+# every process gets the same internal token (KVBRIDGE_INTERNAL_TOKEN; made here unless already set).
 # Ctrl-C stops them all. Then: python examples/client.py "What is the capital of France?"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,7 @@ if [[ $separate == 0 ]]; then
   exec "$PY" -m kvbridge.cli serve "$CONFIG"
 fi
 
+export KVBRIDGE_INTERNAL_TOKEN=${KVBRIDGE_INTERNAL_TOKEN:-$("$PY" -c "import secrets; print(secrets.token_urlsafe(32))")}
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait; }
 trap cleanup EXIT INT TERM

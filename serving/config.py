@@ -9,7 +9,12 @@ anything and never touches the network.
     on_transfer_failure: fail           # or recompute: the generation worker prefills the prompt itself
     executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}   # enable_block_reuse: true
     transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
-    router: {host: 127.0.0.1, port: 8000, policy: round_robin}    # or least_loaded, prefix_aware
+    router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded, prefix_aware
+    internal_token: null       # workers on other hosts: the deployment's token (or KVBRIDGE_INTERNAL_TOKEN)
+    insecure: false            # true: a worker without a token may listen on a non-loopback address
+    keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)
+    on_worker_exit: restart    # or stop: `kvbridge serve` stops everything when a worker dies
+    role_grace_s: 120          # serve exits 1 once a role had no live worker this long
     context_servers: {instances: 1, tp: 3, urls: ["127.0.0.1:8001"]}
     generation_servers: {instances: 1, tp: 1, urls: ["127.0.0.1:8002"], device: cuda:0}
 """
@@ -30,16 +35,18 @@ __all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_conf
 ROLES = ("context", "generation")
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 FAILURE_MODES = ("fail", "recompute")
+EXIT_POLICIES = ("restart", "stop")
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
-        "generation_servers", "startup_timeout_s", "default_max_tokens"}
+        "generation_servers", "startup_timeout_s", "default_max_tokens", "internal_token", "insecure",
+        "keys_dir", "on_worker_exit", "role_grace_s"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
              "enable_block_reuse": bool}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
-           "health_interval_s", "connect_timeout_s"}
+           "health_interval_s", "connect_timeout_s", "api_keys"}
 _GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
 
 
@@ -92,6 +99,7 @@ class RouterSpec:
     context_timeout_s: float = 120.0   # one context hop (a prefill); a failed hop is retried elsewhere
     health_interval_s: float = 2.0     # how often every worker's /health is polled
     connect_timeout_s: float = 5.0     # opening a connection to a worker
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
 
     @property
     def url(self) -> str:
@@ -111,6 +119,11 @@ class ServeConfig:
     startup_timeout_s: float
     default_max_tokens: int
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    internal_token: str | None = field(default=None, repr=False)
+    insecure: bool = False
+    keys_dir: str | None = None
+    on_worker_exit: str = "restart"
+    role_grace_s: float = 120.0
 
     def servers(self) -> tuple[ServerSpec, ...]:
         return self.context + self.generation
@@ -135,6 +148,20 @@ class ServeConfig:
             raw[key]["instances"] = len(group)
         if router_port is not None:
             raw.setdefault("router", {})["port"] = router_port
+        return parse_config(raw)
+
+    def with_transceiver(self, role: str, settings: dict[str, Any]) -> "ServeConfig":
+        """A copy whose `role` servers get these transceiver settings on top of their own."""
+        raw = _copy(self.raw)
+        group = raw[_GROUP_KEY[role]]
+        group["transceiver"] = {**(group.get("transceiver") or {}), **settings}
+        return parse_config(raw)
+
+    def with_api_keys(self, keys: tuple[str, ...]) -> "ServeConfig":
+        """A copy whose router takes these API keys (besides its own)."""
+        raw = _copy(self.raw)
+        router = raw.setdefault("router", {})
+        router["api_keys"] = list(dict.fromkeys([*_api_keys(router.get("api_keys", [])), *keys]))
         return parse_config(raw)
 
     def to_yaml(self) -> str:
@@ -186,7 +213,27 @@ def parse_config(d: Any) -> ServeConfig:
     if startup <= 0 or max_tokens < 1:
         raise ServeConfigError("startup_timeout_s must be > 0 and default_max_tokens >= 1")
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
-                       groups["generation"], router, startup, max_tokens, _copy(top))
+                       groups["generation"], router, startup, max_tokens, _copy(top), **_operations(top))
+
+
+def _operations(top: dict) -> dict[str, Any]:
+    """The security and supervision keys of the top level."""
+    on_exit = _get(top, "on_worker_exit", str, "", "restart")
+    if on_exit not in EXIT_POLICIES:
+        raise ServeConfigError(f"on_worker_exit: {on_exit!r} is not one of {EXIT_POLICIES}")
+    grace = _get(top, "role_grace_s", float, "", 120.0)
+    if grace <= 0:
+        raise ServeConfigError(f"role_grace_s: must be > 0 seconds, got {grace}")
+    insecure = top.get("insecure", False)
+    if type(insecure) is not bool:
+        raise ServeConfigError(f"insecure: expected true or false, got {insecure!r}")
+    token = _get(top, "internal_token", (str, type(None)), "", None)
+    if token is not None and len(token) < 16:
+        raise ServeConfigError("internal_token: must be at least 16 characters (`kvbridge serve` makes one "
+                               "of 43 with secrets.token_urlsafe(32))")
+    keys_dir = _get(top, "keys_dir", (str, type(None)), "", None)
+    return {"internal_token": token, "insecure": insecure, "keys_dir": keys_dir, "on_worker_exit": on_exit,
+            "role_grace_s": grace}
 
 
 # --- sections -------------------------------------------------------------------------------------------
@@ -270,7 +317,8 @@ def _router(d: dict) -> RouterSpec:
                    request_timeout_s=_get(d, "request_timeout_s", float, "router", 300.0),
                    context_timeout_s=_get(d, "context_timeout_s", float, "router", 120.0),
                    health_interval_s=_get(d, "health_interval_s", float, "router", 2.0),
-                   connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0))
+                   connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
+                   api_keys=_api_keys(d.get("api_keys", [])))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:
@@ -279,6 +327,14 @@ def _router(d: dict) -> RouterSpec:
         if getattr(r, k) <= 0:
             raise ServeConfigError(f"router.{k}: must be > 0 seconds, got {getattr(r, k)}")
     return r if r.bind_host else RouterSpec(**{**r.__dict__, "bind_host": r.host})
+
+
+def _api_keys(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(k, str) and k.strip() for k in v):
+        raise ServeConfigError("router.api_keys: expected a list of non-empty strings")
+    return tuple(k.strip() for k in v)
 
 
 # --- helpers --------------------------------------------------------------------------------------------

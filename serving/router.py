@@ -29,6 +29,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .auth import api_keys, install_api_keys, internal_headers
 from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
 from .metrics import RouterMetrics, render
@@ -43,7 +44,8 @@ def build_router(cfg: ServeConfig) -> FastAPI:
     ctx = Pool([WorkerRef.of(s) for s in cfg.context], rc.policy)
     gen = Pool([WorkerRef.of(s) for s in cfg.generation], rc.policy)
     metrics = RouterMetrics()
-    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
+    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256),
+                               headers=internal_headers(cfg))  # the deployment's token on every worker call
 
     def tmo(left: float) -> httpx.Timeout:
         return httpx.Timeout(max(0.05, left), connect=min(rc.connect_timeout_s, max(0.05, left)))
@@ -70,6 +72,7 @@ def build_router(cfg: ServeConfig) -> FastAPI:
             await client.aclose()
 
     app = FastAPI(title="kvbridge router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    install_api_keys(app, cfg, api_keys(cfg))  # /v1/* needs a key when any is configured
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
@@ -298,6 +301,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     ap.add_argument("--port-file", default=None,
                     help="with router.port 0 in the config: bind a free port and write it here (JSON)")
+    ap.add_argument("--api-key", action="append", default=[], help="an API key /v1/* accepts (repeatable)")
     a = ap.parse_args(argv)
     import uvicorn
 
@@ -308,7 +312,7 @@ def main(argv: list[str]) -> int:
     from .config import load_config
 
     try:
-        cfg = load_config(a.config)
+        cfg = load_config(a.config).with_api_keys(tuple(a.api_key))
     except KvBridgeError as e:
         print(f"kvbridge router: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,10 @@ hand with the same config.
 
 Owns the order of start-up and shut-down: metrics in multiprocess mode before anything imports
 prometheus_client, the executor closed (its ranks reaped) after the HTTP server stopped, temporary folders
-removed. This module imports nothing heavy at import time (the `kvbridge` CLI imports it to run it).
+removed, also on SIGTERM/SIGINT (uvicorn re-raises the signal it caught once it stopped serving; our handler
+turns it into an exception that unwinds through every `finally`, and the worker exits 0). Refuses to listen
+on a non-loopback address without the deployment's internal token unless the config says `insecure: true`.
+This module imports nothing heavy at import time (the `kvbridge` CLI imports it to run it).
 """
 
 from __future__ import annotations
@@ -18,12 +21,23 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import uuid
 
 __all__ = ["main"]
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: unwind (every cleanup runs) and exit 0."""
+
+
+def _on_stop_signal(_sig, _frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise _Stopped
 
 
 def main(argv: list[str]) -> int:
@@ -40,22 +54,28 @@ def main(argv: list[str]) -> int:
     from .launcher import die_with_parent
     from .metrics import remove_dir, use_multiprocess_dir
 
-    die_with_parent()
-
-    prom_dir = use_multiprocess_dir()  # before prometheus_client is imported, so the ranks inherit it
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, _on_stop_signal)
+    prom_dir = None
     try:
+        die_with_parent()
+        prom_dir = use_multiprocess_dir()  # before prometheus_client is imported, so the ranks inherit it
         return _run(a)
+    except _Stopped:
+        return 0
     finally:
         remove_dir(prom_dir)
 
 
 def _run(a) -> int:
     from ..errors import KvBridgeError
+    from .auth import check_worker_bind, internal_token
     from .config import load_config
 
     try:
         cfg = load_config(a.config)
         spec = cfg.server(a.role, a.index)
+        check_worker_bind(f"kvbridge worker {spec.name}", spec.bind_host, internal_token(cfg), cfg.insecure)
     except KvBridgeError as e:
         print(f"kvbridge worker: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@ Routes:
         none                                aggregated on this worker's executor (either role)
     GET /health (503 once the executor failed), /metrics (Prometheus, every rank process merged),
         /v1/models, /debug/free_blocks (free blocks per rank, pinned context requests)
+Every route needs the deployment's internal token (auth.InternalAuth: 401 before any work); /health answers
+without it too, but then only {"status": ...} (no name, instance, endpoint, pid or load).
 
 Owns request handling, the token-level parameters' path to the executor (the context and the generation side
 build the same SamplingParams, so disaggregated == aggregated tokens), stop strings (at the worker that
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..errors import KvBridgeError
 from ..executor.sampling import SamplingParams
 from ..transceiver import DisaggParams
+from .auth import InternalAuth, authenticated, internal_token
 from .backend import Backend
 from .config import ServeConfig, ServerSpec
 from .metrics import WorkerMetrics, render
@@ -78,14 +81,17 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
             task.cancel()
 
     app = FastAPI(title=f"kvbridge worker {spec.name}", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(InternalAuth, token=internal_token(cfg))
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         err = st.failed or be.ex.error
+        if not authenticated(request):  # nothing an attacker can use: no endpoint, instance, id or load
+            return JSONResponse({"status": "failed" if err else "ok"}, status_code=503 if err else 200)
         body = {"status": "failed" if err else "ok", "name": spec.name, "role": spec.role,
                 "model": cfg.model_name, "instance": st.instance, "tp": spec.tp, "pp": spec.pp,
                 "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import httpx
 import yaml
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
+from kvbridge.serving.auth import TOKEN_ENV, TOKEN_HEADER
 from kvbridge.serving.config import parse_config
 from kvbridge.serving.launcher import Cluster
 from kvbridge.serving.listen import wait_port_file
@@ -24,6 +26,10 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(40, 77)),
 # peer_timeout_s also outlasts the idle gaps between a module's tests: transceiver/receiver.py counts a peer's
 # silence from its last frame even across an idle spell, so the first pull after an idle gap longer than
 # peer_timeout_s fails with PeerGone (reported to the transceiver's owner).
+# One internal token for every deployment a test starts (launch, start_process): hand-started processes can
+# then join a launched deployment, and the helpers below can read the workers' /health, /debug and /metrics.
+TOKEN = secrets.token_urlsafe(32)
+HEADERS = {TOKEN_HEADER: TOKEN}
 PATIENT = {"transfer_timeout_s": 60, "peer_timeout_s": 300, "lease_s": 30, "heartbeat_s": 1}
 
 
@@ -36,7 +42,7 @@ def config(tmp_path, name: str, d: dict) -> str:
 
 def launch(d: dict, log_dir: str) -> Cluster:
     """Start every worker and the router of config `d` (ports 0 become free ports); wait until healthy."""
-    c = Cluster(parse_config(d), log_dir=log_dir)
+    c = Cluster(parse_config(d), log_dir=log_dir, token=TOKEN)
     try:
         c.start()
         c.wait_healthy(240)
@@ -50,7 +56,8 @@ def start_process(args: list[str], log_path: str) -> subprocess.Popen:
     """`kvbridge <args>` in its own process group, output to log_path."""
     with open(log_path, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, **{TOKEN_ENV: TOKEN}))
 
 
 def start_announced(args: list[str], log_path: str, timeout: float = 240) -> tuple[subprocess.Popen, str]:
@@ -86,7 +93,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
         try:
-            r = httpx.get(url + "/health", timeout=2)
+            r = httpx.get(url + "/health", headers=HEADERS, timeout=2)
             if r.status_code == 200:
                 return r.json()
         except httpx.HTTPError:
@@ -116,7 +123,7 @@ def streamed_tokens(events: list[dict | str]) -> list[int]:
 
 
 def free_blocks(url: str) -> list[int]:
-    return httpx.get(url + "/debug/free_blocks", timeout=60).json()["free_blocks"]
+    return httpx.get(url + "/debug/free_blocks", headers=HEADERS, timeout=60).json()["free_blocks"]
 
 
 def wait_pool_full(url: str, num_blocks: int, world: int, timeout: float = 60) -> list[int]:

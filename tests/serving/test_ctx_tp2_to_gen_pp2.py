@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from .cluster import MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, start_announced, \
-    stop_process, streamed_tokens, wait_healthy, wait_pool_full
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, \
+    start_announced, stop_process, streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
 
 CTX_BLOCKS, GEN_BLOCKS = 256, 96
@@ -101,7 +101,8 @@ def test_worker_metrics_merge_the_transceiver_metrics_of_every_rank_process(urls
     # its own request first: the counters below must not depend on what earlier tests left (it passes alone)
     out = _complete(urls["router"], {"prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0})
     assert out["kvbridge"]["token_ids"] == want["prompts"][2] and out["kvbridge"]["recomputed"] is False
-    ctx, gen = httpx.get(urls["ctx"] + "/metrics").text, httpx.get(urls["gen"] + "/metrics").text
+    ctx = httpx.get(urls["ctx"] + "/metrics", headers=HEADERS).text
+    gen = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
     # counted inside the rank processes (transceiver/metrics.py), summed over them by the worker's /metrics
     assert 'kvbridge_transfers_total{outcome="ok",role="generation"}' in gen
     assert 'kvbridge_transfers_total{outcome="complete",role="context"}' in ctx
@@ -110,7 +111,7 @@ def test_worker_metrics_merge_the_transceiver_metrics_of_every_rank_process(urls
     # the worker's own request metrics
     assert 'kvbridge_serving_requests_total{kind="completion",outcome="ok",role="generation"}' in gen
     assert 'kvbridge_serving_request_seconds_count{phase="prefill",role="context"}' in ctx
-    router = httpx.get(urls["router"].removesuffix("/v1") + "/metrics").text
+    router = httpx.get(urls["router"].removesuffix("/v1") + "/metrics", headers=HEADERS).text
     assert 'kvbridge_router_requests_total{endpoint="completions",status="200"}' in router
 
 
@@ -121,9 +122,10 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_generation(urls):
             if line.startswith("data:"):
                 break  # one chunk, then hang up
     deadline = time.monotonic() + 60
-    while "client_closed" not in httpx.get(urls["gen"] + "/metrics").text and time.monotonic() < deadline:
+    while ("client_closed" not in httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
+           and time.monotonic() < deadline):
         time.sleep(0.3)
-    metrics = httpx.get(urls["gen"] + "/metrics").text
+    metrics = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
     assert 'outcome="client_closed"' in metrics  # the generation worker saw the router hang up and aborted
     assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
 
@@ -150,7 +152,8 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         assert kb["token_ids"] == want["prompts"][0]
         assert wait_pool_full(bad_ctx, 32, 1, timeout=30) == [32]  # never picked up: pickup timeout frees it
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
-        assert "kvbridge_serving_recomputes_total 1.0" in httpx.get(urls["gen"] + "/metrics").text
+        metrics = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
+        assert "kvbridge_serving_recomputes_total 1.0" in metrics
     finally:
         if router is not None:
             stop_process(router)
@@ -172,11 +175,11 @@ def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_
                                    str(tmp_path / "router.log"))
     try:
         wait_healthy(base, router)
-        before = _requests_served(httpx.get(urls["gen"] + "/metrics").text)
+        before = _requests_served(httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text)
         r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1000}, timeout=60)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
-        after = _requests_served(httpx.get(urls["gen"] + "/metrics").text)
+        after = _requests_served(httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text)
         assert after > before  # the generation worker ended it (counted with outcome timeout / client_closed)
     finally:
         stop_process(router)

@@ -35,8 +35,8 @@ def test_ctx_on_gpu1_gen_on_gpu0_answers_exactly_the_aggregated_tokens(tmp_path)
             kb = r.json()["kvbridge"]
             assert kb["token_ids"] == tokens and kb["recomputed"] is False
             assert kb["transfer"]["agents"] == ["cuda_ipc"] and kb["transfer"]["bytes"] > 0
-        ctx = httpx.get(c.cfg.context[0].url + "/health").json()
-        gen = httpx.get(c.cfg.generation[0].url + "/health").json()
+        ctx = httpx.get(c.cfg.context[0].url + "/health", headers=c.headers).json()
+        gen = httpx.get(c.cfg.generation[0].url + "/health", headers=c.headers).json()
         assert (ctx["device"], gen["device"]) == ("cuda:1", "cuda:0")
         assert wait_pool_full(c.cfg.context[0].url, 64, 1) == [64]
         assert wait_pool_full(c.cfg.generation[0].url, 64, 1) == [64]

@@ -1,5 +1,6 @@
 """`kvbridge serve` as a user runs it: a bad config, a worker failing at start-up, a generation worker killed
-mid-stream (the client gets an error, serve exits 1 naming it), Ctrl-C; no process is left behind."""
+mid-stream under on_worker_exit: stop (the client gets an error, serve exits 1 naming it), Ctrl-C; no process
+is left behind. Restarts (the default) are tested in test_supervision.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 
 from kvbridge.executor.launch import free_port
 
-from .cluster import MODEL, PATIENT, PROMPTS, config, wait_healthy
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, TOKEN, config, wait_healthy
 
 
 def _cfg(ctx_port: int, gen_port: int, router_port: int, **ctx) -> dict:
@@ -28,7 +29,8 @@ def _cfg(ctx_port: int, gen_port: int, router_port: int, **ctx) -> dict:
 def _serve(path: str, log: str) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "serve", path], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, KVBRIDGE_INTERNAL_TOKEN=TOKEN))
 
 
 def _gone(pgid: int, timeout: float = 10.0) -> bool:
@@ -73,12 +75,12 @@ def test_a_worker_failing_at_start_up_stops_serve_with_its_reason(tmp_path):
 
 def test_killing_the_generation_worker_mid_stream_errors_the_client_and_stops_serve(tmp_path):
     ports = free_port(), free_port(), free_port()
-    p = _serve(config(tmp_path, "c", _cfg(*ports)), str(tmp_path / "serve.log"))
+    p = _serve(config(tmp_path, "c", {**_cfg(*ports), "on_worker_exit": "stop"}), str(tmp_path / "serve.log"))
     try:
         router = f"http://127.0.0.1:{ports[2]}"
         wait_healthy(router, p)
-        ctx_pid = httpx.get(f"http://127.0.0.1:{ports[0]}/health").json()["pid"]
-        gen_pid = httpx.get(f"http://127.0.0.1:{ports[1]}/health").json()["pid"]
+        ctx_pid = httpx.get(f"http://127.0.0.1:{ports[0]}/health", headers=HEADERS).json()["pid"]
+        gen_pid = httpx.get(f"http://127.0.0.1:{ports[1]}/health", headers=HEADERS).json()["pid"]
         body = {"prompt": PROMPTS[0], "max_tokens": 3000, "temperature": 0, "stream": True}
         events = []
         t0 = time.monotonic()
@@ -107,7 +109,8 @@ def test_ctrl_c_stops_every_process_and_exits_0(tmp_path):
     p = _serve(config(tmp_path, "c", _cfg(*ports)), str(tmp_path / "serve.log"))
     try:
         wait_healthy(f"http://127.0.0.1:{ports[2]}", p)
-        pids = [httpx.get(f"http://127.0.0.1:{port}/health").json()["pid"] for port in ports[:2]]
+        pids = [httpx.get(f"http://127.0.0.1:{port}/health", headers=HEADERS).json()["pid"]
+                for port in ports[:2]]
         p.send_signal(signal.SIGINT)
         assert _finish(p, 60) == 0
     finally:

@@ -1,0 +1,108 @@
+"""Supervision of a running deployment: what `kvbridge serve` does when one of its processes dies.
+
+Owns the policy, not the processes (launcher.Cluster starts, reaps and restarts them):
+    on_worker_exit: restart (default)  a dead child (worker or router) is reaped (its process group killed)
+        and started again on the port it had, after a back-off that starts at 0.5 s and doubles up to 10 s;
+        it starts over at 0.5 s once the child had run for a minute. The router takes the worker out when
+        its calls fail and back in when its /health answers 200 again (same url: nothing to tell it).
+    on_worker_exit: stop               the first death stops everything; serve exits 1 naming it.
+`serve` exits non-zero only when a role (context, generation or the router) had no live process — running
+and answering /health — for role_grace_s. Never sends a request and never touches the KV: a request caught
+by a death fails (the router reports it) or is retried by the router.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+from dataclasses import dataclass
+
+__all__ = ["Supervisor", "BACKOFF_MIN_S", "BACKOFF_MAX_S", "HEALTHY_RESET_S"]
+
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 10.0
+HEALTHY_RESET_S = 60.0
+_TICK_S = 0.25
+
+
+class _State(enum.Enum):
+    STARTING = "starting"   # running, not yet answered /health
+    LIVE = "live"           # running and answered /health since it (re)started
+    WAITING = "waiting"     # dead, reaped, restarting at `due`
+
+
+@dataclass
+class _Track:
+    state: _State
+    backoff: float = 0.0
+    due: float = 0.0
+    restarts: int = 0
+
+
+class Supervisor:
+    """Watches a started, healthy Cluster until a stop signal (KeyboardInterrupt) or a role stays dead.
+
+    Args:
+        cluster: the launcher's Cluster, after start() and wait_healthy().
+        out: where the supervisor's lines go (default stderr).
+        now: the monotonic time it starts at (default: now).
+    """
+
+    def __init__(self, cluster, out=None, now: float | None = None) -> None:
+        self.cluster = cluster
+        self.policy = cluster.cfg.on_worker_exit
+        self.grace_s = cluster.cfg.role_grace_s
+        self.out = out or sys.stderr
+        self.track = {c.name: _Track(_State.LIVE) for c in cluster.children}
+        now = time.monotonic() if now is None else now
+        self.last_live = {c.role: now for c in cluster.children}
+
+    def run(self) -> int:
+        """Supervise until a role had no live process for role_grace_s (returns 1) or stop policy hits."""
+        while True:
+            time.sleep(_TICK_S)  # the launcher's own pace of polling its children; nothing waits on it
+            why = self.step(time.monotonic())
+            if why:
+                self._say(f"{why}; stopping the others")
+                return 1
+
+    def step(self, now: float) -> str | None:
+        """One round: reap the dead, restart the due, mark the healthy; a reason to stop, or None."""
+        for c in list(self.cluster.children):
+            t = self.track[c.name]
+            if t.state is not _State.WAITING and c.proc.poll() is not None:
+                self.cluster.reap(c)
+                if self.policy == "stop":
+                    return c.describe()
+                self._schedule(c, t, now)
+            elif t.state is _State.WAITING and now >= t.due:
+                t.restarts += 1
+                self._say(f"restarting {c.what} {c.name} at {c.url} (restart {t.restarts})")
+                self.cluster.restart(c)
+                t.state = _State.STARTING
+            elif t.state is _State.STARTING and self.cluster.healthy(c, timeout=0.5):
+                t.state = _State.LIVE
+                self._say(f"{c.what} {c.name} is back at {c.url}")
+        return self._role_gone(now)
+
+    def _schedule(self, c, t: _Track, now: float) -> None:
+        ran = now - c.started_at
+        t.backoff = BACKOFF_MIN_S if ran >= HEALTHY_RESET_S or not t.backoff else min(t.backoff * 2,
+                                                                                     BACKOFF_MAX_S)
+        t.due, t.state = now + t.backoff, _State.WAITING
+        self._say(f"{c.describe()}; restarting it in {t.backoff:g}s{self.cluster.tail(c, 5)}")
+
+    def _role_gone(self, now: float) -> str | None:
+        for role in self.last_live:
+            live = [c for c in self.cluster.children if c.role == role
+                    and self.track[c.name].state is _State.LIVE]
+            if live:
+                self.last_live[role] = now
+            elif now - self.last_live[role] > self.grace_s:
+                what = "the router has not" if role == "router" else f"no {role} worker has"
+                return f"{what} been live for role_grace_s={self.grace_s:g}s"
+        return None
+
+    def _say(self, line: str) -> None:
+        print(f"kvbridge serve: {line}", file=self.out, flush=True)

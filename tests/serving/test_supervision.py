@@ -1,0 +1,176 @@
+"""Supervision under `kvbridge serve` (issue 14): kill -9 of a context worker with 64 requests in flight, and
+of the generation worker mid-request. Serve keeps running, restarts the dead worker on its port, the router
+takes it back, and every pool ends full. Real processes: serve, its workers and router, the openai client."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, TOKEN, config, wait_pool_full
+from .conftest import MAX_TOKENS
+
+BLOCKS, GEN_BLOCKS = 256, 2048  # the generation pool holds five 2,000-token requests at once
+CFG = {
+    "model": MODEL,
+    "executor": {"num_blocks": BLOCKS, "tokens_per_block": 8, "threads_per_rank": 1, "timeout_s": 120},
+    # a pull from a killed context worker fails at its deadline: 20 s keeps the test short, still patient
+    "transceiver": {"agent": "tcp", **PATIENT, "transfer_timeout_s": 20},
+    "router": {"port": 0, "request_timeout_s": 120, "health_interval_s": 0.5},
+    "context_servers": {"instances": 2},
+    "generation_servers": {"instances": 1, "executor": {"num_blocks": GEN_BLOCKS}},
+}
+
+
+def wait_log(path, pattern: str, proc: subprocess.Popen, timeout: float = 240,
+             after: int = 0) -> re.Match:
+    """The first match of `pattern` in the log at `path` past offset `after` (bounded; fails if serve died)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text(errors="replace")[after:] if path.exists() else ""
+        m = re.search(pattern, text)
+        if m:
+            return m
+        assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{text[-3000:]}"
+        assert time.monotonic() < deadline, f"{pattern!r} not in the log within {timeout}s:\n{text[-3000:]}"
+        time.sleep(0.2)
+
+
+class Serve:
+    """`kvbridge serve` of CFG with the tests' token; urls read from what it prints."""
+
+    def __init__(self, tmp_path) -> None:
+        self.log = tmp_path / "serve.log"
+        with open(self.log, "w") as out:
+            cmd = [sys.executable, "-m", "kvbridge.cli", "serve", config(tmp_path, "c", CFG)]
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=dict(os.environ, KVBRIDGE_INTERNAL_TOKEN=TOKEN))
+        self.router = wait_log(self.log, r"OpenAI API at (\S+)/v1", self.proc).group(1)
+        ready = r"\[(\w+)\] \w+ worker ready at (http://[\d.]+:\d+)"
+        self.urls = dict(re.findall(ready, self.log.read_text()))
+
+    def pid(self, name: str) -> int:
+        return httpx.get(self.urls[name] + "/health", headers=HEADERS, timeout=30).json()["pid"]
+
+    def mark(self) -> int:
+        return len(self.log.read_text(errors="replace"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    s = Serve(tmp_path_factory.mktemp("serve"))
+    yield s
+    s.stop()
+
+
+def _client(serve, timeout: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=serve.router + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def _ask(client, i: int) -> dict:
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=MAX_TOKENS, temperature=0)
+    return out.model_extra["kvbridge"]
+
+
+def _pools_full(serve) -> None:
+    for name, blocks in (("ctx0", BLOCKS), ("ctx1", BLOCKS), ("gen0", GEN_BLOCKS)):
+        assert wait_pool_full(serve.urls[name], blocks, 1, timeout=90) == [blocks], name
+
+
+def _back_and_serving(serve, name: str, after: int) -> None:
+    """Wait for serve's "is back" line, then until the router sends a request to `name` again (bounded)."""
+    wait_log(serve.log, rf"worker {name} is back at", serve.proc, after=after)
+    deadline = time.monotonic() + 60
+    with _client(serve) as client:
+        while True:
+            kb = _ask(client, 0)
+            if name in (kb["context_worker"], kb["generation_worker"]):
+                return
+            assert time.monotonic() < deadline, f"the router did not send a request to {name} within 60s"
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_context_worker_with_64_in_flight_restarts_it_and_serve_keeps_serving(serve, want):
+    old = serve.pid("ctx1")
+    answered = threading.Semaphore(0)
+
+    def one(i: int):
+        with _client(serve) as client:
+            try:
+                return _ask(client, i)
+            finally:
+                answered.release()
+
+    mark = serve.mark()
+    with ThreadPoolExecutor(64) as pool:
+        futures = [pool.submit(one, i) for i in range(64)]
+        assert answered.acquire(timeout=120), "no request was answered within 120s"
+        os.kill(old, signal.SIGKILL)  # the other 63 are in flight (or queued at the router)
+        outcomes = [f.exception() or f.result() for f in futures]
+    wait_log(serve.log, r"context worker ctx1 \(.*\) was killed by signal 9 \(SIGKILL\); restarting it",
+             serve.proc, after=mark)
+    _back_and_serving(serve, "ctx1", mark)
+    assert serve.pid("ctx1") != old and serve.proc.poll() is None
+    _pools_full(serve)
+    good = [o for o in outcomes if isinstance(o, dict)]
+    assert all(o["token_ids"] == want["prompts"][i % 3]
+               for i, o in enumerate(outcomes) if isinstance(o, dict))
+    failed = [o for o in outcomes if not isinstance(o, dict)]
+    # All 64 answered needs the router's retry after handover (issue 14, built by `router`): a request whose
+    # KV was being pulled from ctx1 when it died fails with kv_transfer_failed until then. Any other failure
+    # is a supervision bug and fails here.
+    other = [f for f in failed if not (isinstance(f, openai.APIStatusError) and "ctx1" in str(f))]
+    assert not other, f"{len(other)} requests failed for another reason: {other[:3]}"
+    if failed:
+        pytest.xfail(f"{len(failed)} of 64 failed after handover (needs the router's retry): {failed[0]}")
+    assert len(good) == 64
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_generation_worker_errors_its_requests_then_it_comes_back(serve, want):
+    old, mark = serve.pid("gen0"), serve.mark()
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0}
+    with _client(serve) as client:
+        stream = client.completions.create(**body, stream=True)
+        with ThreadPoolExecutor(4) as pool:
+            plain = [pool.submit(client.completions.create, **body) for _ in range(4)]
+            next(iter(stream))  # the stream is flowing: the generation worker is busy with all five
+            os.kill(old, signal.SIGKILL)
+            with pytest.raises(openai.APIError) as e:
+                for _ in stream:
+                    pass
+            assert "generation worker gen0" in str(e.value)
+            for f in plain:
+                err = f.exception(timeout=120)
+                assert isinstance(err, openai.APIStatusError) and err.status_code == 502, err
+                assert "generation worker gen0" in err.message
+    wait_log(serve.log, r"generation worker gen0 \(.*\) was killed by signal 9", serve.proc, after=mark)
+    _back_and_serving(serve, "gen0", mark)
+    with _client(serve) as client:
+        for i in range(3):
+            assert _ask(client, i)["token_ids"] == want["prompts"][i]
+    assert serve.pid("gen0") != old and serve.proc.poll() is None
+    _pools_full(serve)

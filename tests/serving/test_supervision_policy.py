@@ -1,0 +1,120 @@
+"""The supervisor's policy on its own, with injected deaths (the real processes are in test_supervision.py):
+back-off 0.5 s doubling to 10 s and reset after a healthy minute, on_worker_exit: stop, role_grace_s; and the
+config keys that drive it."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvbridge.errors import ServeConfigError
+from kvbridge.serving.config import parse_config
+from kvbridge.serving.supervisor import Supervisor
+
+
+@dataclass
+class _Proc:
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+@dataclass
+class _Child:
+    name: str
+    role: str
+    started_at: float
+    proc: _Proc = field(default_factory=_Proc)
+    what: str = "context worker"
+    url: str = "http://127.0.0.1:1"
+
+    def describe(self) -> str:
+        return f"{self.what} {self.name} exited with code {self.proc.returncode}"
+
+
+class _Cluster:
+    """Injects deaths: kill(name) ends a child; restart() starts a fresh one that is healthy when told."""
+
+    def __init__(self, policy: str = "restart", grace: float = 30.0) -> None:
+        self.cfg = parse_config({"model": "m", "context_servers": {}, "generation_servers": {},
+                                 "on_worker_exit": policy, "role_grace_s": grace})
+        self.children = [_Child("ctx0", "context", 0.0), _Child("gen0", "generation", 0.0, what="gen")]
+        self.now, self.up, self.restarts = 0.0, True, []
+
+    def kill(self, name: str) -> None:
+        next(c for c in self.children if c.name == name).proc.returncode = -9
+
+    def reap(self, c) -> None:
+        pass
+
+    def restart(self, c) -> None:
+        self.restarts.append(self.now)
+        self.children[self.children.index(c)] = _Child(c.name, c.role, self.now, what=c.what)
+
+    def healthy(self, c, timeout: float = 1.0) -> bool:
+        return self.up
+
+    def tail(self, c, n: int = 15) -> str:
+        return ""
+
+
+def _run(sup: Supervisor, cl: _Cluster, until: float, dt: float = 0.25) -> str | None:
+    while cl.now < until:
+        cl.now += dt
+        why = sup.step(cl.now)
+        if why:
+            return why
+    return None
+
+
+def test_a_worker_that_keeps_dying_is_restarted_with_a_doubling_backoff_capped_at_10s():
+    cl = _Cluster(grace=1000)
+    sup = Supervisor(cl, out=io.StringIO(), now=0.0)
+    gaps = []
+    for n in range(7):
+        cl.kill("ctx0")  # it dies again at once after each restart
+        died = cl.now + 0.25  # seen at the next step
+        while len(cl.restarts) == n:
+            assert _run(sup, cl, cl.now + 0.25) is None
+        gaps.append(round(cl.restarts[-1] - died, 2))
+    assert gaps == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    _run(sup, cl, cl.now + 61)  # a healthy minute: the next death starts over at 0.5 s
+    cl.kill("ctx0")
+    died = cl.now + 0.25
+    while len(cl.restarts) == 7:
+        assert _run(sup, cl, cl.now + 0.25) is None
+    assert cl.restarts[-1] - died == pytest.approx(0.5)
+
+
+def test_stop_policy_ends_serve_at_the_first_death_naming_it():
+    cl = _Cluster(policy="stop")
+    cl.kill("gen0")
+    why = Supervisor(cl, out=io.StringIO(), now=0.0).step(1.0)
+    assert why == "gen gen0 exited with code -9" and cl.restarts == []
+
+
+def test_a_role_with_no_live_worker_for_role_grace_s_ends_serve():
+    cl = _Cluster(grace=5.0)
+    sup = Supervisor(cl, out=io.StringIO(), now=0.0)
+    cl.up = False  # restarted, but never healthy again
+    cl.kill("ctx0")
+    why = _run(sup, cl, 60)
+    assert why == "no context worker has been live for role_grace_s=5s"
+    assert 5.0 < cl.now <= 5.5 and len(cl.restarts) >= 1
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("on_worker_exit", "ignore", "on_worker_exit: 'ignore' is not one of ('restart', 'stop')"),
+    ("role_grace_s", 0, "role_grace_s: must be > 0 seconds"),
+    ("insecure", "yes", "insecure: expected true or false"),
+    ("internal_token", "short", "internal_token: must be at least 16 characters"),
+])
+def test_bad_supervision_and_security_keys_are_refused_naming_the_key(key, value, message):
+    with pytest.raises(ServeConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_config({"model": "m", "context_servers": {}, "generation_servers": {}, key: value})
+    with pytest.raises(ServeConfigError, match="router.api_keys: expected a list of non-empty strings"):
+        parse_config({"model": "m", "context_servers": {}, "generation_servers": {},
+                      "router": {"api_keys": [""]}})
