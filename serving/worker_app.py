@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import KvBridgeError
 from ..executor.sampling import SamplingParams
+from ..executor.transceiver_hook import disagg_params
 from ..transceiver import DisaggParams
 from .backend import Backend
 from .config import ServeConfig, ServerSpec
@@ -152,7 +153,7 @@ async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[st
     sampling = SamplingParams(req.temperature, req.top_k, req.top_p, seed)
     t0 = time.monotonic()
     res = await be.prefill(prompt, sampling, max(0.1, deadline - t0))
-    params = DisaggParams(res.request_id, st.instance, st.endpoints, be.ex.layout).to_dict()
+    params = disagg_params(be.ex, res.request_id, st.endpoints).to_dict()  # wire handle + secret
     out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name)
     return {"id": new_id(req.kind), "object": "text_completion", "created": int(time.time()),
             "model": st.cfg.model_name,

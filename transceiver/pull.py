@@ -91,6 +91,7 @@ class Pull:
     marks: dict[str, float] = field(default_factory=dict)
     verifying: Any = None  # Future of {ctx_rank: digests}: unpacking staged legs, then hashing (verify mode)
     staged: bool = False
+    secret: bytes = field(default=b"", repr=False)  # the context request's secret, sent in every Fetch
 
     def mark(self, what: str) -> None:
         self.marks.setdefault(what, time.monotonic())
