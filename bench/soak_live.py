@@ -41,7 +41,7 @@ def _gen_main(conn, endpoint: str, instance: str) -> None:
             cmd, items = conn.recv()
             if cmd == "exit":
                 break
-            for rid, cslot, gslot in items:
+            for rid, cslot, gslot, secret in items:
                 gen.request_and_receive_async(
                     type(
                         "R",
@@ -50,7 +50,7 @@ def _gen_main(conn, endpoint: str, instance: str) -> None:
                             "request_id": rid,
                             "block_ids": np.array(_blocks(gslot)),
                             "num_tokens": TOKENS,
-                            "disagg_params": DisaggParams(rid, instance, (endpoint,), LAY),
+                            "disagg_params": DisaggParams(rid, instance, (endpoint,), LAY, secret),
                         },
                     )()
                 )
@@ -59,7 +59,7 @@ def _gen_main(conn, endpoint: str, instance: str) -> None:
             except Exception as e:  # noqa: BLE001 - report, the parent counts it
                 conn.send({"ok": 0, "failed": [(-1, type(e).__name__, str(e))], "mismatched_bytes": 0})
                 continue
-            by_rid = {rid: (c, g) for rid, c, g in items}
+            by_rid = {rid: (c, g) for rid, c, g, _ in items}
             failed = []
             for r in res:
                 c, g = by_rid[r.request_id]
@@ -165,14 +165,14 @@ def run_live(frames: int, seed: int, batch: int = 4, progress=None) -> dict:
                 items = []
                 for j in range(batch):
                     cslot, gslot = (rid - RID_BASE) % K_CTX, ((rid - RID_BASE) // batch * batch + j) % K_GEN
-                    ctx.respond_and_send_async(
+                    secret = ctx.respond_and_send_async(
                         type(
                             "R",
                             (),
                             {"request_id": rid, "block_ids": np.array(_blocks(cslot)), "num_tokens": TOKENS},
                         )()
                     )
-                    items.append((rid, cslot, gslot))
+                    items.append((rid, cslot, gslot, secret))
                     rid += 1
                 gconn.send(("pull", items))
                 if not gconn.poll(90):

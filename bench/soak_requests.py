@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from ..errors import ExecutorError
 from ..executor.kv_check import mismatches
 from ..executor.runtime import Executor, ExecutorConfig
-from ..executor.transceiver_hook import context_endpoints, hooked_executor_config
-from ..transceiver import DisaggParams
+from ..executor.transceiver_hook import context_endpoints, disagg_params, hooked_executor_config
 
 MODEL = "seeded:tiny3"
 CTX_SPLIT = {"tp": 2, "tokens_per_block": 4, "num_blocks": 256}
@@ -252,7 +251,7 @@ class RequestSoak:
             else:
                 self.tally.add(lost=1, error="context request never released after its pickup timeout")
             return
-        params = DisaggParams(res.request_id, "ctx-instance", self.endpoints, self.ctx.layout).to_dict()
+        params = disagg_params(self.ctx, res.request_id, self.endpoints).to_dict()
         try:
             rid = gen.submit(
                 prompt,

@@ -10,7 +10,13 @@ endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publis
 when its prefill is done and report "release" once their readers confirmed (or the lease ran out).
 Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready",
 or "abort" with the transfer's error; with block reuse they read only the tokens after ctx_info["reused_tokens"]
-(set by the executor: its blocks already hold that prefix). The executor frees or starts a request only when every rank agrees.
+(set by the executor: its blocks already hold that prefix). The executor frees or starts a request only when
+every rank agrees.
+
+Request handles: a context executor's rank_hook_args carry its RequestKey (made by hooked_executor_config);
+each rank publishes executor request `rid` under the wire id key.handle(rid) with the secret key.secret(rid)
+(transceiver/handles.py), and the process that started the executor builds the matching DisaggParams with
+`disagg_params(ex, rid, endpoints)`. The executor's own ids never reach the wire.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ import numpy as np
 
 from ..errors import ExecutorError
 from ..transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
+from ..transceiver.config import ConfigError
+from ..transceiver.handles import RequestKey
 from .hooks import RankContext
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TransceiverHook", "make", "context_endpoints", "hooked_executor_config", "HOOK"]
+__all__ = ["TransceiverHook", "make", "context_endpoints", "hooked_executor_config", "disagg_params", "HOOK"]
 
 HOOK = "kvbridge.executor.transceiver_hook:make"
 
@@ -44,12 +52,31 @@ def hooked_executor_config(role: str, instance: str, run_dir, transceiver: dict 
         run_dir: folder where context ranks publish their control endpoints (`context_endpoints`).
         transceiver: TransceiverConfig settings as a mapping.
         executor_kw: the other ExecutorConfig fields (model, tp, pp, num_blocks, device, ...).
+
+    A context executor also gets a fresh RequestKey (rank_hook_args["request_key"]): see `disagg_params`.
     """
     from .runtime import ExecutorConfig  # runtime imports torch and the worker; only where an executor starts
 
-    return ExecutorConfig(rank_hook=HOOK, rank_hook_args={"role": role, "instance": instance,
-                                                          "transceiver": dict(transceiver or {}),
-                                                          "run_dir": str(run_dir)}, **executor_kw)
+    args = {"role": role, "instance": instance, "transceiver": dict(transceiver or {}), "run_dir": str(run_dir)}
+    if role == "context":
+        args["request_key"] = RequestKey.new().hex
+    return ExecutorConfig(rank_hook=HOOK, rank_hook_args=args, **executor_kw)
+
+
+def disagg_params(ex, request_id: int, endpoints: tuple[str, ...]) -> DisaggParams:
+    """The DisaggParams of context request `request_id` of `ex` (an Executor started from
+    hooked_executor_config): its wire handle and secret, derived from the executor's RequestKey."""
+    args = ex.cfg.rank_hook_args
+    key = _request_key(args)
+    return DisaggParams(key.handle(request_id), args["instance"], tuple(endpoints), ex.layout,
+                        key.secret(request_id))
+
+
+def _request_key(args: dict) -> RequestKey:
+    try:
+        return RequestKey.from_hex(args.get("request_key"), "rank_hook_args['request_key']")
+    except ConfigError as e:
+        raise ExecutorError(f"transceiver hook (context): {e}; hooked_executor_config makes one") from None
 
 
 @dataclass
@@ -59,6 +86,7 @@ class _Req:
     num_tokens: int
     disagg_params: Any = None
     from_token: int = 0  # prefix reuse: the blocks already hold tokens [0, from_token)
+    secret: bytes | None = None
 
 
 class TransceiverHook:
@@ -76,6 +104,8 @@ class TransceiverHook:
         self.tr = make(ctx.pool, ctx.layout, ctx.rank, ctx.kv.num_blocks, cfg, instance=a.get("instance"))
         self.rank = ctx.rank
         self._failed: list[tuple[int, str]] = []
+        self._key = _request_key(a) if self.role == "context" else None
+        self._rid_of: dict[int, int] = {}  # context: wire handle -> executor request id
         if self.role == "context" and a.get("run_dir"):
             path = os.path.join(a["run_dir"], f"endpoint-{ctx.rank}")
             with open(path + ".tmp", "w") as f:
@@ -83,7 +113,10 @@ class TransceiverHook:
             os.replace(path + ".tmp", path)
 
     def on_context_done(self, request_id: int, block_ids, num_tokens: int, first_token: int | None = None) -> None:
-        self.tr.respond_and_send_async(_Req(request_id, np.asarray(block_ids, dtype=np.int64), num_tokens))
+        handle = self._key.handle(request_id)
+        self._rid_of[handle] = request_id
+        self.tr.respond_and_send_async(_Req(handle, np.asarray(block_ids, dtype=np.int64), num_tokens,
+                                            secret=self._key.secret(request_id)))
 
     def on_generation_alloc(self, request_id: int, block_ids, prompt_len: int, ctx_info: dict) -> None:
         params = (ctx_info or {}).get("disagg_params")
@@ -100,7 +133,7 @@ class TransceiverHook:
     def on_abort(self, request_id: int) -> None:
         """The executor aborted the request: stop moving its KV. Its blocks are freed once every rank reports
         it settled (context: released after readers in flight finish; generation: the pull's failure)."""
-        self.tr.cancel_request(request_id)
+        self.tr.cancel_request(self._key.handle(request_id) if self._key is not None else request_id)
 
     def poll(self) -> dict[str, list]:
         out: dict[str, list] = {"kv_ready": [], "release": [], "abort": [], "notes": []}
@@ -110,10 +143,12 @@ class TransceiverHook:
         self._failed = []
         if self.role == "context":
             for r in self.tr.check_context_transfer_status():
-                out["release"].append(r.ctx_request_id)
+                rid = self._rid_of.pop(r.ctx_request_id, None)
+                if rid is None:
+                    continue
+                out["release"].append(rid)
                 if r.status != "complete":
-                    log.info("context request %d finished on rank %d as %s: %s", r.ctx_request_id, self.rank,
-                             r.status, r.detail)
+                    log.info("context request %d finished on rank %d as %s: %s", rid, self.rank, r.status, r.detail)
         else:
             for r in self.tr.check_gen_transfer_status():
                 if r.ok:

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import KvBridgeError
 from ..executor.sampling import SamplingParams
+from ..executor.transceiver_hook import disagg_params
 from ..transceiver import DisaggParams
 from .auth import InternalAuth, authenticated, internal_token
 from .backend import Backend
@@ -163,7 +164,7 @@ async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[st
     t0 = time.monotonic()
     res = await be.prefill(prompt, sampling, max(0.1, deadline - t0))
     WorkerMetrics(spec.role).prefix(len(prompt), res.reused_tokens, _kv_bytes_per_token(be.ex.layout))
-    params = DisaggParams(res.request_id, st.instance, st.endpoints, be.ex.layout).to_dict()
+    params = disagg_params(be.ex, res.request_id, st.endpoints).to_dict()  # wire handle + secret
     out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name, res.first_logprob)
     return {"id": new_id(req.kind), "object": "text_completion", "created": int(time.time()),
             "model": st.cfg.model_name,

@@ -69,10 +69,14 @@ class CacheTransceiver:
     def instance(self) -> str:
         return (self.sender or self.receiver).instance
 
-    def respond_and_send_async(self, req: Any) -> None:
-        """Pin `req`'s blocks (req.request_id, req.block_ids, req.num_tokens) until generation ranks pull them."""
-        self._need_sender().publish(req.request_id, req.block_ids, req.num_tokens,
-                                    getattr(req, "layers_ready", None))
+    def respond_and_send_async(self, req: Any) -> bytes:
+        """Pin `req`'s blocks (req.request_id, req.block_ids, req.num_tokens) until generation ranks pull them.
+
+        Returns the request's secret (req.secret if it has one, else a fresh random one): whoever builds the
+        request's DisaggParams must put it there, or no Fetch of it will be served.
+        """
+        return self._need_sender().publish(req.request_id, req.block_ids, req.num_tokens,
+                                           getattr(req, "layers_ready", None), getattr(req, "secret", None))
 
     def check_context_transfer_status(self, at_least_request_num: int = 0, timeout_s: float = 0.0
                                       ) -> list[SendResult]:

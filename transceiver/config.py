@@ -42,7 +42,12 @@ class TransceiverConfig:
     verify: after reading, both sides hash what they hold (xxh3-64 per layer, canonical order) and compare;
         a mismatch fails the transfer with IntegrityError. Costs a gather and a hash on both sides.
     curve_secret_key_file / curve_public_key_file / curve_server_public_key_file /
-    curve_authorized_keys_dir: CurveZMQ authentication and encryption of the control plane (optional).
+    curve_authorized_keys_dir: CurveZMQ authentication and encryption of the control plane. Without them a
+        context rank binds loopback only (bind_host 127.0.0.1 / ::1 / localhost).
+    insecure: allow a context rank without CurveZMQ keys to bind a non-loopback address (anyone who reaches it
+        can read its KV pool); logged as a WARNING at start-up. Off unless the config says `insecure: true`.
+    max_sessions: most generation-rank sessions (handshaken peers) a context rank keeps at once; an extra Hello
+        gets an error. Sessions of peers silent for peer_timeout_s without a pull in flight are dropped.
     """
 
     agents: tuple[str, ...] = ("auto",)
@@ -66,6 +71,8 @@ class TransceiverConfig:
     curve_public_key_file: str | None = None
     curve_server_public_key_file: str | None = None
     curve_authorized_keys_dir: str | None = None
+    insecure: bool = False
+    max_sessions: int = 1024
     options: dict[str, Any] = field(default_factory=dict)  # per-agent constructor options: {kind: {...}}
 
     def __post_init__(self) -> None:
@@ -84,6 +91,10 @@ class TransceiverConfig:
                               f"({self.lease_s}) so a lease is renewed before it runs out")
         if self.staging_arena_bytes < 0 or self.staging_threshold_bytes < 0 or self.staging_min_fragments < 0:
             raise ConfigError("transceiver.staging_* settings must not be negative")
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"transceiver.insecure must be true or false, got {self.insecure!r}")
+        if not isinstance(self.max_sessions, int) or isinstance(self.max_sessions, bool) or self.max_sessions < 1:
+            raise ConfigError(f"transceiver.max_sessions must be a positive integer, got {self.max_sessions!r}")
         if not 0 <= int(self.port) < 65536:
             raise ConfigError(f"transceiver.port {self.port} is not a TCP port")
 

@@ -9,9 +9,11 @@ Conversation (generation rank G pulls a request from context rank C):
 
     G -> C  Hello(gen_instance, gen_rank, gen_layout, agents)         once per peer pair
     C -> G  Welcome(ctx_instance, ctx_rank, ctx_layout, agents, pool_bases, num_blocks, lease_s)
-    G -> C  Fetch(ctx_request_id, gen_rank, stream, staged, from_token)  per request (from_token > 0: the
-                                                                      generation side holds the prefix and
-                                                                      reads only tokens [from_token, n))
+    G -> C  Fetch(ctx_request_id, gen_rank, stream, staged, from_token, secret)  per request (from_token > 0:
+                                                                      the generation side holds the prefix and
+                                                                      reads only tokens [from_token, n)); a
+                                                                      wrong or missing secret is answered
+                                                                      exactly like an unknown id
     C -> G  Blocks(ctx_request_id, block_ids, num_tokens, layers_ready, lease_s, staging_addr, staging_bytes)
             (staged: the context rank packed the piece into a slot of its arena; one read moves it)
     C -> G  LayersReady(ctx_request_id, layers_ready)                 streaming: pushed as layers finish
@@ -39,7 +41,7 @@ from ..codec import pack, unpack
 from ..errors import ProtocolError
 from ..formatter.mapping import MAPPING_VERSION
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # bump when a message changes shape (2: Fetch carries the request's secret)
 MAX_FRAME_BYTES = 16 << 20  # 2M block ids fit; a larger frame is refused before decoding
 MAX_BLOCK_IDS = 1 << 21
 
@@ -54,6 +56,7 @@ class ErrorCode(str, enum.Enum):
     CANCELLED = "cancelled"
     TAKEN = "taken"                  # another generation instance is already pulling this request
     AGENT = "agent"                  # no common transfer agent
+    BUSY = "busy"                    # too many sessions on this context rank (transceiver.max_sessions)
     INTERNAL = "internal"
 
 
@@ -135,17 +138,22 @@ class Welcome(Message):
 @dataclass(frozen=True, slots=True)
 class Fetch(Message):
     TYPE: ClassVar[str] = "fetch"
-    ctx_request_id: int = msg(int)
+    ctx_request_id: int = msg(int, wide=True)
     gen_rank: int = msg(int)
     stream: bool = msg(bool, default=False)
     staged: bool = msg(bool, default=False)  # ask the context rank to pack the piece into its arena
     from_token: int = msg(int, default=0)  # prefix reuse: read only tokens [from_token, num_tokens); 0 = all
+    secret: bytes = msg(bytes, default=b"")  # the request's secret (DisaggParams.secret)
+
+    def __repr__(self) -> str:  # never log the secret
+        return f"Fetch(ctx_request_id={self.ctx_request_id}, gen_rank={self.gen_rank}, stream={self.stream}, " \
+               f"staged={self.staged}, from_token={self.from_token}, secret=<{len(self.secret)} bytes>)"
 
 
 @dataclass(frozen=True, slots=True)
 class Blocks(Message):
     TYPE: ClassVar[str] = "blocks"
-    ctx_request_id: int = msg(int)
+    ctx_request_id: int = msg(int, wide=True)
     block_ids: Any = msg(bytes, blocks=True)
     num_tokens: int = msg(int)
     layers_ready: int = msg(int)  # layers of this context rank readable now (== its local layers when done)
@@ -157,7 +165,7 @@ class Blocks(Message):
 @dataclass(frozen=True, slots=True)
 class LayersReady(Message):
     TYPE: ClassVar[str] = "layers_ready"
-    ctx_request_id: int = msg(int)
+    ctx_request_id: int = msg(int, wide=True)
     layers_ready: int = msg(int)
 
 
@@ -177,7 +185,7 @@ class HeartbeatAck(Message):
 @dataclass(frozen=True, slots=True)
 class Done(Message):
     TYPE: ClassVar[str] = "done"
-    ctx_request_id: int = msg(int)
+    ctx_request_id: int = msg(int, wide=True)
     gen_rank: int = msg(int)
     ok: bool = msg(bool)
     error: str = msg(str, default="")
@@ -187,7 +195,7 @@ class Done(Message):
 @dataclass(frozen=True, slots=True)
 class DoneAck(Message):
     TYPE: ClassVar[str] = "done_ack"
-    ctx_request_id: int = msg(int)
+    ctx_request_id: int = msg(int, wide=True)
     valid: bool = msg(bool)
     reason: str = msg(str, default="")
     intact: bool = msg(bool, default=True)  # verification mode: digests matched
@@ -198,7 +206,7 @@ class Error(Message):
     TYPE: ClassVar[str] = "error"
     code: str = msg(str)
     message: str = msg(str)
-    ctx_request_id: int = msg(int, default=-1)
+    ctx_request_id: int = msg(int, default=-1, wide=True)
     reply_to: str = msg(str, default="")
 
 
@@ -230,7 +238,8 @@ def decode(frame: bytes) -> Message:
         want = _SCALARS[_kind(f)]
         if not isinstance(val, want) or (want is int and isinstance(val, bool)):
             raise ProtocolError(f"{what}: field {f.name!r} should be {_kind(f).__name__}, got {type(val).__name__}")
-        if isinstance(val, int) and not isinstance(val, bool) and abs(val) >= 1 << 62:
+        bound = 1 << 63 if f.metadata.get("wide") else 1 << 62  # request handles use all 63 bits
+        if isinstance(val, int) and not isinstance(val, bool) and not -bound <= val < bound:
             raise ProtocolError(f"{what}: field {f.name!r} is out of range")
         if f.metadata.get("blocks"):
             val = _blocks_from_bytes(val, what)

@@ -7,6 +7,8 @@
     kvbridge_phase_seconds{phase}                     handshake+fetch, plan, read, confirm (release), total
     kvbridge_pinned_requests{rank}                    context requests whose blocks are pinned now
     kvbridge_lease_expiries_total                     context requests released because a lease ran out
+    kvbridge_transceiver_rejected_peers_total{reason} control-plane peers refused: unauthorised CurveZMQ key
+                                                     (key), not CURVE (mechanism), or too many sessions (sessions)
 
 Metrics never fail a transfer: if prometheus_client is missing, everything here is a no-op.
 """
@@ -23,11 +25,12 @@ try:
     PHASE = Histogram("kvbridge_phase_seconds", "Duration of each transfer phase", ["phase"], buckets=_BUCKETS)
     PINNED = Gauge("kvbridge_pinned_requests", "Context requests with pinned blocks", ["rank"])
     EXPIRIES = Counter("kvbridge_lease_expiries", "Context requests released because a lease expired")
+    REJECTED = Counter("kvbridge_transceiver_rejected_peers", "Control-plane peers refused", ["reason"])
     ENABLED = True
 except ImportError:  # pragma: no cover
     ENABLED = False
 
-__all__ = ["ENABLED", "on_received", "on_sent", "set_pinned"]
+__all__ = ["ENABLED", "on_received", "on_sent", "set_pinned", "on_rejected_peer"]
 
 
 def on_received(result) -> None:
@@ -56,3 +59,9 @@ def on_sent(status: str) -> None:
 def set_pinned(rank: int, n: int) -> None:
     if ENABLED:
         PINNED.labels(str(rank)).set(n)
+
+
+def on_rejected_peer(reason: str) -> None:
+    """Record a refused control-plane peer; `reason` is a short word (key / mechanism / sessions / malformed)."""
+    if ENABLED:
+        REJECTED.labels(reason).inc()

@@ -6,7 +6,7 @@ validates every field and raises ProtocolError naming the bad one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProtocolError
@@ -15,6 +15,8 @@ from ..formatter.layout import KVLayout
 __all__ = ["DisaggParams"]
 
 _MAX_ENDPOINTS = 4096
+_MAX_ID = 1 << 63
+_MAX_SECRET = 64  # bytes
 
 
 @dataclass(frozen=True)
@@ -25,14 +27,19 @@ class DisaggParams:
     ctx_instance: the context executor's instance id (changes when it restarts).
     endpoints: control endpoint of every context rank, in rank order.
     ctx_layout: the context executor's KVLayout.
+    secret: the request's secret (transceiver/handles.py); every Fetch carries it, and a context rank treats a
+        wrong or missing one exactly like an unknown request. Travels as hex; never printed.
     """
 
     ctx_request_id: int
     ctx_instance: str
     endpoints: tuple[str, ...]
     ctx_layout: KVLayout
+    secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes) or len(self.secret) > _MAX_SECRET:
+            raise ProtocolError(f"disaggregated params: secret must be at most {_MAX_SECRET} bytes")
         if len(self.endpoints) != self.ctx_layout.world_size:
             raise ProtocolError(f"disaggregated params: {len(self.endpoints)} endpoints for a context executor of "
                                 f"{self.ctx_layout.world_size} ranks")
@@ -44,7 +51,7 @@ class DisaggParams:
     def to_dict(self) -> dict[str, Any]:
         return {"ctx_request_id": self.ctx_request_id, "ctx_instance": self.ctx_instance,
                 "endpoints": list(self.endpoints), "ctx_layout": self.ctx_layout.to_wire(),
-                "layout_fingerprint": self.layout_fingerprint}
+                "layout_fingerprint": self.layout_fingerprint, "secret": self.secret.hex()}
 
     @classmethod
     def from_dict(cls, d: Any) -> "DisaggParams":
@@ -64,4 +71,16 @@ class DisaggParams:
         if fp is not None and fp != layout.fingerprint():
             raise ProtocolError(f"disaggregated params: layout_fingerprint {fp!r} does not match the layout given "
                                 f"({layout.fingerprint()})")
-        return cls(d["ctx_request_id"], d["ctx_instance"], tuple(eps), layout)
+        rid = d["ctx_request_id"]
+        if not 0 <= rid < _MAX_ID:
+            raise ProtocolError("disaggregated params: ctx_request_id must be in 0..2**63-1")
+        return cls(rid, d["ctx_instance"], tuple(eps), layout, _secret(d.get("secret", "")))
+
+
+def _secret(v: Any) -> bytes:
+    if not isinstance(v, str) or len(v) > 2 * _MAX_SECRET or len(v) % 2:
+        raise ProtocolError(f"disaggregated params: secret must be a hex string of at most {2 * _MAX_SECRET} digits")
+    try:
+        return bytes.fromhex(v)
+    except ValueError:
+        raise ProtocolError("disaggregated params: secret is not hex") from None

@@ -92,6 +92,7 @@ class Pull:
     verifying: Any = None  # Future of {ctx_rank: digests}: unpacking staged legs, then hashing (verify mode)
     staged: bool = False
     from_token: int = 0  # prefix reuse: the local blocks already hold tokens [0, from_token); read the rest
+    secret: bytes = field(default=b"", repr=False)  # the context request's secret, sent in every Fetch
 
     def mark(self, what: str) -> None:
         self.marks.setdefault(what, time.monotonic())

@@ -58,6 +58,7 @@ class _Peer:
     hello_at: float = 0.0
     first_hello: float = 0.0
     last_heard: float = 0.0
+    last_sent: float = 0.0  # idle peers get an empty heartbeat now and then, so their session stays
     legs: set = field(default_factory=set)  # (request_id, ctx_rank) with traffic in flight
 
 
@@ -158,7 +159,7 @@ class Receiver(IOThread, ReceiverWork):
             legs = {p.ctx_rank: Leg(p.ctx_rank, params.endpoints[p.ctx_rank], p)
                     for p in mapping.pieces(self.pool.rank)}
             self._pulls[rid] = Pull(rid, params.ctx_request_id, params.ctx_instance, blocks, n, now + timeout, legs,
-                                    from_token=from_token)
+                                    from_token=from_token, secret=params.secret)
             for leg in legs.values():
                 self._ensure_session(leg.endpoint, now)
         elif cmd[0] == "cancel":
@@ -301,7 +302,7 @@ class Receiver(IOThread, ReceiverWork):
         self._watch_peers(now)
         if now - self._last_beat >= self.config.heartbeat_s:
             self._last_beat = now
-            self._heartbeat()
+            self._heartbeat(now)
 
     def _advance_pull(self, pull: Pull, now: float) -> None:
         if pull.state not in ("drain", "done") and now > pull.deadline:
@@ -326,7 +327,7 @@ class Receiver(IOThread, ReceiverWork):
                     leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
                     staged = self._want_staged(pull, leg, peer)
                     self._send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers,
-                                             staged, pull.from_token).encode())
+                                             staged, pull.from_token, pull.secret).encode())
                     leg.fetch_sent = True
                     if not peer.legs:  # an idle peer: its silence is measured from this request on
                         peer.last_heard = now
@@ -426,9 +427,11 @@ class Receiver(IOThread, ReceiverWork):
                 peer.legs.clear()
                 self._reset(peer)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, now: float) -> None:
         for peer in self._peers.values():
-            if peer.legs and peer.sock is not None:
-                ids = sorted({self._pulls[r].ctx_request_id for r, _ in peer.legs if r in self._pulls})
-                if ids:
-                    self._send(peer, m.Heartbeat(ids).encode())
+            if peer.sock is None:
+                continue
+            ids = sorted({self._pulls[r].ctx_request_id for r, _ in peer.legs if r in self._pulls})
+            if ids or (peer.state == "ready" and now - peer.last_sent >= self.config.peer_timeout_s / 3):
+                peer.last_sent = now  # an empty heartbeat keeps an idle session alive on the context rank
+                self._send(peer, m.Heartbeat(ids).encode())

@@ -12,11 +12,22 @@ Per request:
         |--cancel----------> CANCELLED (at once when no reader is active; else after readers finish/expire)
 A request's expected readers are the generation ranks the mapping assigns to this rank, for the generation
 layout announced in the first reader's Hello. One generation instance per request.
+
+A Fetch must carry the request's secret (handles.py). A wrong or missing secret takes exactly the path of an
+unknown id: the Fetch waits as if its request were not published yet and is answered "no request" when that
+wait ends; it pins nothing, starts no lease and learns nothing about the request (not even a finished one's
+status).
+
+Per-peer state is bounded: a session (one per handshaken ROUTER identity) is dropped when sending to its peer
+fails (it disconnected) or when the peer has been silent for peer_timeout_s with no read in flight (a live
+generation rank keeps its idle sessions with empty heartbeats); at most max_sessions exist at once, and a
+Hello beyond that gets an error. Only authenticated peers get here when CurveZMQ is on (zap.py).
 """
 
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
 import threading
 import time
@@ -32,10 +43,13 @@ from ..formatter.mapping import MAPPING_VERSION, check_compatible, mapping_for
 from . import messages as m
 from . import metrics
 from .config import TransceiverConfig, local_host_id
+from .handles import new_secret
 from .iothread import IOThread
 from .sender_work import SenderWork
 from .pool import LocalPool
+from .sessions import Session, SessionTable
 from .sockets import make_router, stop_authenticator
+from .zap import RejectLog
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +75,7 @@ class _Entry:
     num_tokens: int
     layers_ready: int
     deadline: float
+    secret: bytes = field(default=b"", repr=False)
     instance: str | None = None
     expected: frozenset[int] = frozenset()
     fetched: dict[int, bytes] = field(default_factory=dict)  # gen rank -> ROUTER identity
@@ -75,11 +90,14 @@ class _Entry:
         return len(set(self.fetched) - set(self.done))
 
 
-@dataclass
-class _Session:
-    instance: str
-    gen_rank: int
-    layout: KVLayout
+@dataclass(frozen=True)
+class _Tomb:
+    """What is remembered of a finished request: told only to those who show its secret (or read it)."""
+
+    status: str
+    secret: bytes = field(repr=False)
+    readers: frozenset[bytes]
+
 
 
 class Sender(IOThread, SenderWork):
@@ -105,10 +123,13 @@ class Sender(IOThread, SenderWork):
             zctx.destroy(0)
             raise
         self._entries: dict[int, _Entry] = {}
-        self._tomb: collections.OrderedDict[int, str] = collections.OrderedDict()
-        self._sessions: dict[bytes, _Session] = {}
-        self._agents_wire = {k: a.metadata() for k, a in pool.agents.items()}
-        self._host = local_host_id()
+        self._tomb: collections.OrderedDict[int, _Tomb] = collections.OrderedDict()
+        self._sessions = SessionTable(config.max_sessions, config.peer_timeout_s)
+        self._refused = RejectLog(f"context rank {pool.rank}")
+        arena, agents = pool.arena, {k: a.metadata() for k, a in pool.agents.items()}
+        self._welcome = m.Welcome(self.instance, pool.rank, self.layout.to_wire(), agents, pool.bases,
+                                  pool.num_blocks, pool.kind.value, pool.device, config.lease_s, local_host_id(),
+                                  arena.base if arena else 0, arena.nbytes if arena else 0).encode()  # the same for all
         self._jobs: list = []  # (future, callback): hashing and packing run off the I/O thread
         self._early: dict[int, list] = {}  # Fetches that arrived before their request was published
         if config.verify:
@@ -123,8 +144,16 @@ class Sender(IOThread, SenderWork):
         self._poller.register(self._wake_rx, zmq.POLLIN)
 
     # --- engine-facing API (any thread) -------------------------------------------------------------
-    def publish(self, ctx_request_id: int, block_ids, num_tokens: int, layers_ready: int | None = None) -> None:
-        """Pin a request's blocks for pulling. `layers_ready` < local layers for layer-wise streaming."""
+    def publish(self, ctx_request_id: int, block_ids, num_tokens: int, layers_ready: int | None = None,
+                secret: bytes | None = None) -> bytes:
+        """Pin a request's blocks for pulling. `layers_ready` < local layers for layer-wise streaming.
+
+        Returns the secret every Fetch of the request must carry: `secret` (all ranks of an executor pass the
+        same one, from their RequestKey), or a fresh random one.
+        """
+        secret = new_secret() if secret is None else bytes(secret)
+        if len(secret) < 16:
+            raise KvBridgeError(f"request {ctx_request_id}: a request secret must be at least 16 bytes")
         local = self.layout.local_layers(self.pool.rank)
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
         need = -(-int(num_tokens) // self.layout.shape.tokens_per_block)
@@ -134,7 +163,13 @@ class Sender(IOThread, SenderWork):
         with self._count_lock:
             self._queued += 1
         self._command("publish", int(ctx_request_id), blocks, int(num_tokens),
-                      local if layers_ready is None else int(layers_ready))
+                      local if layers_ready is None else int(layers_ready), secret)
+        return secret
+
+    @property
+    def sessions(self) -> int:
+        """Generation-rank sessions this rank holds now (bounded by max_sessions)."""
+        return len(self._sessions)
 
     @property
     def pinned(self) -> int:
@@ -185,14 +220,15 @@ class Sender(IOThread, SenderWork):
     def _do_command(self, cmd) -> None:
         op, rid = cmd[0], cmd[1]
         if op == "publish":
-            _, rid, blocks, n, layers = cmd
+            _, rid, blocks, n, layers, secret = cmd
             with self._count_lock:
                 self._queued -= 1
             if rid in self._entries:
                 log.warning("request %d published twice; keeping the first", rid)
                 return
             self._tomb.pop(rid, None)
-            self._entries[rid] = _Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s)
+            self._entries[rid] = _Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s,
+                                        secret)
             self._set_pinned()
             for _, ident, msg in self._early.pop(rid, []):
                 self._on_fetch(ident, msg)
@@ -223,7 +259,7 @@ class Sender(IOThread, SenderWork):
         self._entries.pop(e.rid, None)
         for gen_rank in [g for g in e.slots if g not in e.packing]:  # a slot still being packed: _packed frees it
             self.pool.arena.free(e.slots.pop(gen_rank))
-        self._tomb[e.rid] = status
+        self._tomb[e.rid] = _Tomb(status, e.secret, frozenset(e.fetched.values()))
         while len(self._tomb) > _TOMBSTONES:
             self._tomb.popitem(last=False)
         self._set_pinned()
@@ -241,7 +277,7 @@ class Sender(IOThread, SenderWork):
             keep = []
             for d, ident, msg in self._early.pop(rid):
                 if d < now:
-                    self._unknown(ident, rid, "fetch")
+                    self._unknown(ident, rid, "fetch", msg.secret)
                 else:
                     keep.append((d, ident, msg))
             if keep:
@@ -250,6 +286,8 @@ class Sender(IOThread, SenderWork):
     def _expire(self, now: float) -> None:
         if self._early:
             self._expire_early(now)
+        if self._sessions.sweep_due(now):
+            self._sessions.sweep(now, self._busy_peers())
         # A request some expected reader has not fetched yet waits for it up to the pickup timeout, even when
         # the readers that came are done (their lease alone would release it early).
         for e in [e for e in self._entries.values() if now > e.deadline and not (
@@ -258,11 +296,19 @@ class Sender(IOThread, SenderWork):
             what = "no generation rank fetched it" if not e.fetched else "readers stopped renewing the lease"
             self._finish(e, "expired", f"lease expired: {what}")
 
+    def _busy_peers(self) -> set[bytes]:
+        """Identities with a read in flight here (or a Fetch waiting): their sessions are kept however quiet."""
+        busy = {i for e in self._entries.values() for g, i in e.fetched.items() if g not in e.done}
+        busy.update(i for lst in self._early.values() for _, i, _ in lst)
+        return busy
+
     def _send(self, ident: bytes, frame: bytes) -> None:
         try:
             self._router.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # peer vanished (ROUTER_MANDATORY) or queue full
-            log.info("cannot send to peer %r: %s", ident, e)
+            if e.errno == zmq.EHOSTUNREACH:
+                self._sessions.drop(ident)  # it disconnected: its session goes with it
+            log.info("cannot send to peer %r: %s", ident[:64], e)
 
     def _error(self, ident: bytes, code: m.ErrorCode, text: str, rid: int = -1, reply_to: str = "") -> None:
         self._send(ident, m.Error(code.value, text, rid, reply_to).encode())
@@ -273,6 +319,7 @@ class Sender(IOThread, SenderWork):
                 self._error(frames[0], m.ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames) - 1}")
             return
         ident, frame = frames
+        self._sessions.heard(ident, time.monotonic())
         try:
             msg = m.decode(frame)
         except ProtocolError as e:
@@ -303,21 +350,23 @@ class Sender(IOThread, SenderWork):
         except ProtocolError as e:
             self._error(ident, m.ErrorCode.MALFORMED, str(e), reply_to="hello")
             return
-        self._sessions[ident] = _Session(msg.gen_instance, msg.gen_rank, gen_layout)
-        arena = self.pool.arena
-        self._send(ident, m.Welcome(self.instance, self.pool.rank, self.layout.to_wire(), self._agents_wire,
-                                    self.pool.bases, self.pool.num_blocks, self.pool.kind.value,
-                                    self.pool.device, self.config.lease_s, self._host,
-                                    arena.base if arena else 0, arena.nbytes if arena else 0).encode())
+        if not self._sessions.add(ident, Session(msg.gen_instance, msg.gen_rank, gen_layout), self._busy_peers):
+            n = len(self._sessions)
+            self._refused.refused(repr(ident[:32]), "sessions", f"{n} sessions already (transceiver.max_sessions)")
+            self._error(ident, m.ErrorCode.BUSY, f"context rank {self.pool.rank} already holds {n} sessions "
+                        f"(transceiver.max_sessions); try again later", reply_to="hello")
+            return
+        self._send(ident, self._welcome)
 
-    def _session(self, ident: bytes, msg: m.Message, rid: int) -> _Session | None:
+    def _session(self, ident: bytes, msg: m.Message, rid: int) -> Session | None:
         s = self._sessions.get(ident)
         if s is None:
             self._error(ident, m.ErrorCode.NO_SESSION, f"{msg.TYPE} before hello on this connection", rid, msg.TYPE)
         return s
 
-    def _unknown(self, ident: bytes, rid: int, reply_to: str) -> None:
-        status = self._tomb.get(rid)
+    def _unknown(self, ident: bytes, rid: int, reply_to: str, secret: bytes = b"") -> None:
+        tomb = self._tomb.get(rid)
+        status = tomb.status if tomb is not None and hmac.compare_digest(tomb.secret, secret) else None
         if status == "expired":
             self._error(ident, m.ErrorCode.LEASE_EXPIRED, f"request {rid}: its lease expired and its blocks were "
                         "released", rid, reply_to)
@@ -325,8 +374,7 @@ class Sender(IOThread, SenderWork):
             self._error(ident, m.ErrorCode.CANCELLED, f"request {rid} was cancelled on the context side", rid,
                         reply_to)
         elif status is not None:
-            self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"request {rid} is already finished ({status})", rid,
-                        reply_to)
+            self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"request {rid} is already finished", rid, reply_to)
         else:
             self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"context rank {self.pool.rank} has no request {rid} "
                         f"(not published within {self.config.handshake_timeout_s:g} s of the fetch)", rid, reply_to)
@@ -336,9 +384,10 @@ class Sender(IOThread, SenderWork):
         if s is None:
             return
         e = self._entries.get(msg.ctx_request_id)
-        if e is None:
-            if msg.ctx_request_id in self._tomb or len(self._early) >= _TOMBSTONES:
-                self._unknown(ident, msg.ctx_request_id, "fetch")
+        if e is None or not hmac.compare_digest(e.secret, msg.secret):  # a wrong secret is an unknown id
+            tomb = self._tomb.get(msg.ctx_request_id)
+            if (tomb is not None and hmac.compare_digest(tomb.secret, msg.secret)) or len(self._early) >= _TOMBSTONES:
+                self._unknown(ident, msg.ctx_request_id, "fetch", msg.secret)
             else:  # not published yet (the executor publishes after its step): answer when it is, or time out
                 self._early.setdefault(msg.ctx_request_id, []).append(
                     (time.monotonic() + self.config.handshake_timeout_s, ident, msg))
@@ -394,7 +443,8 @@ class Sender(IOThread, SenderWork):
             return
         e = self._entries.get(msg.ctx_request_id)
         if e is None or e.fetched.get(s.gen_rank) != ident:
-            status = self._tomb.get(msg.ctx_request_id, "unknown")
+            tomb = self._tomb.get(msg.ctx_request_id)
+            status = tomb.status if tomb is not None and ident in tomb.readers else "unknown"  # readers only
             self._send(ident, m.DoneAck(msg.ctx_request_id, False, f"blocks no longer pinned ({status})").encode())
             return
         if msg.ok and msg.digests:  # verification mode: hash off the I/O thread, then answer (_verified)

@@ -16,7 +16,8 @@ from . import messages as m
 from .handshake import context_digests
 
 if TYPE_CHECKING:
-    from .sender import _Entry, _Session
+    from .sender import _Entry
+    from .sessions import Session as _Session
 
 log = logging.getLogger("kvbridge.transceiver.sender")
 

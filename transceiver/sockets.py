@@ -1,13 +1,17 @@
-"""ZeroMQ sockets of the control plane, made one way: size limits, no lingering, optional CurveZMQ.
+"""ZeroMQ sockets of the control plane, made one way: size limits, no lingering, closed by default.
 
 With CurveZMQ configured, the context side's ROUTER is a CURVE server that accepts only clients whose public
-keys are in `curve_authorized_keys_dir` (ZAP, via pyzmq's authenticator thread; rejections are logged), and
+keys are in `curve_authorized_keys_dir` (ZAP: zap.py; refusals are logged, rate-limited, and counted), and
 every frame is encrypted. Key files are ZeroMQ certificate files (`kvbridge keys DIR` or
 `zmq.auth.create_certificates`).
+
+Without keys the ROUTER binds loopback only: `make_router` refuses any other bind_host with a ConfigError
+unless the config says `insecure: true`, which is logged as a WARNING when the socket binds.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 
@@ -19,7 +23,7 @@ from .messages import MAX_FRAME_BYTES
 log = logging.getLogger(__name__)
 
 _auth_lock = threading.Lock()
-_authenticators: dict[int, object] = {}
+_authenticators: dict[int, object] = {}  # id(zmq context) -> its ZapGuard
 
 
 def _load_keys(path: str | None, what: str, secret: bool) -> tuple[bytes, bytes | None]:
@@ -48,8 +52,32 @@ def _base(sock: zmq.Socket) -> zmq.Socket:
     return sock
 
 
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost: addresses no other host can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(cfg: TransceiverConfig) -> None:
+    """Closed by default: without CurveZMQ keys, only loopback, unless `insecure: true` says otherwise."""
+    if curve_enabled(cfg) or is_loopback(cfg.bind_host):
+        return
+    if not cfg.insecure:
+        raise ConfigError(f"transceiver.bind_host {cfg.bind_host!r} is not a loopback address and no CurveZMQ keys "
+                          f"are configured: anyone who can reach it would get this rank's NIXL metadata and pool "
+                          f"addresses. Configure transceiver.curve_secret_key_file and curve_authorized_keys_dir "
+                          f"(`kvbridge keys`), or set transceiver.insecure: true on a network you trust")
+    log.warning("transceiver.insecure: true: the control plane listens on %s without authentication; any peer "
+                "that reaches it can read this rank's KV pool", cfg.bind_host)
+
+
 def make_router(zctx: zmq.Context, cfg: TransceiverConfig) -> tuple[zmq.Socket, str]:
     """The context rank's ROUTER, bound; returns (socket, endpoint peers should connect to)."""
+    check_bind(cfg)
     sock = _base(zctx.socket(zmq.ROUTER))
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping silently
     if curve_enabled(cfg):
@@ -81,7 +109,7 @@ def make_dealer(zctx: zmq.Context, cfg: TransceiverConfig, endpoint: str, identi
 
 
 def _start_authenticator(zctx: zmq.Context, cfg: TransceiverConfig) -> None:
-    from zmq.auth.thread import ThreadAuthenticator
+    from .zap import ZapGuard, load_authorized
 
     if not cfg.curve_authorized_keys_dir:
         raise ConfigError("CurveZMQ on the context side needs transceiver.curve_authorized_keys_dir "
@@ -89,14 +117,12 @@ def _start_authenticator(zctx: zmq.Context, cfg: TransceiverConfig) -> None:
     with _auth_lock:
         if id(zctx) in _authenticators:
             return
-        auth = ThreadAuthenticator(zctx, log=logging.getLogger("kvbridge.auth"))
-        auth.start()
-        auth.configure_curve(domain="*", location=cfg.curve_authorized_keys_dir)
-        _authenticators[id(zctx)] = auth
+        keys = load_authorized(cfg.curve_authorized_keys_dir)
+        _authenticators[id(zctx)] = ZapGuard(zctx, keys, f"control plane on {cfg.bind_host}")
 
 
 def stop_authenticator(zctx: zmq.Context) -> None:
     with _auth_lock:
         auth = _authenticators.pop(id(zctx), None)
     if auth is not None:
-        auth.stop()
+        auth.close()

@@ -14,7 +14,7 @@ import pytest
 from kvbridge.errors import ExecutorError
 from kvbridge.executor.kv_check import check_positional, mismatches
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
+from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params, hooked_executor_config
 from kvbridge.transceiver import DisaggParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(40, 77)), [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -43,7 +43,7 @@ def test_disaggregated_decoding_gives_exactly_the_aggregated_tokens(tmp_path, ct
         for prompt in PROMPTS:
             res = ctx.prefill(prompt)
             ctx_ids.append(res.request_id)
-            params = DisaggParams(res.request_id, "ctx-instance", endpoints, layout).to_dict()
+            params = disagg_params(ctx, res.request_id, endpoints).to_dict()
             gen_ids.append(gen.submit(prompt, max_tokens=10, mode="generation_only", first_token=res.first_token,
                                       ctx_info={"disagg_params": params}))
         got = [gen.wait(rid, timeout=60) for rid in gen_ids]

@@ -48,8 +48,8 @@ def _rank(conn, role: str, layout_wire: dict, rank: int, device: int, instance: 
     while conn.poll(300):
         cmd, arg = conn.recv()
         if cmd == "publish":
-            rid, blocks, n = arg
-            tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n))
+            rid, blocks, n, secret = arg
+            tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n, secret=secret))
             conn.send(True)
         elif cmd == "pull":
             rid, params, blocks, n = arg
@@ -121,9 +121,10 @@ def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
         for rid in (1, 2):  # the first pull also opens IPC handles and compiles the kernel: time the second
             cblocks = rng.permutation(NB)[:TOKENS // 16].tolist()
             gblocks = rng.permutation(NB)[:TOKENS // 16].tolist()
+            secret = os.urandom(16)  # every context rank of the request pins it under the same secret
             for p in ctx:
-                p.call("publish", (rid, cblocks, TOKENS))
-            params = DisaggParams(rid, inst, endpoints, ctx_l).to_dict()
+                p.call("publish", (rid, cblocks, TOKENS, secret))
+            params = DisaggParams(rid, inst, endpoints, ctx_l, secret).to_dict()
             for p in gen:
                 p.send("pull", (rid, params, gblocks, TOKENS))
             res = [p.conn.recv() if p.conn.poll(180) else None for p in gen]

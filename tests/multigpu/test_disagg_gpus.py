@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
-from kvbridge.transceiver import DisaggParams
+from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params, hooked_executor_config
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], list(range(200, 241)), [9] * 3 + list(range(60, 90))]
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -40,7 +39,7 @@ def _disagg(ctx: Executor, gen: Executor, run_dir, prompts, max_tokens):
     ids = []
     for p in prompts:
         r = ctx.prefill(p)
-        params = DisaggParams(r.request_id, "ctx-inst", eps, ctx.layout).to_dict()
+        params = disagg_params(ctx, r.request_id, eps).to_dict()
         ids.append(gen.submit(p, max_tokens=max_tokens, mode="generation_only", first_token=r.first_token,
                               ctx_info={"disagg_params": params}))
     return [gen.wait(i, timeout=180) for i in ids]

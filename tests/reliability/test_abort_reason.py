@@ -11,8 +11,7 @@ from __future__ import annotations
 
 
 from kvbridge.executor.runtime import Executor
-from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
-from kvbridge.transceiver import DisaggParams
+from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params, hooked_executor_config
 
 XCFG = {"agents": ["nixl"], "transfer_timeout_s": 20, "handshake_timeout_s": 2, "pickup_timeout_s": 3}
 
@@ -33,9 +32,7 @@ def test_a_request_aborted_by_one_ranks_failed_pull_reports_that_failure(tmp_pat
         endpoints = context_endpoints(str(tmp_path / "context"), 2)
         res = ctx.prefill(list(range(10, 30)))
         # PP2 -> PP2: generation rank 0 reads only context rank 0, rank 1 only rank 1, whose address is dead
-        params = DisaggParams(
-            res.request_id, "context-instance", (endpoints[0], "tcp://127.0.0.1:9"), ctx.layout
-        )
+        params = disagg_params(ctx, res.request_id, (endpoints[0], "tcp://127.0.0.1:9"))
         rid = gen.submit(
             list(range(10, 30)),
             max_tokens=4,

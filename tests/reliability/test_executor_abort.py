@@ -7,8 +7,7 @@ import time
 
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
-from kvbridge.transceiver import DisaggParams
+from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params, hooked_executor_config
 
 XCFG = {"agents": ["nixl"], "transfer_timeout_s": 60, "handshake_timeout_s": 30}
 P1 = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # 13 tokens: 2 blocks of 8
@@ -45,7 +44,7 @@ def test_abort_while_the_kv_is_being_pulled_never_lets_the_pull_write_into_reuse
 
         def params(ctx_rid):
             return {
-                "disagg_params": DisaggParams(ctx_rid, "context-instance", endpoints, ctx.layout).to_dict()
+                "disagg_params": disagg_params(ctx, ctx_rid, endpoints).to_dict()
             }
 
         a = gen.add_generation(P1, 1, max_tokens=3, ctx_info=params(1000))

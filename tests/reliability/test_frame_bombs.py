@@ -32,7 +32,7 @@ ITEMS = 1 << 19  # a 512 KiB frame: seconds and ~80 MB today; a budgeted decoder
 
 def _bomb(element: bytes, n: int) -> bytes:
     """A valid Fetch with one extra (ignored) field holding n one-byte elements."""
-    head = pack({"v": 1, "t": "fetch", "ctx_request_id": 1, "gen_rank": 0})
+    head = pack({"v": m.PROTOCOL_VERSION, "t": "fetch", "ctx_request_id": 1, "gen_rank": 0})
     assert head[0] == 0x84  # fixmap of 4 entries: we add a fifth
     return bytes([0x85]) + head[1:] + pack("x") + b"\xdd" + struct.pack(">I", n) + element * n
 

@@ -44,7 +44,7 @@ def net():
             NsRank(link.ctx_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.ctx_dev}),
             NsRank(link.gen_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.gen_dev}),
         ]
-        c.setup(LAYOUT, LAYOUT, NB, NB, {**FAST, "bind_host": link.ctx_ip})
+        c.setup(LAYOUT, LAYOUT, NB, NB, {**FAST, "bind_host": link.ctx_ip, "insecure": True})
         yield link, c
     finally:
         c.close()
@@ -144,7 +144,7 @@ def test_a_read_cut_mid_data_writes_nothing_after_its_failure_is_reported():
             NsRank(link.ctx_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.ctx_dev}),
             NsRank(link.gen_ns, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.gen_dev}),
         ]
-        c.setup(BIG, BIG, 24, 24, {**cfg, "bind_host": link.ctx_ip})
+        c.setup(BIG, BIG, 24, 24, {**cfg, "bind_host": link.ctx_ip, "insecure": True})
         ctx, gen = c.ctx[0], c.gen[0]
         link.limit_ctx_rate("16mbit")
         ctx.call("publish", [(1, list(range(16)), 256, 1)])

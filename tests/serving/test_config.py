@@ -72,8 +72,10 @@ def test_group_settings_override_the_shared_ones_per_server():
     ex = c0.executor_config("seeded:tiny", "ctx-instance", "/tmp/run")
     assert (ex.tp, ex.device, ex.num_blocks, ex.rank_hook) == (2, "cuda:1", 64,
                                                                "kvbridge.executor.transceiver_hook:make")
-    assert ex.rank_hook_args == {"role": "context", "instance": "ctx-instance", "run_dir": "/tmp/run",
-                                 "transceiver": c0.transceiver}
+    args = dict(ex.rank_hook_args)
+    assert len(args.pop("request_key")) == 64  # the context executor's RequestKey (transceiver/handles.py)
+    assert args == {"role": "context", "instance": "ctx-instance", "run_dir": "/tmp/run",
+                    "transceiver": c0.transceiver}
     assert cfg.on_transfer_failure == "fail" and cfg.router.policy == "round_robin"
 
 

@@ -26,6 +26,7 @@ def _serve(conn) -> None:
     from kvbridge.formatter.layout import KVLayout
     from kvbridge.formatter.verify import pool_image
     from kvbridge.transceiver import CacheTransceiver, TransceiverConfig
+    from kvbridge.transceiver.handles import RequestKey
 
     state: dict = {}
 
@@ -50,7 +51,8 @@ def _serve(conn) -> None:
                 cfg = TransceiverConfig.from_dict(arg.get("config", {}))
                 make = CacheTransceiver.context if arg["role"] == "context" else CacheTransceiver.generation
                 tr = make(buf, layout, rank, nb, cfg, instance=arg.get("instance"))
-                state.update(tr=tr, buf=buf, layout=layout, rank=rank, nb=nb, bg=bg, held=[], results=[])
+                state.update(tr=tr, buf=buf, layout=layout, rank=rank, nb=nb, bg=bg, held=[], results=[],
+                             key=RequestKey.from_hex(arg["request_key"]) if arg.get("request_key") else None)
                 conn.send(tr.endpoint if arg["role"] == "context" else tr.instance)
             elif cmd in ("publish", "publish_streaming"):  # list of (rid, blocks, n, salt)
                 tr, layout = state["tr"], state["layout"]
@@ -60,7 +62,7 @@ def _serve(conn) -> None:
                 ready = 0 if cmd == "publish_streaming" else None  # streaming: no layer readable yet
                 for rid, blocks, n, salt in arg:
                     tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n,
-                                                  layers_ready=ready))
+                                                  layers_ready=ready, secret=state["key"].secret(rid)))
                 conn.send(True)
             elif cmd == "corrupt_next":  # fault injection: flip a byte of the next pull before it is confirmed
                 rx, buf, layout = state["tr"].receiver, state["buf"], state["layout"]
@@ -81,7 +83,7 @@ def _serve(conn) -> None:
             elif cmd == "ctx_status":
                 tr = state["tr"]
                 state["results"] += tr.check_context_transfer_status()
-                conn.send({"pinned": tr.sender.pinned, "fetches": tr.sender.fetches,
+                conn.send({"pinned": tr.sender.pinned, "fetches": tr.sender.fetches, "sessions": tr.sender.sessions,
                            "finished": [(r.ctx_request_id, r.status, r.detail) for r in state["results"]]})
             elif cmd == "cancel":
                 state["tr"].cancel_request(arg)
@@ -203,8 +205,12 @@ class Cluster:
         self.gen = self.procs[nc:nc + ng]
         self.ctx_layout, self.gen_layout = ctx_layout, gen_layout
         instance = f"ctx-{time.monotonic_ns()}"
+        from kvbridge.transceiver.handles import RequestKey
+
+        self.key = RequestKey.new()  # every context rank derives each request's secret from it
         self.endpoints = [p.call("init", {"role": "context", "layout": ctx_layout.to_wire(), "rank": r,
-                                          "num_blocks": ctx_blocks, "config": config or {}, "instance": instance})
+                                          "num_blocks": ctx_blocks, "config": config or {}, "instance": instance,
+                                          "request_key": self.key.hex})
                           for r, p in enumerate(self.ctx)]
         for r, p in enumerate(self.gen):
             p.call("init", {"role": "generation", "layout": gen_layout.to_wire(), "rank": r,
@@ -214,7 +220,8 @@ class Cluster:
     def params(self, rid: int) -> dict:
         from kvbridge.transceiver import DisaggParams
 
-        return DisaggParams(rid, self.instance, tuple(self.endpoints), self.ctx_layout).to_dict()
+        return DisaggParams(rid, self.instance, tuple(self.endpoints), self.ctx_layout,
+                            self.key.secret(rid)).to_dict()
 
     def publish(self, reqs) -> None:
         for p in self.ctx:

@@ -27,11 +27,12 @@ def keys(tmp_path):
     return tmp_path
 
 
-def _pull(ctx, gen_cfg, rid):
+def _pull(ctx, gen_cfg, rid, secret):
     gen_buf = pool_image(LAY, 0, 8, [], 9).copy()
     with CacheTransceiver.generation(gen_buf, LAY, 0, 8, gen_cfg) as gen:
         gen.request_and_receive_async(_Req(request_id=rid, block_ids=np.array([3, 4]), num_tokens=20,
-                                           disagg_params=DisaggParams(rid, ctx.instance, (ctx.endpoint,), LAY)))
+                                           disagg_params=DisaggParams(rid, ctx.instance, (ctx.endpoint,), LAY,
+                                                                        secret)))
         (r,) = gen.check_gen_transfer_status(1, timeout_s=20)
     return r, gen_buf
 
@@ -41,11 +42,11 @@ def test_only_authorized_generation_ranks_get_through(keys, caplog):
                                curve_authorized_keys_dir=str(keys / "allowed"), handshake_timeout_s=1.5)
     ctx_buf = pool_image(LAY, 0, 8, [([1, 2], 20, 5), ([5, 6], 20, 6)]).copy()
     with CacheTransceiver.context(ctx_buf, LAY, 0, 8, server) as ctx:
-        for rid, blocks in ((1, [1, 2]), (2, [5, 6])):
-            ctx.respond_and_send_async(_Req(request_id=rid, block_ids=np.array(blocks), num_tokens=20))
+        secrets = {rid: ctx.respond_and_send_async(_Req(request_id=rid, block_ids=np.array(blocks), num_tokens=20))
+                   for rid, blocks in ((1, [1, 2]), (2, [5, 6]))}
         good = TransceiverConfig(agents=("nixl",), curve_secret_key_file=str(keys / "allowed/gen.key_secret"),
                                  curve_server_public_key_file=str(keys / "server/server.key"))
-        r, buf = _pull(ctx, good, 1)
+        r, buf = _pull(ctx, good, 1, secrets[1])
         assert r.ok, r.error
         np.testing.assert_array_equal(buf, pool_image(LAY, 0, 8, [([3, 4], 20, 5)], 9))
 
@@ -53,15 +54,15 @@ def test_only_authorized_generation_ranks_get_through(keys, caplog):
             bad = TransceiverConfig(agents=("nixl",), handshake_timeout_s=1.5,
                                     curve_secret_key_file=str(keys / "other/intruder.key_secret"),
                                     curve_server_public_key_file=str(keys / "server/server.key"))
-            r, buf = _pull(ctx, bad, 2)
+            r, buf = _pull(ctx, bad, 2, secrets[2])
             assert not r.ok and r.error_type == "PeerGone" and "did not answer hello" in r.error
             np.testing.assert_array_equal(buf, pool_image(LAY, 0, 8, [], 9))  # nothing arrived
             plain = TransceiverConfig(agents=("nixl",), handshake_timeout_s=1.5)
-            r, _ = _pull(ctx, plain, 2)
+            r, _ = _pull(ctx, plain, 2, secrets[2])
             assert not r.ok and "did not answer hello" in r.error
-        assert any("DENIED" in m or "denied" in m.lower() for m in caplog.messages), caplog.messages
+        assert any("refused a peer at 127.0.0.1: CURVE key" in m for m in caplog.messages), caplog.messages
 
-        r, _ = _pull(ctx, good, 2)  # still serving authorized peers
+        r, _ = _pull(ctx, good, 2, secrets[2])  # still serving authorized peers
         assert r.ok, r.error
 
 

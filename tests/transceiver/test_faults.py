@@ -94,7 +94,7 @@ def test_reader_that_stops_renewing_loses_its_lease(cluster):
     s.connect(c.endpoints[0])
     s.send(m.Hello("silent-gen", 0, LAYOUT.to_wire(), ["nixl"]).encode())
     assert s.poll(5000) and isinstance(m.decode(s.recv()), m.Welcome)
-    s.send(m.Fetch(3, 0).encode())
+    s.send(m.Fetch(3, 0, secret=c.key.secret(3)).encode())
     assert s.poll(5000) and isinstance(m.decode(s.recv()), m.Blocks)
     t0 = time.monotonic()
     f, _ = _wait_finished(c, 3, 5.0)
@@ -200,7 +200,8 @@ def test_killed_context_rank_is_detected_within_the_deadline(cluster):
     c.procs[0] = RankProc()
     c.ctx[0] = c.procs[0]
     c.endpoints[0] = c.ctx[0].call("init", {"role": "context", "layout": LAYOUT.to_wire(), "rank": 0,
-                                            "num_blocks": NB, "config": FAST, "instance": c.instance + "-2"})
+                                            "num_blocks": NB, "config": FAST, "instance": c.instance + "-2",
+                                            "request_key": c.key.hex})
     c.instance += "-2"
     _next_request_succeeds(c, 14, 4, 4)
 

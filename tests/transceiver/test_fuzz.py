@@ -58,7 +58,7 @@ json_like = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 
 @settings(max_examples=400, deadline=None)
 @given(st.sampled_from(sorted(m.MESSAGE_TYPES)), st.dictionaries(st.text(max_size=16), json_like, max_size=8))
 def test_well_formed_maps_with_wrong_fields_never_crash(t, fields):
-    _check(pack({"v": 1, "t": t, **fields}))
+    _check(pack({"v": m.PROTOCOL_VERSION, "t": t, **fields}))
 
 
 def test_a_live_context_rank_survives_a_storm_of_bad_frames_and_keeps_serving():
@@ -80,12 +80,13 @@ def test_a_live_context_rank_survives_a_storm_of_bad_frames_and_keeps_serving():
             answered += 1
         s.close()
         assert answered > 2000  # bad frames get error answers
-        ctx.respond_and_send_async(type("R", (), {"request_id": 1, "block_ids": np.array([1, 2]), "num_tokens": 20})())
+        secret = ctx.respond_and_send_async(type("R", (), {"request_id": 1, "block_ids": np.array([1, 2]),
+                                                           "num_tokens": 20})())
         gen_buf = pool_image(LAY, 0, 8, [], 9).copy()
         with CacheTransceiver.generation(gen_buf, LAY, 0, 8, cfg) as gen:
             gen.request_and_receive_async(type("R", (), {
                 "request_id": 1, "block_ids": np.array([3, 4]), "num_tokens": 20,
-                "disagg_params": DisaggParams(1, ctx.instance, (ctx.endpoint,), LAY)})())
+                "disagg_params": DisaggParams(1, ctx.instance, (ctx.endpoint,), LAY, secret)})())
             (r,) = gen.check_gen_transfer_status(1, timeout_s=20)
         assert r.ok, r.error
         np.testing.assert_array_equal(gen_buf, pool_image(LAY, 0, 8, [([3, 4], 20, 5)], 9))

@@ -10,6 +10,8 @@ from kvbridge.codec import pack
 from kvbridge.errors import ProtocolError
 from kvbridge.transceiver import messages as m
 
+V = m.PROTOCOL_VERSION
+
 
 def test_every_message_round_trips():
     blocks = np.array([5, 1, 1 << 40, 0], dtype=np.int64)
@@ -25,15 +27,15 @@ def test_every_message_round_trips():
     (b"", "empty"),
     (b"\x81", "truncated"),
     (pack([1, 2]), "expected a map"),
-    (pack({"v": 2, "t": "fetch"}), "protocol version 2"),
-    (pack({"v": 1, "t": "steal"}), "unknown message type 'steal'"),
-    (pack({"v": 1, "t": "fetch", "gen_rank": 0}), "missing field 'ctx_request_id'"),
-    (pack({"v": 1, "t": "fetch", "ctx_request_id": True, "gen_rank": 0}), "'ctx_request_id' should be int"),
-    (pack({"v": 1, "t": "blocks", "ctx_request_id": 1, "block_ids": b"123", "num_tokens": 1, "layers_ready": 1,
+    (pack({"v": 99, "t": "fetch"}), "protocol version 99"),
+    (pack({"v": V, "t": "steal"}), "unknown message type 'steal'"),
+    (pack({"v": V, "t": "fetch", "gen_rank": 0}), "missing field 'ctx_request_id'"),
+    (pack({"v": V, "t": "fetch", "ctx_request_id": True, "gen_rank": 0}), "'ctx_request_id' should be int"),
+    (pack({"v": V, "t": "blocks", "ctx_request_id": 1, "block_ids": b"123", "num_tokens": 1, "layers_ready": 1,
            "lease_s": 1.0}), "not a multiple of 8"),
-    (msgpack.packb({"v": 1, "t": "fetch", "x": msgpack.ExtType(1, b"boom")}), "ext type"),
-    (pack({"v": 1, "t": "fetch", "ctx_request_id": 1 << 63, "gen_rank": 0}), "out of range"),
-    (pack({"v": 1, "t": "fetch", "ctx_request_id": 1, "gen_rank": 0}) + b"\x00", "trailing"),
+    (msgpack.packb({"v": V, "t": "fetch", "x": msgpack.ExtType(1, b"boom")}), "ext type"),
+    (pack({"v": V, "t": "fetch", "ctx_request_id": 1 << 63, "gen_rank": 0}), "out of range"),
+    (pack({"v": V, "t": "fetch", "ctx_request_id": 1, "gen_rank": 0}) + b"\x00", "trailing"),
 ])
 def test_bad_frames_raise_protocol_error_naming_the_problem(frame, needle):
     with pytest.raises(ProtocolError, match=needle):
@@ -47,4 +49,4 @@ def test_oversized_and_deeply_nested_frames_are_refused():
     for _ in range(40):
         deep = [deep]
     with pytest.raises(ProtocolError, match="nested"):
-        m.decode(pack({"v": 1, "t": "heartbeat", "ctx_request_ids": deep}))
+        m.decode(pack({"v": V, "t": "heartbeat", "ctx_request_ids": deep}))

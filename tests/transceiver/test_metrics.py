@@ -31,14 +31,15 @@ def test_a_transfer_is_counted_with_its_bytes_and_phases():
               _value("kvbridge_transfers_total", role="context", outcome="complete"))
     with CacheTransceiver.context(ctx_buf, lay, 0, 8, cfg) as ctx, \
             CacheTransceiver.generation(gen_buf, lay, 0, 8, cfg) as gen:
-        ctx.respond_and_send_async(_Req(request_id=1, block_ids=np.array([1, 2]), num_tokens=20))
+        secret = ctx.respond_and_send_async(_Req(request_id=1, block_ids=np.array([1, 2]), num_tokens=20))
         # the gauge goes to 1 once the I/O thread takes the request up (bounded wait on that event)
         deadline = time.monotonic() + 10
         while _value("kvbridge_pinned_requests", rank="0") != 1.0:
             assert time.monotonic() < deadline, "the pinned gauge never showed the published request"
             time.sleep(0.01)
         gen.request_and_receive_async(_Req(request_id=1, block_ids=np.array([3, 4]), num_tokens=20,
-                                           disagg_params=DisaggParams(1, ctx.instance, (ctx.endpoint,), lay)))
+                                           disagg_params=DisaggParams(1, ctx.instance, (ctx.endpoint,), lay,
+                                                                      secret)))
         (r,) = gen.check_gen_transfer_status(1, timeout_s=20)
         assert r.ok
         ctx.check_context_transfer_status(1, timeout_s=5)
