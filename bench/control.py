@@ -111,8 +111,8 @@ class _ContextRank:
         rid, slot = self.next_rid, self.next_rid % CTX_SLOTS
         self.next_rid += 1
         self.t_pub[rid] = time.perf_counter()
-        self.ctx.respond_and_send_async(_Req(rid, np.array([slot]), TOKENS))
-        params = DisaggParams(rid, self.ctx.instance, (self.ctx.endpoint,), LAY).to_dict()
+        secret = self.ctx.respond_and_send_async(_Req(rid, np.array([slot]), TOKENS))
+        params = DisaggParams(rid, self.ctx.instance, (self.ctx.endpoint,), LAY, secret).to_dict()
         self.conns[gen].send((rid, params, rid % GEN_SLOTS))
 
     def reap(self) -> int:
