@@ -39,7 +39,7 @@ Threads: who calls each hook, and what it may block on
     handle.state()       any thread, polled in a tight loop             nothing (it is a poll)
     handle.cancel()      any thread, also while another polls state()   nothing; it asks, it does not wait
     handle.wait(t)       the owner of the handle                        at most `t` seconds
-    handle.release()     the owner, once; or a finalizer (warns)        at most a bounded settle
+    handle.release()     the owner, once settled; or a finalizer        nothing: frees the handle's resources
     _close               the owner, once, after its last transfer       joining its own threads (bounded)
 
 A subclass therefore guards its own tables with its own lock (the base lock serialises register/deregister/
@@ -55,9 +55,11 @@ for (`ConnectionAgent.check_served`): never trust the requester.
 
 Cancel semantics. `handle.cancel()` on a PENDING handle asks the transport to stop (the `_cancel` hook) and
 returns at once. From then on the handle may stay PENDING only while data already in flight can still land;
-once nothing can move any more it is FAILED (error "cancelled"), never DONE. So a caller that waits (bounded)
-for a non-PENDING state after cancel may free or reuse the memory. cancel() on a DONE or FAILED handle does
-nothing. `release()` of a PENDING handle cancels it first.
+once nothing can move any more it is FAILED (its `error` says it was cancelled), never DONE. So a caller that
+waits (bounded) for a non-PENDING state after cancel may free or reuse the memory. cancel() on a DONE or
+FAILED handle does nothing and returns False. Callers release a handle once it is no longer PENDING (cancel,
+then a bounded wait, as `handles._settle` does); what releasing a still-PENDING handle does is the
+transport's business (ConnectionAgent cancels it), so nothing relies on it.
 
 A peer that dies: transfers to it end FAILED (or raise at post) within the transport's own deadline, never
 stay PENDING forever, and the agent keeps serving its other peers.

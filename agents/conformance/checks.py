@@ -20,7 +20,7 @@ from ...errors import AgentError, PeerError, RegistrationError, TransferFailed, 
 from ..base import TransferAgent
 from ..envelope import seal
 from ..memory import DescriptorList, MemoryRegion, XferState
-from .peer import Peer, alloc, descs, pattern, resolve, restore, to_numpy, warm_up
+from .peer import Peer, alloc, descs, device_of, pattern, resolve, restore, to_numpy, warm_up
 
 __all__ = ["CheckFailed", "Check", "Pair", "CHECKS", "NBYTES", "LOCAL_SEED", "PEER_SEED"]
 
@@ -167,7 +167,7 @@ def check_empty_transfer(p: Pair) -> None:
 
 def check_register_deregister(p: Pair) -> None:
     """A newly registered region is usable at once; once released, the agent refuses to use it."""
-    extra = alloc(1 << 16, "cpu" if isinstance(p.buf, np.ndarray) else str(p.buf.device), seed=EXTRA_SEED)
+    extra = alloc(1 << 16, device_of(p.buf), seed=EXTRA_SEED)
     reg = p.agent.register_memory(MemoryRegion.of(extra))
     try:
         p.run("READ", descs(extra, [0], [4096]), descs(p.peer, [0], [4096]))

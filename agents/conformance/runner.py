@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge check-agent",
                                  description="Run the TransferAgent conformance suite against an agent class, "
                                              "in real processes, and print a pass/fail table.")
-    ap.add_argument("agent", help="MODULE:CLASS (e.g. examples.custom_agent:CmaAgent) or a registered name")
+    ap.add_argument("agent", nargs="?", help="MODULE:CLASS (e.g. examples.custom_agent:CmaAgent) or a registered name")
     ap.add_argument("--memory", choices=[m.value for m in Memory], default="dram",
                     help="where the buffers live (vram: cuda:0 locally, cuda:1 for the peer if there is one)")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds any one transfer may take (default 30)")
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in CHECKS:
             print(f"  {c.name:<{width}}  {c.doc}")
         return 0
+    if not args.agent:
+        ap.error("name the agent class to check: MODULE:CLASS")
     only = [s for s in args.only.split(",") if s]
     print(f"kvbridge check-agent {args.agent} (memory {args.memory}, timeout {args.timeout:g} s)")
     print(f"  {'check':<{width}}  {'result':<7}  {'time':>9}  detail")
