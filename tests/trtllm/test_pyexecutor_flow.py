@@ -115,3 +115,18 @@ def test_calls_out_of_order_or_after_shutdown_are_refused_by_name(gen):
     gen.tr.shutdown()
     with pytest.raises(Exception, match="check_gen_transfer_status: the KvCacheTransceiver was shut down"):
         gen.tr.check_gen_transfer_status(0)
+
+
+def test_shutdown_with_a_send_in_flight_drops_its_pin_so_the_freed_blocks_come_back():
+    ex = MiniExecutor(tokens_per_block=4, instance="ctx-shutdown")
+    try:
+        r = LlmRequest(9, PROMPTS[0], 1, LlmRequestType.REQUEST_TYPE_CONTEXT_ONLY)
+        ex.step(ScheduledRequests(context_requests=[r]))
+        ex.tr.respond_and_send_async(r)
+        assert ex.tr.check_context_transfer_status(0) == ([], [])  # nobody pulled it: still in flight
+        ex.kv.free_resources(r)  # the executor gives up on it; the pin keeps the blocks until the send ends
+        assert ex.kv.get_num_free_blocks() < ex.kv.get_max_resource_count()
+    finally:
+        ex.close()
+    assert r.state is S.DISAGG_TRANS_ERROR and "shut down" in r.error
+    assert ex.kv.get_num_free_blocks() == ex.kv.get_max_resource_count()
