@@ -21,7 +21,7 @@ Called by the executor's thread, the way PyExecutor calls upstream's transceiver
     check_gen_transfer_complete()        True when no pull is in flight.
     cancel_request(req) -> bool          stop a transfer in flight; it ends in DISAGG_TRANS_ERROR (reported by
                                          the next status call, after its reads settled).
-    prepare_context_requests(requests)   context-first only: requests waiting for the scheduler -> CONTEXT_INIT.
+    prepare_context_requests(requests)   context-first only: waiting requests -> CONTEXT_INIT.
     shutdown()                           close both sides (idempotent); requests in flight end in
                                          DISAGG_TRANS_ERROR, their pins dropped; later calls raise.
 
@@ -118,8 +118,8 @@ class KvCacheTransceiver:
         """Start pulling req's prompt KV (req.context_phase_params) into its blocks."""
         self._alive("request_and_receive_async")
         if req.state is not S.DISAGG_GENERATION_INIT:
-            raise KvBridgeError(f"request_and_receive_async: request {req.request_id} is {req.state.name}, not "
-                                f"DISAGG_GENERATION_INIT")
+            raise KvBridgeError(f"request_and_receive_async: request {req.request_id} is {req.state.name}, "
+                                f"not DISAGG_GENERATION_INIT")
         blocks = self.kv.get_cache_indices(req)  # KVCacheError when prepare_resources gave it none
         self._generation().request_and_receive_async(_Pull(req.request_id, req.disagg_params(), blocks,
                                                            req.prompt_len))
@@ -127,7 +127,7 @@ class KvCacheTransceiver:
         req.state = S.DISAGG_GENERATION_TRANS_IN_PROGRESS
 
     def request_and_receive_sync(self, req: LlmRequest) -> None:
-        """Pull req's prompt KV and wait for it (kv_transfer_timeout_ms): TRANS_COMPLETE or DISAGG_TRANS_ERROR."""
+        """Pull req's prompt KV and wait for it (kv_transfer_timeout_ms): TRANS_COMPLETE or TRANS_ERROR."""
         self.request_and_receive_async(req)
         deadline = time.monotonic() + self._xcfg.transfer_timeout_s + self._xcfg.drain_timeout_s
         while req.state is S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
@@ -187,7 +187,7 @@ class KvCacheTransceiver:
         for side in (self._ctx, self._gen):
             if side is not None:
                 side.close()
-        for rid, req in self._sending.items():  # the pins go; the executor frees the requests as it does on error
+        for rid, req in self._sending.items():  # pins go; the executor frees these as on any error
             self.kv.impl.unpin(rid)
             req.state, req.error = S.DISAGG_TRANS_ERROR, "the transceiver was shut down"
         for req in self._receiving.values():
@@ -209,8 +209,8 @@ class KvCacheTransceiver:
     def _context(self) -> CacheTransceiver:
         if self._ctx is None:
             m = self.kv
-            self._ctx = CacheTransceiver.context(m.pool, m.layout, m.mapping.rank, m.impl.num_blocks, self._xcfg,
-                                                 self._instance)
+            self._ctx = CacheTransceiver.context(m.pool, m.layout, m.mapping.rank, m.impl.num_blocks,
+                                                 self._xcfg, self._instance)
         return self._ctx
 
     def _generation(self) -> CacheTransceiver:
@@ -228,8 +228,8 @@ class KvCacheTransceiver:
 
     def _wait(self, in_flight: dict, poll, agreement: Agreement, at_least: int | None, bound_s: float,
               partial: bool = False) -> list[tuple[int, bool, str]]:
-        """Poll until `at_least` (None: all in flight) ended on every rank, within bound_s; past it return what
-        ended (partial, upstream's sender future timeout) or raise DeadlineExceeded."""
+        """Poll until `at_least` (None: all in flight) ended on every rank, within bound_s; past it return
+        what ended (partial, upstream's sender future timeout) or raise DeadlineExceeded."""
         want = len(in_flight) if at_least is None else min(int(at_least), len(in_flight))
         deadline = time.monotonic() + bound_s
         out: list[tuple[int, bool, str]] = []
