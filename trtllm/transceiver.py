@@ -73,6 +73,7 @@ class KvCacheTransceiver:
         self._sending: dict[int, LlmRequest] = {}
         self._receiving: dict[int, LlmRequest] = {}
         self._agree_send, self._agree_recv = Agreement(), Agreement()
+        self._unclaimed: list[tuple[int, bool]] = []  # pulls that ended during a sync wait for another one
         self._closed = False
 
     # --- context side -----------------------------------------------------------------------------------
@@ -127,23 +128,30 @@ class KvCacheTransceiver:
         req.state = S.DISAGG_GENERATION_TRANS_IN_PROGRESS
 
     def request_and_receive_sync(self, req: LlmRequest) -> None:
-        """Pull req's prompt KV and wait for it (kv_transfer_timeout_ms): TRANS_COMPLETE or TRANS_ERROR."""
+        """Pull req's prompt KV and wait for it (kv_transfer_timeout_ms): TRANS_COMPLETE or TRANS_ERROR.
+        Other pulls that end meanwhile are reported by the next check_gen_transfer_status."""
         self.request_and_receive_async(req)
         deadline = time.monotonic() + self._xcfg.transfer_timeout_s + self._xcfg.drain_timeout_s
         while req.state is S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"request {req.request_id}: no transfer result within "
                                        f"{self._xcfg.transfer_timeout_s:g} s")
-            self.check_gen_transfer_status(1)
+            self._unclaimed += self._gen_results(1)
+        self._unclaimed = [d for d in self._unclaimed if d[0] != req.request_id]
 
     def check_gen_transfer_status(self, at_least_request_num: int | None = 0) -> tuple[list[int], list[int]]:
         """(completed ids, error ids) of pulls ended on every rank; completed requests may decode."""
         self._alive("check_gen_transfer_status")
-        if self._gen is None:
-            return [], []
-        done = self._wait(self._receiving, self._gen.check_gen_transfer_status, self._agree_recv,
-                          at_least_request_num, self._xcfg.transfer_timeout_s + self._xcfg.drain_timeout_s)
-        ok, bad = [], []
+        done, self._unclaimed = self._unclaimed, []
+        if self._gen is not None:
+            need = None if at_least_request_num is None else max(0, at_least_request_num - len(done))
+            done += self._gen_results(need)
+        return [rid for rid, ok in done if ok], [rid for rid, ok in done if not ok]
+
+    def _gen_results(self, at_least: int | None) -> list[tuple[int, bool]]:
+        """Wait for pulls ending (see _wait) and move their requests' states."""
+        done = self._wait(self._receiving, self._gen.check_gen_transfer_status, self._agree_recv, at_least,
+                          self._xcfg.transfer_timeout_s + self._xcfg.drain_timeout_s)
         for rid, success, why in done:
             req = self._receiving.pop(rid)
             if success:
@@ -151,8 +159,7 @@ class KvCacheTransceiver:
                 req.state = S.DISAGG_GENERATION_TRANS_COMPLETE
             else:
                 req.state, req.error = S.DISAGG_TRANS_ERROR, why
-            (ok if success else bad).append(rid)
-        return ok, bad
+        return [(rid, success) for rid, success, _ in done]
 
     def check_gen_transfer_complete(self) -> bool:
         return not self._receiving
