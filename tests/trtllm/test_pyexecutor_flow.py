@@ -130,3 +130,27 @@ def test_shutdown_with_a_send_in_flight_drops_its_pin_so_the_freed_blocks_come_b
         ex.close()
     assert r.state is S.DISAGG_TRANS_ERROR and "shut down" in r.error
     assert ex.kv.get_num_free_blocks() == ex.kv.get_max_resource_count()
+
+
+def test_cancelling_a_pull_in_flight_ends_it_in_error_and_its_blocks_can_be_freed(ctx, gen):
+    import zmq
+
+    ((_, _, params, first),) = ctx.ask("prefill", [(400, PROMPTS[1])])
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # fault injection: a context rank that never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        r = _gen_request(11, PROMPTS[1], dict(params, endpoints=[silent.getsockopt_string(zmq.LAST_ENDPOINT)]),
+                         first)
+        gen.kv.prepare_resources(ScheduledRequests(context_requests=[r]))
+        gen.tr.request_and_receive_async(r)
+        assert gen.tr.check_gen_transfer_status(0) == ([], []) and not gen.tr.check_gen_transfer_complete()
+        assert gen.tr.cancel_request(r) is True
+        assert gen.tr.check_gen_transfer_status(None) == ([], [11])
+    finally:
+        silent.close()
+    assert r.state is S.DISAGG_TRANS_ERROR and "cancel" in r.error.lower()
+    gen.kv.free_resources(r)
+    assert gen.kv.get_num_free_blocks() == gen.kv.get_max_resource_count()
+    ctx.ask("cancel", 400)
+    assert ctx.ask("finish")[1] == [400]
