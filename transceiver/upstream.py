@@ -75,8 +75,8 @@ def _opt_int(d: Mapping[str, Any], key: str, positive: bool) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < (1 if positive else 0):
-        raise ConfigError(f"cache_transceiver_config.{key}: expected a {'positive' if positive else 'non-negative'}"
-                          f" integer or null, got {v!r}")
+        kind = "positive" if positive else "non-negative"
+        raise ConfigError(f"cache_transceiver_config.{key}: expected a {kind} integer or null, got {v!r}")
     return v
 
 
@@ -112,8 +112,8 @@ class CacheTransceiverConfig:
         _opt_int(d, "kv_transfer_timeout_ms", positive=True)
         _opt_int(d, "kv_transfer_sender_future_timeout_ms", positive=True)
         if self.backend is Backend.MPI:
-            raise ConfigError("cache_transceiver_config.backend: MPI is not supported by kvbridge (it moves KV "
-                              "with a NIXL/UCX agent); use UCX, NIXL or DEFAULT")
+            raise ConfigError("cache_transceiver_config.backend: MPI is not supported by kvbridge (it moves "
+                              "KV with a NIXL/UCX agent); use UCX, NIXL or DEFAULT")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "CacheTransceiverConfig":
@@ -121,10 +121,12 @@ class CacheTransceiverConfig:
         d = dict(d or {})
         runtime = d.pop("transceiver_runtime", None)
         if runtime not in (None, "CPP", "PYTHON"):
-            raise ConfigError(f"cache_transceiver_config.transceiver_runtime: {runtime!r} is not CPP or PYTHON")
+            raise ConfigError(f"cache_transceiver_config.transceiver_runtime: {runtime!r} is not CPP or "
+                              f"PYTHON")
         unknown = sorted(set(d) - UPSTREAM_KEYS)
         if unknown:
-            raise ConfigError(f"cache_transceiver_config.{unknown[0]}: unknown key; known: {sorted(UPSTREAM_KEYS)}")
+            raise ConfigError(f"cache_transceiver_config.{unknown[0]}: unknown key; known: "
+                              f"{sorted(UPSTREAM_KEYS)}")
         return cls(**d)
 
     def resolved_backend(self, env: Mapping[str, str] | None = None) -> Backend:

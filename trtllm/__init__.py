@@ -17,11 +17,13 @@ from importlib import import_module
 # Imported on first use, so serving/config.py's hook (serve_config) does not load torch into the router.
 _WHERE = {
     "Backend": "..transceiver.upstream", "CacheTransceiverConfig": "..transceiver.upstream",
-    "CacheType": ".kv_cache_manager", "KVCacheManager": ".kv_cache_manager", "KvCacheConfig": ".kv_cache_manager",
+    "CacheType": ".kv_cache_manager", "KVCacheManager": ".kv_cache_manager",
+    "KvCacheConfig": ".kv_cache_manager",
     "Mapping": ".kv_cache_manager", "ScheduledRequests": ".kv_cache_manager",
     "LlmRequest": ".llm_request", "LlmRequestState": ".llm_request", "LlmRequestType": ".llm_request",
     "KvCacheTransceiver": ".transceiver", "create_kv_cache_transceiver": ".transceiver",
-    "KvCacheConnectorScheduler": ".connector", "KvCacheConnectorWorker": ".connector", "LlmArgs": ".connector",
+    "KvCacheConnectorScheduler": ".connector", "KvCacheConnectorWorker": ".connector",
+    "LlmArgs": ".connector",
     "RequestData": ".connector", "SchedulerOutput": ".connector", "kv_connector_config": ".connector",
     "mpi_rank": ".connector",
     "PersistentKvCacheConnectorLeader": ".persistent", "PersistentKvCacheConnectorWorker": ".persistent",

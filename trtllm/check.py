@@ -38,8 +38,8 @@ def _check_model(cfg: ServeConfig) -> None:
             raise ServeConfigError(f"model: {spec[5:]!r} is not a file")
     elif spec != "smollm2" and not os.path.isdir(spec):
         raise ServeConfigError(f"model: {spec!r} is not a kvbridge model spec (seeded:<preset>, smollm2, "
-                               f"gguf:FILE, or a checkpoint directory with config.json + *.safetensors); a Hugging "
-                               f"Face id is not downloaded")
+                               f"gguf:FILE, or a checkpoint directory with config.json + *.safetensors); a "
+                               f"Hugging Face id is not downloaded")
 
 
 def _devices(s: ServerSpec) -> list[str]:
@@ -58,8 +58,8 @@ def describe(cfg: ServeConfig) -> str:
         ex = s.executor
         agents = s.transceiver.get("agents", s.transceiver.get("agent", ["auto"]))
         agents = [agents] if isinstance(agents, str) else list(agents)
-        lines.append(f"{s.name}: {s.role} worker at {s.url}, tp={s.tp} pp={s.pp}, "
-                     f"{ex.get('num_blocks', 256)} blocks x {ex.get('tokens_per_block', 16)} tokens per rank, "
+        pool = f"{ex.get('num_blocks', 256)} blocks x {ex.get('tokens_per_block', 16)} tokens per rank"
+        lines.append(f"{s.name}: {s.role} worker at {s.url}, tp={s.tp} pp={s.pp}, {pool}, "
                      f"agents {','.join(agents)}")
         for r, dev in enumerate(_devices(s)):
             lines.append(f"  rank {r} (tp {r % s.tp}, pp {r // s.tp}): {dev}")

@@ -26,13 +26,13 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ExecutorError, ProtocolError
-from ..executor.connector.base import (ConnectorContext, ConnectorMetadata, KvConnectorConfig, KvConnectorScheduler,
-                                       KvConnectorWorker, RequestData, SchedulerOutput)
+from ..executor.connector.base import (ConnectorContext, ConnectorMetadata, KvConnectorConfig,
+                                       KvConnectorScheduler, KvConnectorWorker, RequestData, SchedulerOutput)
 from .kv_cache_manager import KvCacheConfig
 
 __all__ = ["KvCacheConnectorScheduler", "KvCacheConnectorWorker", "LlmArgs", "RequestData", "SchedulerOutput",
-           "TrtllmSchedulerAdapter", "TrtllmWorkerAdapter", "decode_meta", "encode_meta", "kv_connector_config",
-           "mpi_rank"]
+           "TrtllmSchedulerAdapter", "TrtllmWorkerAdapter", "decode_meta", "encode_meta",
+           "kv_connector_config", "mpi_rank"]
 
 _TAG = "__kvbridge_dataclass__"
 _MAX_DEPTH = 32
@@ -121,10 +121,10 @@ class KvCacheConnectorWorker(ABC):
 
 def kv_connector_config(connector_module: str, connector_scheduler_class: str, connector_worker_class: str,
                         **args: Any) -> KvConnectorConfig:
-    """ExecutorConfig.kv_connector_config for an upstream-style connector (args: plain values for llm_args)."""
-    return KvConnectorConfig(__name__, "TrtllmSchedulerAdapter", "TrtllmWorkerAdapter",
-                             {"trtllm_module": connector_module, "trtllm_scheduler": connector_scheduler_class,
-                              "trtllm_worker": connector_worker_class, **args})
+    """ExecutorConfig.kv_connector_config for an upstream-style connector (args: plain values, llm_args)."""
+    names = {"trtllm_module": connector_module, "trtllm_scheduler": connector_scheduler_class,
+             "trtllm_worker": connector_worker_class}
+    return KvConnectorConfig(__name__, "TrtllmSchedulerAdapter", "TrtllmWorkerAdapter", {**names, **args})
 
 
 # --- metadata across processes ----------------------------------------------------------------------------
@@ -146,7 +146,8 @@ def encode_meta(obj: Any, depth: int = 0) -> Any:
                 "fields": {f.name: encode_meta(getattr(obj, f.name), depth + 1)
                            for f in dataclasses.fields(obj) if f.init}}
     raise ExecutorError(f"connector metadata: a {type(obj).__module__}.{type(obj).__qualname__} cannot cross "
-                        f"processes without pickle; return plain data or dataclasses of the connector's module")
+                        f"processes without pickle; return plain data or dataclasses of the connector's "
+                        f"module")
 
 
 def decode_meta(data: Any, modules: frozenset[str], depth: int = 0) -> Any:
@@ -162,13 +163,15 @@ def decode_meta(data: Any, modules: frozenset[str], depth: int = 0) -> Any:
     name, fields = data.get(_TAG), data.get("fields")
     mod, _, qual = name.partition(":") if isinstance(name, str) else ("", "", "")
     if mod not in modules or not qual or not isinstance(fields, dict):
-        raise ProtocolError(f"connector metadata: class {name!r:.100} is not a dataclass of {sorted(modules)}")
+        raise ProtocolError(f"connector metadata: class {name!r:.100} is not a dataclass of "
+                            f"{sorted(modules)}")
     cls: Any = importlib.import_module(mod)
     for part in qual.split("."):
         cls = getattr(cls, part, None)
     init = {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else None
     if not isinstance(cls, type) or init is None or set(fields) - init:
-        raise ProtocolError(f"connector metadata: {name!r:.100} is not a dataclass with fields {sorted(fields)}")
+        raise ProtocolError(f"connector metadata: {name!r:.100} is not a dataclass with fields "
+                            f"{sorted(fields)}")
     return cls(**{k: decode_meta(v, modules, depth + 1) for k, v in fields.items()})
 
 
@@ -239,8 +242,9 @@ class TrtllmSchedulerAdapter(KvConnectorScheduler):
         res = SchedulerOutput(cached_requests=list(out.cached_requests))
         for r in out.new_requests:
             head = self._prompts.pop(r.request_id, [])[:r.computed_position]
-            res.new_requests.append(RequestData(r.request_id, head + list(r.new_tokens), list(r.new_block_ids),
-                                                r.computed_position - len(head), r.num_scheduled_tokens))
+            res.new_requests.append(RequestData(r.request_id, head + list(r.new_tokens),
+                                                list(r.new_block_ids), r.computed_position - len(head),
+                                                r.num_scheduled_tokens))
         return res
 
 

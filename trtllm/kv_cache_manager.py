@@ -63,19 +63,22 @@ class KvCacheConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens < 1):
-            raise KVCacheError(f"kv_cache_config.max_tokens: expected a positive integer, got {self.max_tokens!r}")
+            raise KVCacheError(f"kv_cache_config.max_tokens: expected a positive integer, got "
+                               f"{self.max_tokens!r}")
         if type(self.tokens_per_block) is not int or self.tokens_per_block < 1:
             raise KVCacheError(f"kv_cache_config.tokens_per_block: expected a positive integer, got "
                                f"{self.tokens_per_block!r}")
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
-            raise KVCacheError(f"kv_cache_config.dtype: {self.dtype!r} is not auto or one of {sorted(TORCH_DTYPES)}")
+            raise KVCacheError(f"kv_cache_config.dtype: {self.dtype!r} is not auto or one of "
+                               f"{sorted(TORCH_DTYPES)}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "KvCacheConfig":
         d = dict(d or {})
         bad = sorted(set(d) - _KV_CACHE_KEYS)
         if bad:
-            raise KVCacheError(f"kv_cache_config.{bad[0]}: unknown key (kvbridge maps {sorted(_KV_CACHE_KEYS)})")
+            raise KVCacheError(f"kv_cache_config.{bad[0]}: unknown key (kvbridge maps "
+                               f"{sorted(_KV_CACHE_KEYS)})")
         return cls(**d)
 
 
@@ -129,15 +132,18 @@ def _dtype_name(dtype: Any, kv_dtype: str) -> str:
 
 
 class KVCacheManager:
-    """Upstream's constructor; `impl` is kvbridge's manager (its pool is what the model and transceiver use)."""
+    """Upstream's constructor; `impl` is kvbridge's manager (the model and transceiver use its pool)."""
 
     def __init__(self, kv_cache_config: KvCacheConfig, kv_cache_type: CacheType, *, num_layers: int,
-                 num_kv_heads: int, head_dim: int, tokens_per_block: int, max_seq_len: int, max_batch_size: int,
-                 mapping: Mapping, dtype: Any = torch.float32, device: str | torch.device = "cpu") -> None:
+                 num_kv_heads: int, head_dim: int, tokens_per_block: int, max_seq_len: int,
+                 max_batch_size: int, mapping: Mapping, dtype: Any = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
         if kv_cache_type is not CacheType.SELF:
-            raise KVCacheError(f"kv_cache_type: {kv_cache_type} is not supported (kvbridge keeps SELF caches)")
+            raise KVCacheError(f"kv_cache_type: {kv_cache_type} is not supported (kvbridge keeps SELF "
+                               f"caches)")
         if max_seq_len < 1 or max_batch_size < 1:
-            raise KVCacheError(f"max_seq_len ({max_seq_len}) and max_batch_size ({max_batch_size}) must be >= 1")
+            raise KVCacheError(f"max_seq_len ({max_seq_len}) and max_batch_size ({max_batch_size}) must be "
+                               f">= 1")
         shape = KVShape(num_layers, num_kv_heads, head_dim, _dtype_name(dtype, kv_cache_config.dtype),
                         tokens_per_block)
         self.mapping = mapping
@@ -173,7 +179,8 @@ class KVCacheManager:
 
     def update_resources(self, scheduled_batch: ScheduledRequests) -> None:
         """After the step: each request's cache holds every token but its last sampled one."""
-        done = [(r.request_id, max(r.prompt_len, r.get_num_tokens() - 1)) for r in scheduled_batch.all_requests
+        done = [(r.request_id, max(r.prompt_len, r.get_num_tokens() - 1))
+                for r in scheduled_batch.all_requests
                 if r.request_id in self.impl and self.impl.state(r.request_id) == "active"]
         self.impl.update_resources(done)
 

@@ -1,4 +1,4 @@
-"""A minimal `LlmRequest` with TensorRT-LLM's names, and the request states a disaggregated request moves through.
+"""A minimal `LlmRequest` with TensorRT-LLM's names, and the states a disaggregated request moves through.
 
 Owns the request's state vocabulary (`LlmRequestState`, upstream names) and the few fields the KV cache
 manager and the transceiver read: ids, tokens, prompt length, request type, the context phase's params.
@@ -55,8 +55,8 @@ class LlmRequest:
         input_tokens: the prompt.
         max_new_tokens: how many tokens it may generate.
         llm_request_type: context-only, generation-only, or both.
-        context_phase_params: the context side's DisaggParams (set by respond_and_send_async; a generation-only
-            request carries it in, as a DisaggParams or its dict form).
+        context_phase_params: the context side's DisaggParams (set by respond_and_send_async; a
+            generation-only request carries it in, as a DisaggParams or its dict form).
         state: where the request is (see the module docstring).
         output_tokens: generated tokens (a generation-only request starts with the context's first token).
         error: why the last transfer failed (set with DISAGG_TRANS_ERROR).

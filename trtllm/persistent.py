@@ -6,10 +6,10 @@ written for kvbridge from its description, without pickle: each block is a safet
         root="/data/kv"))                       # or CONNECTOR_CACHE_FOLDER=/data/kv, upstream's variable
 
 Owns the folder's naming and the leader/worker bookkeeping. A full block of a finished request is saved as
-`<root>/<key>.r<rank>.safetensors` (one file per rank's shard; key: sha256 chained over the namespace and every
-token up to the block's end, so a block matches only after the same prefix). An admitted request loads the
-longest run of leading blocks that every rank has, short of its last prompt token, synchronously before its
-prefill. A file of the wrong shape or dtype, or unreadable, fails that load (get_load_errors): kvbridge's
+`<root>/<key>.r<rank>.safetensors` (one file per rank's shard; key: sha256 chained over the namespace and
+every token up to the block's end, so a block matches only after the same prefix). An admitted request loads
+the longest run of leading blocks that every rank has, short of its last prompt token, synchronously before
+its prefill. A file of the wrong shape or dtype, or unreadable, fails that load (get_load_errors): kvbridge's
 engine then computes the prompt. Saves are asynchronous in upstream's sense: request_finished answers True and
 the blocks stay held until every worker's get_finished reported the save. Never evicts (upstream's example
 does not either): bound the folder yourself, or use kvbridge's own persistent connector.
@@ -46,7 +46,8 @@ class PersistentKvCacheConnectorMetadata:
 def _root(args: LlmArgs) -> str:
     root = args.connector_args.get("root") or os.environ.get("CONNECTOR_CACHE_FOLDER")
     if not root:
-        raise ExecutorError("PersistentKvCacheConnector needs a folder: args root=... or CONNECTOR_CACHE_FOLDER")
+        raise ExecutorError("PersistentKvCacheConnector needs a folder: args root=... or "
+                            "CONNECTOR_CACHE_FOLDER")
     os.makedirs(root, exist_ok=True)
     return str(root)
 
@@ -56,7 +57,8 @@ def block_keys(namespace: str, tokens: list[int], tokens_per_block: int) -> list
     h = hashlib.sha256(namespace.encode())
     out = []
     for i in range(len(tokens) // tokens_per_block):
-        h.update(np.asarray(tokens[i * tokens_per_block:(i + 1) * tokens_per_block], dtype=np.int64).tobytes())
+        block = tokens[i * tokens_per_block:(i + 1) * tokens_per_block]
+        h.update(np.asarray(block, dtype=np.int64).tobytes())
         out.append(h.copy().hexdigest()[:40])
     return out
 
@@ -75,7 +77,8 @@ class PersistentKvCacheConnectorLeader(KvCacheConnectorScheduler):
         self._meta = PersistentKvCacheConnectorMetadata()
 
     def _stored(self, key: str) -> bool:
-        return all(os.path.isfile(os.path.join(self.root, f"{key}.r{r}.safetensors")) for r in range(self.world))
+        return all(os.path.isfile(os.path.join(self.root, f"{key}.r{r}.safetensors"))
+                   for r in range(self.world))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = list(request.get_tokens(0))[:request.prompt_len]
@@ -94,7 +97,8 @@ class PersistentKvCacheConnectorLeader(KvCacheConnectorScheduler):
         keys = self._matched.pop(request.request_id, [])
         self._meta.load += [(request.request_id, int(b), k) for b, k in zip(block_ids, keys)]
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PersistentKvCacheConnectorMetadata | None:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> PersistentKvCacheConnectorMetadata | None:
         if not self._meta.load and not self._meta.save:
             return None
         meta, self._meta = self._meta, PersistentKvCacheConnectorMetadata()
@@ -135,8 +139,8 @@ class PersistentKvCacheConnectorWorker(KvCacheConnectorWorker):
                 t = load_file(self._path(key)).get("kv")
                 want = self.pool[block]
                 if t is None or t.shape != want.shape or t.dtype != want.dtype:
-                    raise ValueError(f"holds {None if t is None else (tuple(t.shape), t.dtype)}, the pool's block "
-                                     f"is {(tuple(want.shape), want.dtype)}")
+                    got = None if t is None else (tuple(t.shape), t.dtype)
+                    raise ValueError(f"holds {got}, the pool's block is {(tuple(want.shape), want.dtype)}")
                 want.copy_(t)
             except Exception as e:  # noqa: BLE001 - any unreadable or mismatched file fails this load
                 self._errors[rid] = f"block file {key}.r{self.rank}: {type(e).__name__}: {e}"

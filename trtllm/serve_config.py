@@ -52,6 +52,8 @@ NO_EFFECT = {
 _KV_CACHE = {"max_tokens", "tokens_per_block", "dtype", "free_gpu_memory_fraction", "enable_block_reuse",
              "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks"}
 _ROUTER_TYPES = {"round_robin": "round_robin", "load_balancing": "least_loaded"}
+_WHAT = ("mapped: num_instances, urls and " + ", ".join(sorted(_ENGINE)) + "; accepted without effect: "
+         + ", ".join(sorted(NO_EFFECT)) + "; kvbridge's own keys go under `kvbridge:`")
 _MARKERS = {"hostname", "backend", "cache_transceiver_config", "kv_cache_config", "free_gpu_memory_fraction"}
 
 
@@ -80,8 +82,8 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {k: _copy(v) for k, v in ext.items() if k not in _GROUPS}
     model = top.pop("model", None)
     if not isinstance(model, str) or not model:
-        raise ServeConfigError("model: missing (a kvbridge model spec: seeded:<preset>, smollm2, gguf:FILE or a "
-                               "checkpoint directory)")
+        raise ServeConfigError("model: missing (a kvbridge model spec: seeded:<preset>, smollm2, gguf:FILE "
+                               "or a checkpoint directory)")
     out["model"] = model
     router = dict(out.get("router") or {})
     if "hostname" in top:
@@ -95,9 +97,7 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
         if k in NO_EFFECT:
             shared.pop(k)
         elif k not in _ENGINE:
-            raise ServeConfigError(f"{k}: not supported by kvbridge in a trtllm-serve config (engine fields: "
-                                   f"{sorted(_ENGINE)}; accepted without effect: {sorted(NO_EFFECT)}; kvbridge's "
-                                   f"own keys go under `kvbridge:`)")
+            raise ServeConfigError(f"{k}: not supported by kvbridge in a trtllm-serve config ({_WHAT})")
     for key in _GROUPS:
         if key not in top:
             raise ServeConfigError(f"{key}: missing (a disaggregated config names its context and generation "
@@ -120,7 +120,8 @@ def _router(r: Any, into: dict) -> None:
         if k != "type":
             raise ServeConfigError(f"router.{k}: unknown key (kvbridge maps router.type only)")
         if v not in _ROUTER_TYPES:
-            raise ServeConfigError(f"router.type: {v!r} is not supported; kvbridge has {sorted(_ROUTER_TYPES)}")
+            raise ServeConfigError(f"router.type: {v!r} is not supported; kvbridge has "
+                                   f"{sorted(_ROUTER_TYPES)}")
         into["policy"] = _ROUTER_TYPES[v]
 
 
@@ -148,11 +149,7 @@ def _group(path: str, g: dict, ext: dict) -> dict[str, Any]:
         elif k == "cache_transceiver_config":
             out["transceiver"] = _transceiver(v, where)
         elif k not in NO_EFFECT:
-            raise ServeConfigError(f"{where}: not supported by kvbridge (mapped: num_instances, urls, "
-                                   f"tensor_parallel_size, pipeline_parallel_size, kv_cache_config, "
-                                   f"cache_transceiver_config, backend, max_batch_size, max_num_tokens; accepted "
-                                   f"without effect: {sorted(NO_EFFECT)}; kvbridge's own keys go under "
-                                   f"`kvbridge:`)")
+            raise ServeConfigError(f"{where}: not supported by kvbridge ({_WHAT})")
     if executor:
         out["executor"] = executor
     for k, v in ext.items():  # kvbridge's own group keys (device, bind_host, ...) win
@@ -172,7 +169,8 @@ def _kv_cache(v: Any, where: str) -> dict[str, Any]:
         out["tokens_per_block"] = tpb
     if v.get("max_tokens") is not None:
         if type(v["max_tokens"]) is not int or type(tpb) is not int or v["max_tokens"] < 1 or tpb < 1:
-            raise ServeConfigError(f"{where}.max_tokens: expected a positive integer, got {v['max_tokens']!r}")
+            raise ServeConfigError(f"{where}.max_tokens: expected a positive integer, got "
+                                   f"{v['max_tokens']!r}")
         out["num_blocks"] = -(-v["max_tokens"] // tpb)
     if v.get("dtype", "auto") != "auto":
         out["dtype"] = v["dtype"]

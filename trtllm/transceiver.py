@@ -9,7 +9,8 @@ Called by the executor's thread, the way PyExecutor calls upstream's transceiver
 
     respond_and_send_async(req)          context: after the prefill. CONTEXT_INIT/GENERATION_* ->
                                          DISAGG_CONTEXT_TRANS_IN_PROGRESS; sets req.context_phase_params.
-    check_context_transfer_status(n)     context: poll (n=0), wait for n, or None: wait for all in flight.
+    check_context_transfer_status(n)     context: poll (n=0), wait for n, or None: wait for all in flight
+                                         (at most kv_transfer_sender_future_timeout_ms, then what ended).
                                          -> (completed ids, error ids); states DISAGG_CONTEXT_COMPLETE or
                                          DISAGG_TRANS_ERROR; the blocks may be freed now.
     request_and_receive_async(req)       generation: after prepare_resources gave it blocks.
@@ -20,8 +21,9 @@ Called by the executor's thread, the way PyExecutor calls upstream's transceiver
     check_gen_transfer_complete()        True when no pull is in flight.
     cancel_request(req) -> bool          stop a transfer in flight; it ends in DISAGG_TRANS_ERROR (reported by
                                          the next status call, after its reads settled).
-    prepare_context_requests(requests)   context-first only: requests waiting for the scheduler -> CONTEXT_INIT.
-    shutdown()                           close both sides (idempotent); later calls raise.
+    prepare_context_requests(requests)   context-first only: waiting requests -> CONTEXT_INIT.
+    shutdown()                           close both sides (idempotent); requests in flight end in
+                                         DISAGG_TRANS_ERROR, their pins dropped; later calls raise.
 
 Multi-rank executors pass `all_gather` (this rank's list -> every rank's lists) so endpoints are exchanged
 once and a request completes only when every rank finished it (Agreement).
@@ -72,6 +74,7 @@ class KvCacheTransceiver:
         self._sending: dict[int, LlmRequest] = {}
         self._receiving: dict[int, LlmRequest] = {}
         self._agree_send, self._agree_recv = Agreement(), Agreement()
+        self._unclaimed: list[tuple[int, bool]] = []  # pulls that ended during a sync wait for another one
         self._closed = False
 
     # --- context side -----------------------------------------------------------------------------------
@@ -102,7 +105,7 @@ class KvCacheTransceiver:
         future_ms = self.config.kv_transfer_sender_future_timeout_ms
         bound = future_ms / 1000.0 if future_ms else self._xcfg.pickup_timeout_s
         done = self._wait(self._sending, self._ctx.check_context_transfer_status, self._agree_send,
-                          at_least_request_num, bound)
+                          at_least_request_num, bound, partial=True)
         ok, bad = [], []
         for rid, success, why in done:
             req = self._sending.pop(rid)
@@ -117,8 +120,8 @@ class KvCacheTransceiver:
         """Start pulling req's prompt KV (req.context_phase_params) into its blocks."""
         self._alive("request_and_receive_async")
         if req.state is not S.DISAGG_GENERATION_INIT:
-            raise KvBridgeError(f"request_and_receive_async: request {req.request_id} is {req.state.name}, not "
-                                f"DISAGG_GENERATION_INIT")
+            raise KvBridgeError(f"request_and_receive_async: request {req.request_id} is {req.state.name}, "
+                                f"not DISAGG_GENERATION_INIT")
         blocks = self.kv.get_cache_indices(req)  # KVCacheError when prepare_resources gave it none
         self._generation().request_and_receive_async(_Pull(req.request_id, req.disagg_params(), blocks,
                                                            req.prompt_len))
@@ -126,23 +129,30 @@ class KvCacheTransceiver:
         req.state = S.DISAGG_GENERATION_TRANS_IN_PROGRESS
 
     def request_and_receive_sync(self, req: LlmRequest) -> None:
-        """Pull req's prompt KV and wait for it (kv_transfer_timeout_ms): TRANS_COMPLETE or DISAGG_TRANS_ERROR."""
+        """Pull req's prompt KV and wait for it (kv_transfer_timeout_ms): TRANS_COMPLETE or TRANS_ERROR.
+        Other pulls that end meanwhile are reported by the next check_gen_transfer_status."""
         self.request_and_receive_async(req)
         deadline = time.monotonic() + self._xcfg.transfer_timeout_s + self._xcfg.drain_timeout_s
         while req.state is S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"request {req.request_id}: no transfer result within "
                                        f"{self._xcfg.transfer_timeout_s:g} s")
-            self.check_gen_transfer_status(1)
+            self._unclaimed += self._gen_results(1)
+        self._unclaimed = [d for d in self._unclaimed if d[0] != req.request_id]
 
     def check_gen_transfer_status(self, at_least_request_num: int | None = 0) -> tuple[list[int], list[int]]:
         """(completed ids, error ids) of pulls ended on every rank; completed requests may decode."""
         self._alive("check_gen_transfer_status")
-        if self._gen is None:
-            return [], []
-        done = self._wait(self._receiving, self._gen.check_gen_transfer_status, self._agree_recv,
-                          at_least_request_num, self._xcfg.transfer_timeout_s + self._xcfg.drain_timeout_s)
-        ok, bad = [], []
+        done, self._unclaimed = self._unclaimed, []
+        if self._gen is not None:
+            need = None if at_least_request_num is None else max(0, at_least_request_num - len(done))
+            done += self._gen_results(need)
+        return [rid for rid, ok in done if ok], [rid for rid, ok in done if not ok]
+
+    def _gen_results(self, at_least: int | None) -> list[tuple[int, bool]]:
+        """Wait for pulls ending (see _wait) and move their requests' states."""
+        done = self._wait(self._receiving, self._gen.check_gen_transfer_status, self._agree_recv, at_least,
+                          self._xcfg.transfer_timeout_s + self._xcfg.drain_timeout_s)
         for rid, success, why in done:
             req = self._receiving.pop(rid)
             if success:
@@ -150,8 +160,7 @@ class KvCacheTransceiver:
                 req.state = S.DISAGG_GENERATION_TRANS_COMPLETE
             else:
                 req.state, req.error = S.DISAGG_TRANS_ERROR, why
-            (ok if success else bad).append(rid)
-        return ok, bad
+        return [(rid, success) for rid, success, _ in done]
 
     def check_gen_transfer_complete(self) -> bool:
         return not self._receiving
@@ -186,6 +195,13 @@ class KvCacheTransceiver:
         for side in (self._ctx, self._gen):
             if side is not None:
                 side.close()
+        for rid, req in self._sending.items():  # pins go; the executor frees these as on any error
+            self.kv.impl.unpin(rid)
+            req.state, req.error = S.DISAGG_TRANS_ERROR, "the transceiver was shut down"
+        for req in self._receiving.values():
+            req.state, req.error = S.DISAGG_TRANS_ERROR, "the transceiver was shut down"
+        self._sending.clear()
+        self._receiving.clear()
 
     def __enter__(self) -> "KvCacheTransceiver":
         return self
@@ -201,8 +217,8 @@ class KvCacheTransceiver:
     def _context(self) -> CacheTransceiver:
         if self._ctx is None:
             m = self.kv
-            self._ctx = CacheTransceiver.context(m.pool, m.layout, m.mapping.rank, m.impl.num_blocks, self._xcfg,
-                                                 self._instance)
+            self._ctx = CacheTransceiver.context(m.pool, m.layout, m.mapping.rank, m.impl.num_blocks,
+                                                 self._xcfg, self._instance)
         return self._ctx
 
     def _generation(self) -> CacheTransceiver:
@@ -218,9 +234,10 @@ class KvCacheTransceiver:
             self._endpoints = tuple(e for lst in lists for e in lst)
         return self._endpoints
 
-    def _wait(self, in_flight: dict, poll, agreement: Agreement, at_least: int | None,
-              bound_s: float) -> list[tuple[int, bool, str]]:
-        """Poll until `at_least` (None: all in flight) ended on every rank, within bound_s."""
+    def _wait(self, in_flight: dict, poll, agreement: Agreement, at_least: int | None, bound_s: float,
+              partial: bool = False) -> list[tuple[int, bool, str]]:
+        """Poll until `at_least` (None: all in flight) ended on every rank, within bound_s; past it return
+        what ended (partial, upstream's sender future timeout) or raise DeadlineExceeded."""
         want = len(in_flight) if at_least is None else min(int(at_least), len(in_flight))
         deadline = time.monotonic() + bound_s
         out: list[tuple[int, bool, str]] = []
@@ -232,6 +249,8 @@ class KvCacheTransceiver:
             if len(out) >= want:
                 return out
             if time.monotonic() >= deadline:
+                if partial:
+                    return out
                 raise DeadlineExceeded(f"{len(out)} of {want} transfers ended within {bound_s:g} s")
             time.sleep(0.002)
 

@@ -38,11 +38,11 @@ def _gen_request(rid: int, prompt: list[int], params: dict, first: int) -> LlmRe
 def _poll_until_received(gen: MiniExecutor, want: int) -> list[int]:
     done: list[int] = []
     for _ in range(want):  # each call waits (bounded by kv_transfer_timeout_ms) for at least one more
+        ok, bad = gen.tr.check_gen_transfer_status(1)
+        assert not bad, bad
+        done += ok
         if len(done) >= want:
             break
-        ok, bad = gen.tr.check_gen_transfer_status(1)
-        assert not bad, [r for r in bad]
-        done += ok
     return done
 
 
@@ -55,11 +55,11 @@ def test_disaggregated_through_the_tensorrt_llm_interfaces_decodes_the_aggregate
     reqs = [_gen_request(i, p, params, first) for i, (p, (_, _, params, first)) in enumerate(zip(PROMPTS, offered))]
     assert all(r.state is S.DISAGG_GENERATION_INIT for r in reqs)
     gen.kv.prepare_resources(ScheduledRequests(context_requests=reqs))  # blocks the transfers fill
-    gen.tr.request_and_receive_sync(reqs[0])
-    assert reqs[0].state is S.DISAGG_GENERATION_TRANS_COMPLETE
     for r in reqs[1:]:
         gen.tr.request_and_receive_async(r)
         assert r.state is S.DISAGG_GENERATION_TRANS_IN_PROGRESS
+    gen.tr.request_and_receive_sync(reqs[0])  # the async ones may end meanwhile: reported by the next poll
+    assert reqs[0].state is S.DISAGG_GENERATION_TRANS_COMPLETE
     assert sorted(_poll_until_received(gen, 2)) == [1, 2]
     assert gen.tr.check_gen_transfer_complete()
     assert all(r.state is S.DISAGG_GENERATION_TRANS_COMPLETE for r in reqs)
@@ -115,3 +115,42 @@ def test_calls_out_of_order_or_after_shutdown_are_refused_by_name(gen):
     gen.tr.shutdown()
     with pytest.raises(Exception, match="check_gen_transfer_status: the KvCacheTransceiver was shut down"):
         gen.tr.check_gen_transfer_status(0)
+
+
+def test_shutdown_with_a_send_in_flight_drops_its_pin_so_the_freed_blocks_come_back():
+    ex = MiniExecutor(tokens_per_block=4, instance="ctx-shutdown")
+    try:
+        r = LlmRequest(9, PROMPTS[0], 1, LlmRequestType.REQUEST_TYPE_CONTEXT_ONLY)
+        ex.step(ScheduledRequests(context_requests=[r]))
+        ex.tr.respond_and_send_async(r)
+        assert ex.tr.check_context_transfer_status(0) == ([], [])  # nobody pulled it: still in flight
+        ex.kv.free_resources(r)  # the executor gives up on it; the pin keeps the blocks until the send ends
+        assert ex.kv.get_num_free_blocks() < ex.kv.get_max_resource_count()
+    finally:
+        ex.close()
+    assert r.state is S.DISAGG_TRANS_ERROR and "shut down" in r.error
+    assert ex.kv.get_num_free_blocks() == ex.kv.get_max_resource_count()
+
+
+def test_cancelling_a_pull_in_flight_ends_it_in_error_and_its_blocks_can_be_freed(ctx, gen):
+    import zmq
+
+    ((_, _, params, first),) = ctx.ask("prefill", [(400, PROMPTS[1])])
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # fault injection: a context rank that never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        r = _gen_request(11, PROMPTS[1], dict(params, endpoints=[silent.getsockopt_string(zmq.LAST_ENDPOINT)]),
+                         first)
+        gen.kv.prepare_resources(ScheduledRequests(context_requests=[r]))
+        gen.tr.request_and_receive_async(r)
+        assert gen.tr.check_gen_transfer_status(0) == ([], []) and not gen.tr.check_gen_transfer_complete()
+        assert gen.tr.cancel_request(r) is True
+        assert gen.tr.check_gen_transfer_status(None) == ([], [11])
+    finally:
+        silent.close()
+    assert r.state is S.DISAGG_TRANS_ERROR and "cancel" in r.error.lower()
+    gen.kv.free_resources(r)
+    assert gen.kv.get_num_free_blocks() == gen.kv.get_max_resource_count()
+    ctx.ask("cancel", 400)
+    assert ctx.ask("finish")[1] == [400]
