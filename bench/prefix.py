@@ -12,6 +12,7 @@ Never reads worker internals: HTTP only. Speed here is measured, never asserted.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import tempfile
 import time
@@ -58,8 +59,6 @@ def _ask(client: httpx.Client, url: str, prompt: list[int]) -> dict[str, Any]:
     with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        import json
-
         for line in r.iter_lines():
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
@@ -111,7 +110,8 @@ def run_mode(reuse: bool, conversations: int, turns: int, workers: int, threads:
                 for c in range(conversations):
                     prompts[c] = prompts[c] + users[c][t]
                     prompt_tokens += len(prompts[c])
-                got = list(pool.map(lambda c: _ask(client, cluster.router_url, prompts[c]), range(conversations)))
+                got = list(pool.map(lambda c: _ask(client, cluster.router_url, prompts[c]),
+                                    range(conversations)))
                 for c, g in enumerate(got):
                     answers[c].append(g["tokens"])
                     prompts[c] = prompts[c] + g["tokens"]

@@ -396,8 +396,8 @@ class Engine:
         self.requests.pop(r.request_id, None)
 
     def _reuse(self, r: Request) -> int:
-        """Leading prompt tokens of `r` cached in full blocks (short of the last prompt token, which is computed
-        on the context side and is the first pulled one on the generation side); queues its "reuse" op."""
+        """Leading prompt tokens of `r` cached in full blocks, short of the last prompt token (computed on the
+        context side, the first one pulled on the generation side); queues its "reuse" op."""
         if self.match_prefix is None:
             return 0
         n = int(self.match_prefix(r.prompt, len(r.prompt) - 1))

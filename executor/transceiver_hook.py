@@ -9,9 +9,9 @@ rank's hook (on_abort): the transfer is cancelled and its blocks are freed only 
 endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
 when its prefill is done and report "release" once their readers confirmed (or the lease ran out).
 Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready",
-or "abort" with the transfer's error; with block reuse they read only the tokens after ctx_info["reused_tokens"]
-(set by the executor: its blocks already hold that prefix). The executor frees or starts a request only when
-every rank agrees.
+or "abort" with the transfer's error; with block reuse they read only the tokens after
+ctx_info["reused_tokens"] (set by the executor: its blocks already hold that prefix). The executor frees or
+starts a request only when every rank agrees.
 
 Request handles: a context executor's rank_hook_args carry its RequestKey (made by hooked_executor_config);
 each rank publishes executor request `rid` under the wire id key.handle(rid) with the secret key.secret(rid)

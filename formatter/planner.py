@@ -153,7 +153,7 @@ def _check_blocks(blocks, need: int, num_blocks: int, side: str) -> np.ndarray:
 
 
 def _segment_groups(n: int, tc: int, tg: int, first: int = 0) -> list[tuple[int, np.ndarray]]:
-    """Token segments of [first, n) cut at multiples of tc and of tg, grouped by length: [(length, starts)]."""
+    """Token segments of [first, n) cut at multiples of tc and of tg, grouped by length: [(len, starts)]."""
     if tc == tg and first % tc == 0:
         full, rem = divmod(n, tc)
         out = [(tc, np.arange(first, full * tc, tc, dtype=np.int64))] if full * tc > first else []

@@ -41,7 +41,8 @@ def routing_key(body: Any) -> bytes | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and prompt and \
+            all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return b"t" + b",".join(str(t).encode() for t in prompt[:PREFIX_KEY_TOKENS])
     if isinstance(prompt, str) and prompt:
         return b"s" + prompt[:4 * PREFIX_KEY_TOKENS].encode("utf-8", "replace")

@@ -7,7 +7,7 @@ anything and never touches the network.
 
     model: smollm2                      # a model spec (kvbridge generate --help lists them)
     on_transfer_failure: fail           # or recompute: the generation worker prefills the prompt itself
-    executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}   # enable_block_reuse: true
+    executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}  # enable_block_reuse
     transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
     router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded, prefix_aware
     internal_token: null       # workers on other hosts: the deployment's token (or KVBRIDGE_INTERNAL_TOKEN)

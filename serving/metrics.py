@@ -92,7 +92,8 @@ def _router_families() -> tuple:
 def _prefix_families() -> tuple:
     from prometheus_client import Counter
 
-    return (Counter("kvbridge_serving_prefix_tokens", "Prompt tokens and prefix-cache hits", ["role", "kind"]),
+    return (Counter("kvbridge_serving_prefix_tokens", "Prompt tokens and prefix-cache hits",
+                    ["role", "kind"]),
             Counter("kvbridge_serving_prefix_bytes_saved", "KV bytes of reused prompt tokens", ["role"]))
 
 

@@ -347,8 +347,9 @@ def _kv_bytes_per_token(layout) -> int:
     return sum(layout.block_bytes(r) for r in range(layout.world_size)) // layout.shape.tokens_per_block
 
 
-def _prefix_metrics(st: WorkerState, extra: dict[str, Any], prompt_len: int, done, metrics: WorkerMetrics) -> None:
-    """Block reuse: how many prompt tokens the executor's prefix cache served (in the response and /metrics)."""
+def _prefix_metrics(st: WorkerState, extra: dict[str, Any], prompt_len: int, done,
+                    metrics: WorkerMetrics) -> None:
+    """Block reuse: how many prompt tokens the prefix cache served (in the response and /metrics)."""
     if done is None:  # ended by a stop string before the executor's own end: reported with the abort
         return
     extra["reused_tokens"] = done.reused_tokens

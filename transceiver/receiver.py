@@ -158,8 +158,8 @@ class Receiver(IOThread, ReceiverWork):
                 return
             legs = {p.ctx_rank: Leg(p.ctx_rank, params.endpoints[p.ctx_rank], p)
                     for p in mapping.pieces(self.pool.rank)}
-            self._pulls[rid] = Pull(rid, params.ctx_request_id, params.ctx_instance, blocks, n, now + timeout, legs,
-                                    from_token=from_token, secret=params.secret)
+            self._pulls[rid] = Pull(rid, params.ctx_request_id, params.ctx_instance, blocks, n, now + timeout,
+                                    legs, from_token=from_token, secret=params.secret)
             for leg in legs.values():
                 self._ensure_session(leg.endpoint, now)
         elif cmd[0] == "cancel":

@@ -37,8 +37,10 @@ class ReceiverWork:
         """Ask for the staged path when both sides have an arena, the piece's direct plan is many small
         fragments, and this rank's arena has room for the piece (the slot is taken now)."""
         arena, cfg = self.pool.arena, self.config
-        if arena is None or not peer.welcome.staging_bytes or not cfg.staging_threshold_bytes or pull.from_token:
-            return False  # (a partial pull reads only the tokens it lacks: direct, never whole packed pieces)
+        if arena is None or not peer.welcome.staging_bytes or not cfg.staging_threshold_bytes:
+            return False
+        if pull.from_token:  # a partial pull reads only the tokens it lacks: direct, never a whole piece
+            return False
         from ..formatter.staging import staging_nbytes
         from .staging import worth_staging  # loaded with the arena (LocalPool), so no import happens here
         if not worth_staging(leg.piece, peer.remote, self.pool.rank_pool, pull.num_tokens,

@@ -408,15 +408,16 @@ class Sender(IOThread, SenderWork):
                         f"rank {self.pool.rank}", e.rid, "fetch")
             return
         if not 0 <= msg.from_token < e.num_tokens:
-            self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} from token {msg.from_token}: "
-                        f"outside its {e.num_tokens} tokens", e.rid, "fetch")
+            self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} from token "
+                        f"{msg.from_token}: outside its {e.num_tokens} tokens", e.rid, "fetch")
             return
         e.fetched[s.gen_rank] = ident
         with self._count_lock:
             self._nfetched += 1
         e.deadline = time.monotonic() + self.config.lease_s
         local = self.layout.local_layers(self.pool.rank)
-        if msg.staged and not msg.from_token and self.pool.arena is not None and e.layers_ready >= local and self._stage(ident, e, s):
+        staged = msg.staged and not msg.from_token  # a partial read goes direct (a packed piece is whole)
+        if staged and self.pool.arena is not None and e.layers_ready >= local and self._stage(ident, e, s):
             return  # Blocks goes out once the pack is done (_packed)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
 

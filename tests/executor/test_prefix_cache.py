@@ -15,7 +15,8 @@ TPB = 4
 
 
 def _mgr(num_blocks=8, tp=1, model_id="m"):
-    layout = KVLayout(KVShape(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=TPB), ParallelSplit(tp, 1))
+    layout = KVLayout(KVShape(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=TPB),
+                      ParallelSplit(tp, 1))
     return KVCacheManager(layout, 0, num_blocks, enable_block_reuse=True, model_id=model_id)
 
 

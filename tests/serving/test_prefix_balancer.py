@@ -8,7 +8,8 @@ from kvbridge.serving.config import parse_config
 
 
 def _pool(n=4):
-    return Pool([WorkerRef(f"w{i}", f"http://h:{i}", "context", healthy=True) for i in range(n)], "prefix_aware")
+    workers = [WorkerRef(f"w{i}", f"http://h:{i}", "context", healthy=True) for i in range(n)]
+    return Pool(workers, "prefix_aware")
 
 
 def test_turns_of_one_conversation_stick_and_conversations_spread():
@@ -54,9 +55,9 @@ def test_routing_keys_of_token_text_and_chat_prompts():
 
 
 def test_the_serving_config_accepts_prefix_aware_and_turns_block_reuse_on_by_default():
+    off = {"instances": 1, "executor": {"enable_block_reuse": False}}
     cfg = parse_config({"model": "seeded:tiny", "router": {"policy": "prefix_aware"},
-                        "context_servers": {"instances": 1}, "generation_servers": {"instances": 1,
-                                                                                     "executor": {"enable_block_reuse": False}}})
+                        "context_servers": {"instances": 1}, "generation_servers": off})
     assert cfg.router.policy == "prefix_aware"
     assert cfg.context[0].executor_config("seeded:tiny", "i", "/tmp").enable_block_reuse is True
     assert cfg.generation[0].executor_config("seeded:tiny", "i", "/tmp").enable_block_reuse is False
