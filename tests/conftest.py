@@ -1,4 +1,10 @@
-"""Shared test setup: the repo root on sys.path (for `examples.*`), CUDA skips with a reason."""
+"""Shared test setup: the repo root on sys.path (for `examples.*`), CUDA skips with a reason.
+
+Order: every test must pass alone and in any order, so `make test` runs them shuffled (pytest-randomly, in the
+test extras): the header prints `Using --randomly-seed=N`. Reproduce a run's order with
+`pytest -p randomly --randomly-seed=N ...` (the same seed also reseeds `random` and numpy before each test);
+run in file order with `pytest -p no:randomly`; rerun one test alone with its node id.
+"""
 
 from __future__ import annotations
 

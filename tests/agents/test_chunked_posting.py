@@ -29,9 +29,13 @@ def test_a_chunked_read_is_one_handle_and_byte_exact(pair):
     agent, buf, peer, name = pair
     n, frag = 1000, 512
     perm = np.random.default_rng(0).permutation(n)
+    agent.posts.clear()
     h = agent.read(name, DescriptorList(buf.ctypes.data + perm * frag, np.full(n, frag)),
                    DescriptorList(peer.addr + np.arange(n) * frag, np.full(n, frag)))
     assert h.num_descriptors == n and h.nbytes == n * frag
+    # posted as pipelined chunks: a small first one so data moves at once, none over post_chunk, all covered
+    assert len(agent.posts) > 1 and agent.posts[0] < agent.post_chunk and max(agent.posts) <= agent.post_chunk
+    assert sum(agent.posts) == n
     h.wait(30)
     assert h.state() is XferState.DONE
     h.release()
@@ -44,6 +48,14 @@ def test_a_bad_descriptor_in_a_late_chunk_raises_after_earlier_chunks_settle(pai
     n = 1000
     addrs = buf.ctypes.data + np.arange(n) * 64
     addrs[900] = buf.ctypes.data + (1 << 20)  # outside the registered buffer, in the fourth chunk
+    buf[:] = pattern(1 << 20, 12)  # differs from the remote everywhere: what the read writes shows
+    before = buf.copy()
+    agent.posts.clear()
     with pytest.raises(RegistrationError, match=r"descriptors 800\.\.999"):
         agent.read(name, DescriptorList(addrs, np.full(n, 64)), DescriptorList(peer.addr + np.arange(n) * 64,
                                                                                np.full(n, 64)))
+    assert sum(agent.posts) == 800  # the chunks before the bad one were posted, the bad one never was
+    # ... and had settled by the time it raised: their bytes are all in, and nothing else was written
+    remote = np.frombuffer(peer.call("dump"), dtype=np.uint8)
+    np.testing.assert_array_equal(buf[:800 * 64], remote[:800 * 64])
+    np.testing.assert_array_equal(buf[800 * 64:], before[800 * 64:])

@@ -57,4 +57,4 @@ def test_an_abort_reason_wins_over_another_ranks_transfer_stats():
 
 def test_a_hook_that_cannot_load_fails_start_with_its_reason():
     with pytest.raises(ExecutorError, match="rank_hook 'no.such.module:make' cannot be loaded"):
-        Executor.start(ExecutorConfig(model="seeded:tiny", rank_hook="no.such.module:make", timeout_s=30))
+        Executor.start(ExecutorConfig(model="seeded:tiny", rank_hook="no.such.module:make", timeout_s=120))
