@@ -43,7 +43,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     """
     out = logits.argmax(dim=-1).tolist()
     for i, (p, pos) in enumerate(zip(params, positions)):
-        if p.temperature <= 0:
+        if not p.temperature > 1e-5:  # 0, tiny (1/T overflows) or NaN: greedy
             continue
         row = logits[i].float().cpu() / p.temperature
         if p.top_k > 0:
@@ -53,7 +53,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         if p.top_p < 1.0:
             sp, idx = torch.sort(probs, descending=True)
             keep = torch.cumsum(sp, 0) - sp < p.top_p
+            keep[0] = True  # top_p <= 0 still keeps the most likely token
             probs = torch.zeros_like(probs).scatter(0, idx[keep], sp[keep])
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            continue  # degenerate logits: greedy rather than a failed draw
         g = torch.Generator(device="cpu").manual_seed(stable_seed(p.seed, f"pos{pos}"))
         out[i] = int(torch.multinomial(probs, 1, generator=g).item())
     return out

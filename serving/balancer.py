@@ -51,10 +51,11 @@ class Pool:
         self.policy = policy
         self._next = 0
 
-    def pick(self, exclude: set[str] = frozenset()) -> WorkerRef | None:
-        """The worker for the next request, not one named in `exclude`; None when none is left."""
+    def pick(self, exclude: set[str] = frozenset(), healthy_only: bool = False) -> WorkerRef | None:
+        """The worker for the next request, not one named in `exclude`; None when none is left (or, with
+        `healthy_only`, when none of those left is healthy)."""
         left = [w for w in self.workers if w.name not in exclude]
-        pool = [w for w in left if w.healthy] or left
+        pool = [w for w in left if w.healthy] or ([] if healthy_only else left)
         if not pool:
             return None
         n = len(self.workers)

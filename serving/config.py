@@ -10,6 +10,8 @@ anything and never touches the network.
     executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}
     transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
     router: {host: 127.0.0.1, port: 8000, policy: round_robin}
+    max_inflight_requests: 512          # per process (router, each worker): beyond it 503 + Retry-After
+    max_inflight_body_bytes: 134217728  # request-body bytes held at once per process (same answer beyond)
     context_servers: {instances: 1, tp: 3, urls: ["127.0.0.1:8001"]}
     generation_servers: {instances: 1, tp: 1, urls: ["127.0.0.1:8002"], device: cuda:0}
 """
@@ -32,7 +34,8 @@ POLICIES = ("round_robin", "least_loaded")
 FAILURE_MODES = ("fail", "recompute")
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
-        "generation_servers", "startup_timeout_s", "default_max_tokens"}
+        "generation_servers", "startup_timeout_s", "default_max_tokens", "max_inflight_requests",
+        "max_inflight_body_bytes"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
@@ -109,6 +112,8 @@ class ServeConfig:
     startup_timeout_s: float
     default_max_tokens: int
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    max_inflight_requests: int = 512
+    max_inflight_body_bytes: int = 128 << 20
 
     def servers(self) -> tuple[ServerSpec, ...]:
         return self.context + self.generation
@@ -181,8 +186,13 @@ def parse_config(d: Any) -> ServeConfig:
     max_tokens = _get(top, "default_max_tokens", int, "", 256)
     if startup <= 0 or max_tokens < 1:
         raise ServeConfigError("startup_timeout_s must be > 0 and default_max_tokens >= 1")
+    inflight = {k: _get(top, k, int, "", ServeConfig.__dataclass_fields__[k].default)
+                for k in ("max_inflight_requests", "max_inflight_body_bytes")}
+    bad = next((k for k, v in inflight.items() if v < 1), None)
+    if bad:
+        raise ServeConfigError(f"{bad}: must be >= 1, got {inflight[bad]}")
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
-                       groups["generation"], router, startup, max_tokens, _copy(top))
+                       groups["generation"], router, startup, max_tokens, _copy(top), **inflight)
 
 
 # --- sections -------------------------------------------------------------------------------------------
