@@ -24,6 +24,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413) before it is read
 DEADLINE_HEADER = "x-kvbridge-timeout-s"  # seconds the caller still waits for this hop
 MAX_PROMPT_TOKENS = 1 << 20
+MAX_PROMPT_CHARS = 8 << 20  # a text prompt (or a chat's messages together) longer than this is refused
 _UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
                 "tools": None, "functions": None, "tool_choice": None, "function_call": None,
                 "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None}
@@ -112,7 +113,7 @@ async def read_json(request, budget=None) -> Any:
         if len(data) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
                            code="body_too_large")
-    return loads_strict(bytes(data))
+    return loads_strict(data)
 
 
 def new_id(kind: str) -> str:
@@ -142,6 +143,9 @@ def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
                                     "integers (one prompt per request)", param="prompt")
         elif not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "prompt: expected a non-empty string or a list of token ids", param="prompt")
+        elif len(prompt) > MAX_PROMPT_CHARS:
+            raise ApiError(400, f"prompt: {len(prompt)} characters; at most {MAX_PROMPT_CHARS}",
+                           code="context_length_exceeded", param="prompt")
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -153,6 +157,9 @@ def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
                                param="messages")
         messages = [{"role": m["role"], "content": text_content(m["content"], f"messages[{i}]")}
                     for i, m in enumerate(messages)]
+        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+            raise ApiError(400, f"messages: more than {MAX_PROMPT_CHARS} characters of content",
+                           code="context_length_exceeded", param="messages")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 1)
     so = body.get("stream_options") or {}

@@ -26,7 +26,7 @@ def _no_constant(name: str) -> Any:
                    code="invalid_json")
 
 
-def loads_strict(data: bytes | str) -> Any:
+def loads_strict(data: bytes | bytearray | str) -> Any:
     """Parse a request body: ApiError(400) naming the problem for non-JSON, NaN/Infinity, or too deep."""
     try:
         obj = json.loads(data, parse_constant=_no_constant)

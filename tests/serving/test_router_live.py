@@ -142,6 +142,43 @@ def test_no_generation_worker_healthy_means_503_before_any_prefill(cluster, urls
     assert httpx.get(urls["ctx"] + "/health", timeout=10).json()["pinned_context_requests"] == 0
 
 
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_six_concurrent_60_mib_bodies_are_refused_without_taking_the_router_to_1_gb(cluster, urls):
+    """Bodies are counted as they arrive (max_inflight_body_bytes, 128 MiB by default): two fit, the others
+    get 503 + Retry-After before they are whole; a whole one is a 400 (prompt too long), never forwarded."""
+    body = b'{"max_tokens": 1, "prompt": "' + b"ab" * (30 << 20) + b'"}'
+
+    def post(_):
+        try:
+            r = httpx.post(urls["router"] + "/v1/completions", content=body, timeout=120,
+                           headers={"content-type": "application/json"})
+            return r.status_code, r.headers.get("retry-after"), r.json()["error"]
+        except httpx.TransportError as e:  # the router may answer 503 before it read the whole body
+            return 0, None, {"message": repr(e)}
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    busy = 'kvbridge_router_requests_total{endpoint="completions",status="503"} '
+
+    def refused() -> float:
+        text = httpx.get(urls["router"] + "/metrics", timeout=10).text
+        return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(busy)), 0.0)
+
+    before = refused()
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(post, range(6)))
+    assert all(s in (0, 400, 503) for s, _, _ in got), got
+    assert all(ra == "1" for s, ra, _ in got if s == 503)
+    assert refused() - before >= 2, [(s, e["message"][:80]) for s, _, e in got]  # 2 fit, 4 do not
+    assert all(e.get("param") == "prompt" for s, _, e in got if s == 400)
+    router = next(c for c in cluster.children if c.name == "router")
+    assert _peak_rss_bytes(router.proc.pid) < 1 << 30
+
+
 def _num():
     return st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2**70, 2**70),
                      st.sampled_from([0, 1, 1e-40, 0.5, 2, -1]), st.text(max_size=3), st.none(),
