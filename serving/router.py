@@ -13,7 +13,8 @@ Deadlines on every hop: the whole request (router.request_timeout_s, streaming i
 the x-kvbridge-timeout-s header. A context worker that fails before handing over (connection refused, reset,
 5xx, no answer in time) is retried on another. A KV pull that fails after handover (the context worker died,
 its lease expired, the transfer failed) runs the request again from another context worker, at most
-MAX_HANDOVERS times within the deadline. Whenever a generation hop fails after a prefill, the context
+MAX_HANDOVERS times within the deadline (so does a generation worker that cannot be connected to: the next
+pick skips it). Whenever a generation hop fails after a prefill, the context
 worker is told to drop that KV at once (POST /internal/release). A client that goes away, or a deadline that
 passes, closes the generation worker's connection, and the generation worker aborts its request. Every
 failure reaches the client as an OpenAI error object, never as HTTP 200 with garbage; once a stream has
@@ -49,7 +50,9 @@ log = logging.getLogger("kvbridge.serving.router")
 
 MAX_HANDOVERS = 3          # runs of one choice after a KV pull failed (each from another context worker)
 KEEPALIVE_EXPIRY_S = 2.0   # below uvicorn's timeout_keep_alive (5 s): never reuse a connection it closes
-HANDOVER_FAILED = "kv_transfer_failed"
+# failures after which a choice is run again from the start: a failed KV pull, or a generation worker that
+# could not be reached at all (nothing was sent; the next pick skips it)
+RERUN_CODES = ("kv_transfer_failed", "generation_unreachable")
 
 
 def build_router(cfg: ServeConfig) -> FastAPI:
@@ -143,9 +146,8 @@ class Router:
                 resp = await self._stream(request, path, parts, deadline, stack)
                 stack = contextlib.ExitStack()  # the stream owns the slot now
                 return resp
-            objs = await asyncio.gather(*(self.run_part(request, path, p.body, False, deadline)
-                                          for p in parts))
-            return JSONResponse(merge(list(objs), parts))
+            objs = await _all(self.run_part(request, path, p.body, False, deadline) for p in parts)
+            return JSONResponse(merge(objs, parts))
         except ApiError as e:
             status = e.status
             raise
@@ -208,10 +210,10 @@ class Router:
             except ApiError as e:
                 await self._release(ctx_w, ctx_data)
                 last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
-                if e.code != HANDOVER_FAILED or last:
+                if e.code not in RERUN_CODES or last:
                     raise
-                log.warning("router: KV handover from %s failed (%s); running the request again", ctx_w.name,
-                            e.message)
+                log.warning("router: %s after the prefill on %s (%s); running the choice again", e.code,
+                            ctx_w.name, e.message)
                 avoid.add(ctx_w.name)
                 self.metrics.retries.inc()
         raise AssertionError("unreachable")  # the loop returns or raises
@@ -311,8 +313,9 @@ class Router:
                            "timeout_error", "timeout") from None
         except httpx.TransportError as e:
             w.mark(False, type(e).__name__)
+            code = "generation_unreachable" if isinstance(e, httpx.ConnectError) else "generation_failed"
             raise ApiError(502, f"generation worker {w.name} failed: {type(e).__name__} {e}".rstrip(),
-                           "server_error", "generation_failed") from None
+                           "server_error", code) from None
 
     async def _release(self, w: WorkerRef, ctx_data: dict) -> None:
         """Tell the context worker to drop a prefilled request's KV now (best effort, bounded)."""
@@ -321,6 +324,17 @@ class Router:
                                    json={"disaggregated_params": ctx_data["disaggregated_params"]})
         except httpx.HTTPError as e:
             log.warning("router: could not release a prefilled request on %s: %s", w.name, type(e).__name__)
+
+
+async def _all(coros) -> list:
+    """Every result in order; the first failure cancels the rest (nothing keeps running for nobody)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _HopFailed(Exception):

@@ -6,6 +6,7 @@ from it (the generation worker's failed KV pull comes back as kv_transfer_failed
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,6 @@ def test_kill_9_of_a_context_worker_with_requests_in_flight_loses_none(cluster, 
     assert wait_pool_full(cluster.cfg.generation[0].url, BLOCKS, 1) == [BLOCKS]
     r = httpx.post(url, json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["kvbridge"]["context_worker"] == "ctx1"
-    retries = httpx.get(cluster.router_url + "/metrics", timeout=10).text.split("kvbridge_router_retries_total ")
-    print(f"killed ctx0 with {REQUESTS - done_before_kill} of {REQUESTS} in flight; router retries: "
-          f"{retries[1].split()[0] if len(retries) > 1 else 0}")
+    metrics = httpx.get(cluster.router_url + "/metrics", timeout=10).text
+    retries = re.findall(r"^kvbridge_router_retries_total (\S+)", metrics, re.M)
+    print(f"killed ctx0 with {REQUESTS - done_before_kill} of {REQUESTS} in flight; router retries: {retries}")
