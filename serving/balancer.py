@@ -25,6 +25,7 @@ class WorkerRef:
     healthy: bool = False  # until its /health answered 200 (requests still try it when none is healthy)
     in_flight: int = 0
     last_error: str = "not checked yet"
+    capacity_tokens: int | None = None  # tokens its KV pool holds (from /health; None: not known)
 
     @classmethod
     def of(cls, spec: ServerSpec) -> "WorkerRef":

@@ -124,6 +124,9 @@ class Router:
             tmo = self._tmo(min(2.0, self.rc.health_interval_s * 2))
             r = await self.client.get(w.url + "/health", timeout=tmo)
             w.mark(r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}")
+            cap = _json_or_none(r.content)
+            cap = cap.get("capacity_tokens") if isinstance(cap, dict) else None
+            w.capacity_tokens = cap if type(cap) is int and cap > 0 else None
         except httpx.HTTPError as e:
             w.mark(False, f"/health: {type(e).__name__}")
 
@@ -201,7 +204,7 @@ class Router:
         another context worker. Returns the answer (dict) or, streaming, an iterator of event objects."""
         avoid: set[str] = set()
         for attempt in range(MAX_HANDOVERS):
-            gen_w = self._pick_generation()
+            gen_w = self._pick_generation(body)
             ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid)
             gen_body = {**body, "disaggregated_params": ctx_data["disaggregated_params"]}
             try:
@@ -218,11 +221,20 @@ class Router:
                 self.metrics.retries.inc()
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _pick_generation(self) -> WorkerRef:
+    def _pick_generation(self, body: dict) -> WorkerRef:
+        """A healthy generation worker whose pool can hold what is known of the request before the prefill
+        (max_tokens, and a token-id prompt's length); 503 when none is healthy, 400 when it cannot fit."""
         w = self.gen.pick(healthy_only=True)
         if w is None:
             raise ApiError(503, f"no generation worker is healthy ({self.gen.describe()}); nothing was "
                                 f"prefilled", "server_error", "no_generation_worker", retry_after=2)
+        mt = body.get("max_completion_tokens", body.get("max_tokens")) or self.cfg.default_max_tokens
+        prompt = body.get("prompt")
+        need = mt + (len(prompt) if isinstance(prompt, list) else 1)
+        if w.capacity_tokens is not None and need > w.capacity_tokens:
+            raise ApiError(400, f"max_tokens: the request needs at least {need} tokens of KV; generation "
+                                f"worker {w.name} holds {w.capacity_tokens}", code="context_length_exceeded",
+                           param="max_tokens")
         return w
 
     # --- hops -----------------------------------------------------------------------------------------

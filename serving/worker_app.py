@@ -96,6 +96,7 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
         body = {"status": "failed" if err else "ok", "name": spec.name, "role": spec.role,
                 "model": cfg.model_name, "instance": st.instance, "tp": spec.tp, "pp": spec.pp,
                 "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid(),
+                "capacity_tokens": be.ex.cfg.num_blocks * be.ex.cfg.tokens_per_block,
                 "device": be.ex.cfg.device, "layout": be.ex.layout.to_wire()}
         if err:
             body["error"] = err.splitlines()[0]

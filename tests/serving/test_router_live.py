@@ -81,13 +81,35 @@ def test_in_flight_returns_to_zero_after_success_error_disconnect_and_streaming(
 
 
 def test_a_refusal_after_prefill_frees_the_context_kv_at_once(urls):
-    """The generation pool (96 tokens) cannot hold 13 + 90; the context KV is dropped on the refusal, not
-    after pickup_timeout_s (120 s by default)."""
+    """The generation pool (96 tokens) cannot hold a 20-token text prompt + 90 (the router cannot know the
+    text's length before the prefill); the context KV is dropped on the refusal, not after pickup_timeout_s
+    (120 s by default). What the router does know (max_tokens, a token-id prompt) is refused before it."""
     r = httpx.post(urls["router"] + "/v1/completions", timeout=120,
-                   json={"prompt": PROMPTS[0], "max_tokens": 90, "temperature": 0})
-    assert r.status_code == 400, r.text
+                   json={"prompt": "twenty characters...", "max_tokens": 90, "temperature": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("generation worker"), r.text
     assert wait_pool_full(urls["ctx"], CTX_BLOCKS, 1, timeout=5) == [CTX_BLOCKS]
     assert httpx.get(urls["ctx"] + "/health", timeout=10).json()["pinned_context_requests"] == 0
+    r = httpx.post(urls["router"] + "/v1/completions", timeout=120,
+                   json={"prompt": PROMPTS[0], "max_tokens": 90, "temperature": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "generation worker gen0 holds 96" in r.json()["error"]["message"]
+
+
+def test_a_worker_answers_bad_bodies_with_json_and_keeps_the_connection(urls, want):
+    """Straight to the workers (no router in front): NaN, 5,000-deep nesting, seed=2**64, top_p=0 and a
+    tiny temperature fail that request alone, as JSON; the next request on the same connection is served."""
+    good = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
+    bad = [b'{"prompt": "x", "temperature": NaN}', b"[" * 5000 + b"]" * 5000,
+           json.dumps({"prompt": "x", "seed": 2**64}).encode(),
+           json.dumps({"prompt": "x", "top_p": 0}).encode()]
+    with httpx.Client(base_url=urls["gen"], timeout=60) as c:
+        for raw in bad:
+            r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "error" in r.json(), r.text
+        for extreme in ({"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-30, "seed": 2**63 - 1}):
+            r = c.post("/v1/completions", json={**good, **extreme})
+            assert r.status_code == 200 and r.json()["kvbridge"]["token_ids"] == want["prompts"][1], r.text
+        assert c.get("/health").status_code == 200
 
 
 def test_the_release_endpoint_refuses_what_is_not_ours(urls):

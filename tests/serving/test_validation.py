@@ -151,3 +151,13 @@ def test_read_json_counts_body_bytes_as_they_arrive():
     e = _err(lambda: asyncio.run(read_json(_Req(), budget)))
     assert e.status == 503 and sum(seen) == 40
     assert json.loads(b"{}") == {}
+
+
+def test_a_generation_worker_is_picked_only_when_healthy():
+    from kvbridge.serving.balancer import Pool, WorkerRef
+
+    pool = Pool([WorkerRef("gen0", "http://a", "generation"), WorkerRef("gen1", "http://b", "generation")],
+                "round_robin")
+    assert pool.pick(healthy_only=True) is None and pool.pick().name == "gen0"  # unchecked: tried anyway
+    pool.workers[1].mark(True)
+    assert [pool.pick(healthy_only=True).name for _ in range(2)] == ["gen1", "gen1"]
