@@ -27,11 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -42,7 +41,8 @@ from .config import ServeConfig
 from .fanout import Part, expand, merge, merge_streams
 from .inflight import Admission, in_flight
 from .metrics import RouterMetrics, render
-from .protocol import DEADLINE_HEADER, SSE_DONE, ApiError, add_common_routes, read_json, sse
+from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
+from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
 
 __all__ = ["main", "build_router", "Router", "MAX_HANDOVERS", "KEEPALIVE_EXPIRY_S"]
 
@@ -124,7 +124,7 @@ class Router:
             tmo = self._tmo(min(2.0, self.rc.health_interval_s * 2))
             r = await self.client.get(w.url + "/health", timeout=tmo)
             w.mark(r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}")
-            cap = _json_or_none(r.content)
+            cap = json_or_none(r.content)
             cap = cap.get("capacity_tokens") if isinstance(cap, dict) else None
             w.capacity_tokens = cap if type(cap) is int and cap > 0 else None
         except httpx.HTTPError as e:
@@ -188,7 +188,7 @@ class Router:
         events = opened[0] if len(parts) == 1 else merge_streams(list(opened), parts)
         if len(parts) == 1 and parts[0].echo is not None:
             events = merge_streams([events], parts)
-        body = _sse_body(events, slot)
+        body = sse_body(events, slot)
         first = await body.__anext__()  # started: its `finally` now runs however the response ends
 
         async def relay():
@@ -209,7 +209,7 @@ class Router:
             gen_body = {**body, "disaggregated_params": ctx_data["disaggregated_params"]}
             try:
                 return await self._generation_hop(request, path, gen_body, stream, deadline, gen_w,
-                                                  _decoration(ctx_data, ctx_w))
+                                                  decoration(ctx_data, ctx_w))
             except ApiError as e:
                 await self._release(ctx_w, ctx_data)
                 last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
@@ -256,7 +256,7 @@ class Router:
             except _HopFailed as e:
                 errors.append(str(e))
                 continue
-            data = _json_or_none(r.content)
+            data = json_or_none(r.content)
             handed_over = isinstance(data, dict) and isinstance(data.get("disaggregated_params"), dict)
             if r.status_code == 200 and handed_over:
                 return data, w
@@ -302,17 +302,17 @@ class Router:
             resp = await self._send(request, w, path, body, left)
             stack.push_async_callback(resp.aclose)
             if resp.status_code != 200 or not stream:
-                raw = await _read(request, resp, w, left)
+                raw = await read_body(request, resp, w, left)
             if resp.status_code != 200:
-                raise ApiError.from_body(resp.status_code, _json_or_none(raw),
+                raise ApiError.from_body(resp.status_code, json_or_none(raw),
                                          f"generation worker {w.name}: ")
             if stream:
-                return _Relay(_events(resp, w, deadline, deco, self.rc.request_timeout_s), stack.pop_all())
-            data = _json_or_none(raw)
+                return Relay(events(resp, w, deadline, deco, self.rc.request_timeout_s), stack.pop_all())
+            data = json_or_none(raw)
             if not isinstance(data, dict) or not isinstance(data.get("choices"), list) or not data["choices"]:
                 raise ApiError.from_body(502, data, f"generation worker {w.name}: ")
             self.metrics.hop.labels("generation").observe(time.monotonic() - t0)
-            return _decorate(data, deco)
+            return decorate(data, deco)
 
     async def _send(self, request: Request, w: WorkerRef, path: str, body: dict,
                     left: float) -> httpx.Response:
@@ -362,114 +362,6 @@ def _no_context(errors: list[str], described: str, late: bool) -> ApiError:
                     "server_error", "context_failed", retry_after=None if errors else 2)
 
 
-async def until_gone(request: Request, coro):
-    """Await `coro` unless the client goes away first (then cancel it: its connection closes)."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ApiError(499, "the client went away", "cancelled", "client_closed")
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-
-
-async def _read(request: Request, resp: httpx.Response, w: WorkerRef, left: float) -> bytes:
-    try:
-        return await until_gone(request, resp.aread())
-    except httpx.TimeoutException:
-        raise ApiError(504, f"generation worker {w.name} did not answer within {left:.1f}s",
-                       "timeout_error", "timeout") from None
-    except httpx.TransportError as e:
-        w.mark(False, type(e).__name__)
-        raise ApiError(502, f"generation worker {w.name} failed: {type(e).__name__} {e}".rstrip(),
-                       "server_error", "generation_failed") from None
-
-
-def _decoration(ctx_data: dict, ctx_w: WorkerRef) -> dict:
-    return {"context_worker": ctx_w.name, "prefill_ms": (ctx_data.get("kvbridge") or {}).get("prefill_ms")}
-
-
-def _decorate(obj: dict, deco: dict) -> dict:
-    kb = obj.setdefault("kvbridge", {})
-    if isinstance(kb, dict):
-        kb.update(deco)
-    return obj
-
-
-class _Relay:
-    """A generation worker's stream of event objects; `aclose` ends it and what it owns (the response and
-    the worker's in-flight count), whether it was iterated or not."""
-
-    def __init__(self, events: AsyncIterator[dict], owned: contextlib.AsyncExitStack) -> None:
-        self._events, self._owned = events, owned
-
-    def __aiter__(self) -> AsyncIterator[dict]:
-        return self._events
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            await self._owned.aclose()
-
-
-async def _events(resp: httpx.Response, w: WorkerRef, deadline: float, deco: dict,
-                  total_s: float) -> AsyncIterator[dict]:
-    """The event objects of a generation worker's stream until [DONE]; ApiError for anything else."""
-    lines = resp.aiter_lines()
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ApiError(504, f"the request did not finish within {total_s:g}s", "timeout_error", "timeout")
-        try:
-            line = await asyncio.wait_for(lines.__anext__(), left)
-        except StopAsyncIteration:
-            raise ApiError(502, f"generation worker {w.name} closed the stream before it finished (the "
-                                f"worker failed or was stopped)", "server_error",
-                           "generation_failed") from None
-        except asyncio.TimeoutError:
-            continue
-        except httpx.HTTPError as e:
-            w.mark(False, type(e).__name__)
-            raise ApiError(502, f"generation worker {w.name} failed mid-stream: {type(e).__name__} {e}"
-                           .rstrip(), "server_error", "generation_failed") from None
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        obj = _json_or_none(data)
-        if not isinstance(obj, dict):
-            raise ApiError(502, f"generation worker {w.name} sent a bad event: {data[:200]!r}",
-                           "server_error", "bad_worker_response")
-        if "error" in obj:
-            raise ApiError.from_body(500, obj, f"generation worker {w.name}: ")
-        if obj.get("choices") and obj["choices"][0].get("finish_reason"):
-            obj = _decorate(obj, deco)
-        yield obj
-
-
-async def _sse_body(events: AsyncIterator[dict], slot: contextlib.ExitStack) -> AsyncIterator[bytes]:
-    """Server-sent events of a (merged) stream; an error ends it as a final error event without [DONE]."""
-    try:
-        yield b": kvbridge\n\n"  # a comment: starts the body at once (see Router._stream)
-        async for obj in events:
-            yield sse(obj)
-        yield SSE_DONE
-    except ApiError as e:
-        yield sse(e.body())
-    finally:
-        with contextlib.suppress(BaseException):
-            await events.aclose()
-        slot.close()
-
-
 async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
@@ -479,13 +371,6 @@ async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
     err = ApiError(500, f"the router failed this request: {type(e).__name__}: {e}"[:500], "server_error",
                    "internal_error")
     return JSONResponse(err.body(), status_code=500)
-
-
-def _json_or_none(raw: bytes | str) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
 
 
 def main(argv: list[str]) -> int:
