@@ -21,6 +21,7 @@ each rank publishes executor request `rid` under the wire id key.handle(rid) wit
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -70,6 +71,16 @@ def disagg_params(ex, request_id: int, endpoints: tuple[str, ...]) -> DisaggPara
     key = _request_key(args)
     return DisaggParams(key.handle(request_id), args["instance"], tuple(endpoints), ex.layout,
                         key.secret(request_id))
+
+
+def context_request_of(ex, params: DisaggParams, candidates) -> int | None:
+    """The executor request id among `candidates` whose wire handle and secret are those of `params` (the
+    DisaggParams `disagg_params` made for it); None when none matches. The secret is compared in constant time."""
+    key = _request_key(ex.cfg.rank_hook_args)
+    for rid in candidates:
+        if key.handle(rid) == params.ctx_request_id and hmac.compare_digest(key.secret(rid), params.secret):
+            return rid
+    return None
 
 
 def _request_key(args: dict) -> RequestKey:

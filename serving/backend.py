@@ -75,6 +75,22 @@ class Backend:
             self.released += len(ids)
             return len(self.pinned)
 
+    def pinned_ids(self) -> list[int]:
+        """The context requests this worker pins now (a copy)."""
+        with self._lock:
+            return list(self.pinned)
+
+    def drop_context(self, rid: int) -> bool:
+        """Drop a pinned context request now (its generation side refused it): the transceiver stops serving
+        it and its blocks are freed once readers in flight settled. False if it is not pinned here."""
+        with self._lock:
+            if rid not in self.pinned:
+                return False
+            self.pinned.discard(rid)
+            self.released += 1
+        self.abort(rid)
+        return True
+
     async def follow(self, rid: int, deadline: float,
                      gone: Callable[[], Awaitable[bool]] | None = None
                      ) -> AsyncIterator[Progress]:

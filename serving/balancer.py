@@ -65,6 +65,7 @@ class WorkerRef:
     healthy: bool = False  # until its /health answered 200 (requests still try it when none is healthy)
     in_flight: int = 0
     last_error: str = "not checked yet"
+    capacity_tokens: int | None = None  # tokens its KV pool holds (from /health; None: not known)
 
     @classmethod
     def of(cls, spec: ServerSpec) -> "WorkerRef":
@@ -91,15 +92,18 @@ class Pool:
         self.policy = policy
         self._next = 0
 
-    def pick(self, exclude: set[str] = frozenset(), key: bytes | None = None) -> WorkerRef | None:
-        """The worker for the next request, not one named in `exclude`; None when none is left.
+    def pick(self, exclude: set[str] = frozenset(), key: bytes | None = None,
+             healthy_only: bool = False) -> WorkerRef | None:
+        """The worker for the next request, not one named in `exclude`; None when none is left (or, with
+        `healthy_only`, when none of those left is healthy).
 
         Args:
             exclude: workers already tried for this request.
             key: the request's `routing_key` (used by prefix_aware only).
+            healthy_only: never fall back to a worker marked unhealthy.
         """
         left = [w for w in self.workers if w.name not in exclude]
-        pool = [w for w in left if w.healthy] or left
+        pool = [w for w in left if w.healthy] or ([] if healthy_only else left)
         if not pool:
             return None
         n = len(self.workers)

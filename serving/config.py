@@ -15,6 +15,8 @@ anything and never touches the network.
     keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)
     on_worker_exit: restart    # or stop: `kvbridge serve` stops everything when a worker dies
     role_grace_s: 120          # serve exits 1 once a role had no live worker this long
+    max_inflight_requests: 512          # per process (router, each worker): beyond it 503 + Retry-After
+    max_inflight_body_bytes: 134217728  # request-body bytes held at once per process (same answer beyond)
     context_servers: {instances: 1, tp: 3, urls: ["127.0.0.1:8001"]}
     generation_servers: {instances: 1, tp: 1, urls: ["127.0.0.1:8002"], device: cuda:0}
 """
@@ -39,7 +41,7 @@ EXIT_POLICIES = ("restart", "stop")
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens", "internal_token", "insecure",
-        "keys_dir", "on_worker_exit", "role_grace_s"}
+        "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
              "enable_block_reuse": bool}
@@ -124,6 +126,8 @@ class ServeConfig:
     keys_dir: str | None = None
     on_worker_exit: str = "restart"
     role_grace_s: float = 120.0
+    max_inflight_requests: int = 512
+    max_inflight_body_bytes: int = 128 << 20
 
     def servers(self) -> tuple[ServerSpec, ...]:
         return self.context + self.generation
@@ -212,8 +216,13 @@ def parse_config(d: Any) -> ServeConfig:
     max_tokens = _get(top, "default_max_tokens", int, "", 256)
     if startup <= 0 or max_tokens < 1:
         raise ServeConfigError("startup_timeout_s must be > 0 and default_max_tokens >= 1")
+    inflight = {k: _get(top, k, int, "", ServeConfig.__dataclass_fields__[k].default)
+                for k in ("max_inflight_requests", "max_inflight_body_bytes")}
+    bad = next((k for k, v in inflight.items() if v < 1), None)
+    if bad:
+        raise ServeConfigError(f"{bad}: must be >= 1, got {inflight[bad]}")
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
-                       groups["generation"], router, startup, max_tokens, _copy(top), **_operations(top))
+                       groups["generation"], router, startup, max_tokens, _copy(top), **_operations(top), **inflight)
 
 
 def _operations(top: dict) -> dict[str, Any]:

@@ -34,16 +34,23 @@ DEADLINE_HEADER = "x-kvbridge-timeout-s"  # seconds the caller still waits for t
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_STOPS, MAX_STOP_CHARS = 4, 1024
 MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's bounds: chat top_logprobs, completions logprobs
-_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None, "functions": None}
+MAX_PROMPT_CHARS = 8 << 20  # a text prompt (or a chat's messages together) longer than this is refused
+_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None, "functions": None,
+                "tool_choice": None, "function_call": None, "parallel_tool_calls": None, "audio": None,
+                "modalities": None, "prediction": None}
 
 
 class ApiError(Exception):
     """An error returned to the client as {"error": {"message", "type", "code", "param"}} with `status`."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.retry_after = retry_after  # seconds; sent as Retry-After (429/503 of a busy or empty pool)
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(max(1, round(self.retry_after)))}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
@@ -109,22 +116,25 @@ class DisaggRequest:
         return d
 
 
-async def read_json(request) -> Any:
-    """The JSON body of a Starlette request: 413 when larger than MAX_BODY_BYTES, 400 when not JSON."""
+async def read_json(request, budget=None) -> Any:
+    """The JSON body of a Starlette request: 413 when larger than MAX_BODY_BYTES, 400 when not strict JSON
+    (NaN, Infinity, nested too deep: validate.loads_strict). `budget(n)`, if given, is told of every `n`
+    bytes as they arrive (before the body is whole) and may refuse them by raising ApiError."""
+    from .validate import loads_strict
+
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
         raise ApiError(413, f"the request body ({size} bytes) is larger than {MAX_BODY_BYTES} bytes",
                        code="body_too_large")
     data = bytearray()
     async for piece in request.stream():  # also bounds a chunked body that gave no length
+        if budget is not None:
+            budget(len(piece))
         data += piece
         if len(data) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
                            code="body_too_large")
-    try:
-        return json.loads(data)
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not JSON: {e}") from None
+    return loads_strict(data)
 
 
 def new_id(kind: str) -> str:
@@ -133,6 +143,7 @@ def new_id(kind: str) -> str:
 
 def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
     """Validate a request body; ApiError(400) naming the first bad field."""
+    from .validate import GREEDY_BELOW, text_content
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for k, ok in _UNSUPPORTED.items():
@@ -150,17 +161,23 @@ def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
                                     "integers (one prompt per request)", param="prompt")
         elif not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "prompt: expected a non-empty string or a list of token ids", param="prompt")
+        elif len(prompt) > MAX_PROMPT_CHARS:
+            raise ApiError(400, f"prompt: {len(prompt)} characters; at most {MAX_PROMPT_CHARS}",
+                           code="context_length_exceeded", param="prompt")
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: expected a non-empty list of {role, content} objects",
                            param="messages")
         for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
                 raise ApiError(400, f"messages[{i}]: expected {{'role': str, 'content': str}}",
                                param="messages")
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = [{"role": m["role"], "content": text_content(m["content"], f"messages[{i}]")}
+                    for i, m in enumerate(messages)]
+        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+            raise ApiError(400, f"messages: more than {MAX_PROMPT_CHARS} characters of content",
+                           code="context_length_exceeded", param="messages")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 1)
     so = body.get("stream_options") or {}
@@ -173,9 +190,12 @@ def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
     if min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})",
                        param="min_tokens")
+    temperature = _num(_given(body, "temperature", 1.0), "temperature", 0.0, 100.0)
+    top_p = _num(_given(body, "top_p", 1.0), "top_p", 0.0, 1.0)
+    if top_p <= 0:
+        raise ApiError(400, f"top_p: expected a number in (0, 1], got {body['top_p']!r}", param="top_p")
     return GenRequest(kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-                      temperature=_num(_given(body, "temperature", 1.0), "temperature", 0.0, 100.0),
-                      top_p=_num(_given(body, "top_p", 1.0), "top_p", 0.0, 1.0),
+                      temperature=0.0 if temperature < GREEDY_BELOW else temperature, top_p=top_p,
                       top_k=_int(body.get("top_k", 0) or 0, "top_k", 0),
                       seed=None if body.get("seed") is None else _int(body["seed"], "seed", 0),
                       stream=_bool(body.get("stream", False), "stream"),
@@ -373,15 +393,16 @@ def _seed(d: dict) -> int | None:
     return None if d.get("seed") is None else _int(d["seed"], "disaggregated_params.seed", 0)
 
 
-def _int(v: Any, name: str, lo: int) -> int:
-    if type(v) is not int or v < lo:
-        raise ApiError(400, f"{name}: expected an integer >= {lo}, got {v!r}", param=name.split(".")[0])
+def _int(v: Any, name: str, lo: int, hi: int = (1 << 63) - 1) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise ApiError(400, f"{name}: expected an integer in [{lo}, {hi}], got {v!r:.40}",
+                       param=name.split(".")[0])
     return v
 
 
 def _num(v: Any, name: str, lo: float, hi: float, param: str | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:  # NaN fails lo <= v
-        raise ApiError(400, f"{name}: expected a number in [{lo}, {hi}], got {v!r}", param=param or name)
+        raise ApiError(400, f"{name}: expected a number in [{lo}, {hi}], got {v!r:.40}", param=param or name)
     return float(v)
 
 

@@ -1,18 +1,25 @@
 """`kvbridge router --config CONFIG`: the OpenAI-compatible front door of a disaggregated deployment.
 
-Each request goes to a context worker (marked context_only: it prefills and answers the first token and
-the disaggregation parameters), then to a generation worker with those parameters (it pulls the KV, decodes
-and answers or streams). Routes: /v1/completions, /v1/chat/completions (both streaming by server-sent
-events or not), /v1/models, /health, /metrics.
+Each request is validated once here, before any hop (validate.py, fanout.py, protocol.parse_request), and
+admitted under the process's bound (inflight.Admission: beyond it 503 + Retry-After). A healthy generation
+worker is picked first (none: 503, nothing prefilled); then a context worker (marked context_only: it
+prefills and answers the first token and the disaggregation parameters); then the generation worker with
+those parameters (it pulls the KV, decodes and answers or streams). `n` > 1 and a list of prompts fan out
+into one such run per choice (fanout.py). Routes: /v1/completions, /v1/chat/completions (both streaming by
+server-sent events or not), /v1/models, /health, /metrics.
 
 Deadlines on every hop: the whole request (router.request_timeout_s, streaming included), each context hop
 (context_timeout_s), and connection set-up (connect_timeout_s); the remaining time travels to the worker in
 the x-kvbridge-timeout-s header. A context worker that fails before handing over (connection refused, reset,
-5xx, no answer in time) is retried on another. A generation hop is never retried (the KV may be half-read;
-the context side's lease frees it). A client that goes away, or a deadline that passes, closes the
-generation worker's connection, and the generation worker aborts its request. Every failure reaches the
-client as an OpenAI error object naming the worker and the reason, never as HTTP 200 with garbage; once a
-stream has started, as a final `data: {"error": ...}` event without `[DONE]`.
+5xx, no answer in time) is retried on another. A KV pull that fails after handover (the context worker died,
+its lease expired, the transfer failed) runs the request again from another context worker, at most
+MAX_HANDOVERS times within the deadline (so does a generation worker that cannot be connected to: the next
+pick skips it). Whenever a generation hop fails after a prefill, the context
+worker is told to drop that KV at once (POST /internal/release). A client that goes away, or a deadline that
+passes, closes the generation worker's connection, and the generation worker aborts its request. Every
+failure reaches the client as an OpenAI error object, never as HTTP 200 with garbage; once a stream has
+started, as a final `data: {"error": ...}` event without `[DONE]`. In-flight counts are kept by one context
+manager each (inflight.py). Never touches KV or a model itself.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
+import logging
 import sys
 import time
 from typing import Any
@@ -32,267 +39,342 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .auth import api_keys, install_api_keys, internal_headers
 from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
+from .fanout import Part, expand, merge, merge_streams
+from .inflight import Admission, in_flight
 from .metrics import RouterMetrics, render
-from .protocol import DEADLINE_HEADER, SSE_DONE, ApiError, add_common_routes, read_json, sse
+from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
+from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
 
-__all__ = ["main", "build_router"]
+__all__ = ["main", "build_router", "Router", "MAX_HANDOVERS", "KEEPALIVE_EXPIRY_S"]
+
+log = logging.getLogger("kvbridge.serving.router")
+
+MAX_HANDOVERS = 3          # runs of one choice after a KV pull failed (each from another context worker)
+KEEPALIVE_EXPIRY_S = 2.0   # below uvicorn's timeout_keep_alive (5 s): never reuse a connection it closes
+# failures after which a choice is run again from the start: a failed KV pull, or a generation worker that
+# could not be reached at all (nothing was sent; the next pick skips it)
+RERUN_CODES = ("kv_transfer_failed", "generation_unreachable")
 
 
 def build_router(cfg: ServeConfig) -> FastAPI:
     """The router's FastAPI application for a ServeConfig."""
-    rc = cfg.router
-    ctx = Pool([WorkerRef.of(s) for s in cfg.context], rc.policy)
-    gen = Pool([WorkerRef.of(s) for s in cfg.generation], rc.policy)
-    metrics = RouterMetrics()
-    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256),
-                               headers=internal_headers(cfg))  # the deployment's token on every worker call
+    return Router(cfg).app
 
-    def tmo(left: float) -> httpx.Timeout:
-        return httpx.Timeout(max(0.05, left), connect=min(rc.connect_timeout_s, max(0.05, left)))
 
-    async def check(w: WorkerRef) -> None:
+def make_client(cfg: ServeConfig) -> httpx.AsyncClient:
+    """The one HTTP client to the workers (pool sized for many streams; idle connections dropped before
+    the worker's server would close them)."""
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256,
+                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
+                             headers=internal_headers(cfg))  # the deployment's token on every worker call
+
+
+class Router:
+    """The router of one ServeConfig: worker pools, the HTTP client, the application (`app`)."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg, self.rc = cfg, cfg.router
+        self.ctx = Pool([WorkerRef.of(s) for s in cfg.context], self.rc.policy)
+        self.gen = Pool([WorkerRef.of(s) for s in cfg.generation], self.rc.policy)
+        self.metrics = RouterMetrics()
+        self.admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
+        self.client = make_client(cfg)
+        self._codec = None
+        self.app = self._build_app()
+
+    # --- application ----------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            task = asyncio.create_task(self._health_loop())
+            try:
+                yield
+            finally:
+                task.cancel()
+                await self.client.aclose()
+
+        app = FastAPI(title="kvbridge router", docs_url=None, redoc_url=None, lifespan=lifespan)
+        install_api_keys(app, self.cfg, api_keys(self.cfg))  # /v1/* needs a key when any is configured
+        app.add_exception_handler(ApiError, _api_error)
+        app.add_exception_handler(Exception, _unexpected)
+        app.get("/health")(self.health)
+        add_common_routes(app, self.cfg.model_name, time.time(), render)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.handle(request, "/v1/completions", "completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.handle(request, "/v1/chat/completions", "chat")
+
+        app.state.pools = (self.ctx, self.gen)
+        return app
+
+    async def health(self) -> JSONResponse:
+        ok = any(w.healthy for w in self.ctx.workers) and any(w.healthy for w in self.gen.workers)
+        body = {"status": "ok" if ok else "unavailable", "model": self.cfg.model_name,
+                "policy": self.rc.policy,
+                "context_workers": {w.name: w.healthy for w in self.ctx.workers},
+                "generation_workers": {w.name: w.healthy for w in self.gen.workers}}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    def _tmo(self, left: float) -> httpx.Timeout:
+        return httpx.Timeout(max(0.05, left), connect=min(self.rc.connect_timeout_s, max(0.05, left)))
+
+    async def _check(self, w: WorkerRef) -> None:
         try:
-            r = await client.get(w.url + "/health", timeout=tmo(min(2.0, rc.health_interval_s * 2)))
+            tmo = self._tmo(min(2.0, self.rc.health_interval_s * 2))
+            r = await self.client.get(w.url + "/health", timeout=tmo)
             w.mark(r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}")
+            cap = json_or_none(r.content)
+            cap = cap.get("capacity_tokens") if isinstance(cap, dict) else None
+            w.capacity_tokens = cap if type(cap) is int and cap > 0 else None
         except httpx.HTTPError as e:
             w.mark(False, f"/health: {type(e).__name__}")
 
-    async def health_loop() -> None:
+    async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(check(w) for w in ctx.workers + gen.workers))
-            await asyncio.sleep(rc.health_interval_s)
+            await asyncio.gather(*(self._check(w) for w in self.ctx.workers + self.gen.workers))
+            await asyncio.sleep(self.rc.health_interval_s)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        task = asyncio.create_task(health_loop())
+    # --- one request ----------------------------------------------------------------------------------
+    async def handle(self, request: Request, path: str, endpoint: str):
+        """Admit, validate, run every part; the admission slot is held until the response (or stream) ends."""
+        deadline = time.monotonic() + self.rc.request_timeout_s
+        status, stack = 200, contextlib.ExitStack()
         try:
-            yield
+            ticket = stack.enter_context(self.admission.request())
+            body = await read_json(request, ticket)
+            kind = "chat" if endpoint == "chat" else "completion"
+            parts = self._parts(body, kind)
+            if body.get("stream", False) is True:
+                resp = await self._stream(request, path, parts, deadline, stack)
+                stack = contextlib.ExitStack()  # the stream owns the slot now
+                return resp
+            objs = await _all(self.run_part(request, path, p.body, False, deadline) for p in parts)
+            return JSONResponse(merge(objs, parts))
+        except ApiError as e:
+            status = e.status
+            raise
         finally:
-            task.cancel()
-            await client.aclose()
+            stack.close()
+            self.metrics.requests.labels(endpoint, str(status)).inc()
 
-    app = FastAPI(title="kvbridge router", docs_url=None, redoc_url=None, lifespan=lifespan)
-    install_api_keys(app, cfg, api_keys(cfg))  # /v1/* needs a key when any is configured
+    def _parts(self, body: Any, kind: str) -> list[Part]:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        if body.get("model") not in (None, self.cfg.model_name, self.cfg.model):
+            raise ApiError(404, f"model {body['model']!r:.100} is not served here; this deployment serves "
+                                f"{self.cfg.model_name!r}", code="model_not_found", param="model")
+        if "disaggregated_params" in body:
+            raise ApiError(400, "disaggregated_params is set by the router, not by clients",
+                           param="disaggregated_params")
+        return expand(body, kind, self.cfg.default_max_tokens, self._decode)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def _decode(self, ids: list[int]) -> str:
+        if self._codec is None:
+            from .text import TextCodec
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        ok = any(w.healthy for w in ctx.workers) and any(w.healthy for w in gen.workers)
-        body = {"status": "ok" if ok else "unavailable", "model": cfg.model_name, "policy": rc.policy,
-                "context_workers": {w.name: w.healthy for w in ctx.workers},
-                "generation_workers": {w.name: w.healthy for w in gen.workers}}
-        return JSONResponse(body, status_code=200 if ok else 503)
+            self._codec = TextCodec(self.cfg.model)
+        return self._codec.decode(ids)
 
-    add_common_routes(app, cfg.model_name, time.time(), render)
+    async def _stream(self, request: Request, path: str, parts: list[Part], deadline: float,
+                      slot: contextlib.ExitStack) -> StreamingResponse:
+        """Open every part's stream (an error before the first byte is a real HTTP error), then relay."""
+        opened = await asyncio.gather(*(self.run_part(request, path, p.body, True, deadline) for p in parts),
+                                      return_exceptions=True)
+        bad = next((o for o in opened if isinstance(o, BaseException)), None)
+        if bad is not None:
+            await asyncio.gather(*(o.aclose() for o in opened if not isinstance(o, BaseException)))
+            raise bad
+        events = opened[0] if len(parts) == 1 else merge_streams(list(opened), parts)
+        if len(parts) == 1 and parts[0].echo is not None:
+            events = merge_streams([events], parts)
+        body = sse_body(events, slot)
+        first = await body.__anext__()  # started: its `finally` now runs however the response ends
 
-    async def until_gone(request: Request, coro):
-        """Await `coro` unless the client goes away first (then cancel it: its connection closes)."""
-        task = asyncio.ensure_future(coro)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    raise ApiError(499, "the client went away", "cancelled", "client_closed")
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        async def relay():
+            yield first
+            async for piece in body:
+                yield piece
 
-    async def context_hop(request: Request, path: str, body: dict, deadline: float) -> tuple[dict, WorkerRef]:
+        return StreamingResponse(relay(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def run_part(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
+        """One choice: capacity check, context hop, generation hop; a failed KV pull runs it again from
+        another context worker. Returns the answer (dict) or, streaming, an iterator of event objects."""
+        avoid: set[str] = set()
+        for attempt in range(MAX_HANDOVERS):
+            gen_w = self._pick_generation(body)
+            ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid)
+            gen_body = {**body, "disaggregated_params": ctx_data["disaggregated_params"]}
+            try:
+                return await self._generation_hop(request, path, gen_body, stream, deadline, gen_w,
+                                                  decoration(ctx_data, ctx_w))
+            except ApiError as e:
+                await self._release(ctx_w, ctx_data)
+                last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
+                if e.code not in RERUN_CODES or last:
+                    raise
+                log.warning("router: %s after the prefill on %s (%s); running the choice again", e.code,
+                            ctx_w.name, e.message)
+                avoid.add(ctx_w.name)
+                self.metrics.retries.inc()
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _pick_generation(self, body: dict) -> WorkerRef:
+        """A healthy generation worker whose pool can hold what is known of the request before the prefill
+        (max_tokens, and a token-id prompt's length); 503 when none is healthy, 400 when it cannot fit."""
+        w = self.gen.pick(key=routing_key(body), healthy_only=True)
+        if w is None:
+            raise ApiError(503, f"no generation worker is healthy ({self.gen.describe()}); nothing was "
+                                f"prefilled", "server_error", "no_generation_worker", retry_after=2)
+        mt = body.get("max_completion_tokens", body.get("max_tokens")) or self.cfg.default_max_tokens
+        prompt = body.get("prompt")
+        need = mt + (len(prompt) if isinstance(prompt, list) else 1)
+        if w.capacity_tokens is not None and need > w.capacity_tokens:
+            raise ApiError(400, f"max_tokens: the request needs at least {need} tokens of KV; generation "
+                                f"worker {w.name} holds {w.capacity_tokens}", code="context_length_exceeded",
+                           param="max_tokens")
+        return w
+
+    # --- hops -----------------------------------------------------------------------------------------
+    async def _context_hop(self, request: Request, path: str, body: dict, deadline: float,
+                           avoid: set[str]) -> tuple[dict, WorkerRef]:
+        """Prefill on a context worker (one not in `avoid` if any is left); retried on another on failure."""
         tried: set[str] = set()
         errors: list[str] = []
         while True:
-            w = ctx.pick(tried, routing_key(body))
+            key = routing_key(body)
+            w = self.ctx.pick(tried | avoid, key) or self.ctx.pick(tried, key)
             left = deadline - time.monotonic()
             if w is None or left <= 0:
-                why = "; ".join(errors) or f"context workers: {ctx.describe()}"
-                if left <= 0:
-                    raise ApiError(504, f"no context worker answered before the deadline ({why})",
-                                   "timeout_error", "timeout")
-                raise ApiError(502 if errors else 503, f"no context worker could prefill the prompt: {why}",
-                               "server_error", "context_failed")
+                raise _no_context(errors, self.ctx.describe(), left <= 0)
             if tried:
-                metrics.retries.inc()
+                self.metrics.retries.inc()
             tried.add(w.name)
-            hop = min(left, rc.context_timeout_s)
-            t0 = time.monotonic()
-            w.in_flight += 1
-            metrics.in_flight.labels(w.name).inc()
             try:
-                r = await until_gone(request, client.post(
-                    w.url + path, json={**body, "disaggregated_params": {"request_type": "context_only"}},
-                    headers={DEADLINE_HEADER: f"{hop:.3f}"}, timeout=tmo(hop)))
-            except httpx.TimeoutException:
-                errors.append(f"{w.name}: no answer within {hop:.1f}s")
+                r = await self._post_context(request, w, path, body, min(left, self.rc.context_timeout_s))
+            except _HopFailed as e:
+                errors.append(str(e))
                 continue
-            except httpx.TransportError as e:
-                w.mark(False, type(e).__name__)
-                errors.append(f"{w.name}: {type(e).__name__} {e}".rstrip())
-                continue
-            finally:
-                w.in_flight -= 1
-                metrics.in_flight.labels(w.name).dec()
-            metrics.hop.labels("context").observe(time.monotonic() - t0)
-            data = _json_or_none(r.content)
+            data = json_or_none(r.content)
             handed_over = isinstance(data, dict) and isinstance(data.get("disaggregated_params"), dict)
             if r.status_code == 200 and handed_over:
                 return data, w
-            if 400 <= r.status_code < 500:
+            if 400 <= r.status_code < 500 and r.status_code != 429:
                 raise ApiError.from_body(r.status_code, data, f"context worker {w.name}: ")
             if r.status_code == 503:
                 w.mark(False, "503")
             errors.append(f"{w.name}: {ApiError.from_body(r.status_code, data).message}")
 
-    def decorate(obj: dict, ctx_data: dict, ctx_w: WorkerRef) -> dict:
-        kb = obj.setdefault("kvbridge", {})
-        if isinstance(kb, dict):
-            kb["context_worker"] = ctx_w.name
-            kb["prefill_ms"] = (ctx_data.get("kvbridge") or {}).get("prefill_ms")
-        return obj
+    async def _post_context(self, request: Request, w: WorkerRef, path: str, body: dict,
+                            hop: float) -> httpx.Response:
+        """One context request; a connection the worker closed under us is retried once, fresh."""
+        payload = {**body, "disaggregated_params": {"request_type": "context_only"}}
+        t0 = time.monotonic()
+        for fresh in (False, True):
+            try:
+                with in_flight(w, self.metrics.in_flight.labels(w.name)):
+                    r = await until_gone(request, self.client.post(
+                        w.url + path, json=payload, headers={DEADLINE_HEADER: f"{hop:.3f}"},
+                        timeout=self._tmo(hop)))
+                self.metrics.hop.labels("context").observe(time.monotonic() - t0)
+                return r
+            except httpx.TimeoutException:
+                raise _HopFailed(f"{w.name}: no answer within {hop:.1f}s") from None
+            except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+                if fresh:
+                    w.mark(False, type(e).__name__)
+                    raise _HopFailed(f"{w.name}: {type(e).__name__} {e}".rstrip()) from None
+            except httpx.TransportError as e:
+                w.mark(False, type(e).__name__)
+                raise _HopFailed(f"{w.name}: {type(e).__name__} {e}".rstrip()) from None
+        raise AssertionError("unreachable")
 
-    async def generation_hop(request: Request, path: str, body: dict, stream: bool, deadline: float,
-                             ctx_data: dict, ctx_w: WorkerRef):
-        w = gen.pick(key=routing_key(body))
-        if w is None:
-            raise ApiError(503, "no generation worker is configured", "server_error", "no_generation_worker")
+    async def _generation_hop(self, request: Request, path: str, body: dict, stream: bool, deadline: float,
+                              w: WorkerRef, deco: dict):
         left = deadline - time.monotonic()
         if left <= 0:
             raise ApiError(504, "the deadline passed before the generation hop", "timeout_error", "timeout")
-        hreq = client.build_request("POST", w.url + path, json=body, headers={DEADLINE_HEADER: f"{left:.3f}"},
-                                    timeout=tmo(left))
-        t0 = time.monotonic()
-        w.in_flight += 1
-        metrics.in_flight.labels(w.name).inc()
-        resp = None
-        try:
-            try:
-                resp = await until_gone(request, client.send(hreq, stream=True))
-                if resp.status_code != 200 or not stream:
-                    raw = await until_gone(request, resp.aread())
-            except httpx.TimeoutException:
-                raise ApiError(504, f"generation worker {w.name} did not answer within {left:.1f}s",
-                               "timeout_error", "timeout") from None
-            except httpx.TransportError as e:
-                w.mark(False, type(e).__name__)
-                raise ApiError(502, f"generation worker {w.name} failed: {type(e).__name__} {e}".rstrip(),
-                               "server_error", "generation_failed") from None
+        stack = contextlib.AsyncExitStack()
+        async with stack:
+            stack.enter_context(in_flight(w, self.metrics.in_flight.labels(w.name)))
+            t0 = time.monotonic()
+            resp = await self._send(request, w, path, body, left)
+            stack.push_async_callback(resp.aclose)
+            if resp.status_code != 200 or not stream:
+                raw = await read_body(request, resp, w, left)
             if resp.status_code != 200:
-                raise ApiError.from_body(resp.status_code, _json_or_none(raw),
+                raise ApiError.from_body(resp.status_code, json_or_none(raw),
                                          f"generation worker {w.name}: ")
-            if not stream:
-                data = _json_or_none(raw)
-                if not isinstance(data, dict) or "choices" not in data:
-                    raise ApiError.from_body(502, data, f"generation worker {w.name}: ")
-                metrics.hop.labels("generation").observe(time.monotonic() - t0)
-                return JSONResponse(decorate(data, ctx_data, ctx_w))
-        except BaseException:
-            w.in_flight -= 1
-            metrics.in_flight.labels(w.name).dec()
-            if resp is not None:
-                await resp.aclose()
-            raise
-        if not stream:
-            w.in_flight -= 1
-            metrics.in_flight.labels(w.name).dec()
-            await resp.aclose()
+            if stream:
+                return Relay(events(resp, w, deadline, deco, self.rc.request_timeout_s), stack.pop_all())
+            data = json_or_none(raw)
+            if not isinstance(data, dict) or not isinstance(data.get("choices"), list) or not data["choices"]:
+                raise ApiError.from_body(502, data, f"generation worker {w.name}: ")
+            self.metrics.hop.labels("generation").observe(time.monotonic() - t0)
+            return decorate(data, deco)
 
-        async def relay():
-            finished, lines = False, resp.aiter_lines()
-            try:
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise asyncio.TimeoutError
-                    try:
-                        line = await asyncio.wait_for(lines.__anext__(), left)
-                    except StopAsyncIteration:
-                        break
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        finished = True
-                        yield SSE_DONE
-                        continue
-                    obj = _json_or_none(data)
-                    if not isinstance(obj, dict):
-                        yield sse(ApiError(502, f"generation worker {w.name} sent a bad event: "
-                                                f"{data[:200]!r}", "server_error",
-                                           "bad_worker_response").body())
-                        return
-                    if "error" in obj:
-                        yield sse(ApiError.from_body(500, obj, f"generation worker {w.name}: ").body())
-                        return
-                    if obj.get("choices") and obj["choices"][0].get("finish_reason"):
-                        obj = decorate(obj, ctx_data, ctx_w)
-                    yield sse(obj)
-                if not finished:
-                    yield sse(ApiError(502, f"generation worker {w.name} closed the stream before it "
-                                            f"finished (the worker failed or was stopped)", "server_error",
-                                       "generation_failed").body())
-            except asyncio.TimeoutError:
-                yield sse(ApiError(504, f"the request did not finish within {rc.request_timeout_s:g}s",
-                                   "timeout_error", "timeout").body())
-            except httpx.HTTPError as e:
-                w.mark(False, type(e).__name__)
-                why = f"{type(e).__name__} {e}".rstrip()
-                yield sse(ApiError(502, f"generation worker {w.name} failed mid-stream: {why}",
-                                   "server_error", "generation_failed").body())
-            finally:
-                metrics.hop.labels("generation").observe(time.monotonic() - t0)
-                w.in_flight -= 1
-                metrics.in_flight.labels(w.name).dec()
-                await resp.aclose()
-
-        return StreamingResponse(relay(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
-    async def handle(request: Request, path: str, endpoint: str):
-        deadline = time.monotonic() + rc.request_timeout_s
-        status = 200
+    async def _send(self, request: Request, w: WorkerRef, path: str, body: dict,
+                    left: float) -> httpx.Response:
+        hreq = self.client.build_request("POST", w.url + path, json=body, timeout=self._tmo(left),
+                                         headers={DEADLINE_HEADER: f"{left:.3f}"})
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict):
-                raise ApiError(400, "the request body must be a JSON object")
-            if body.get("model") not in (None, cfg.model_name, cfg.model):
-                raise ApiError(404, f"model {body['model']!r} is not served here; this deployment serves "
-                                    f"{cfg.model_name!r}", code="model_not_found", param="model")
-            if "disaggregated_params" in body:
-                raise ApiError(400, "disaggregated_params is set by the router, not by clients",
-                               param="disaggregated_params")
-            stream = body.get("stream", False) is True
-            ctx_data, ctx_w = await context_hop(request, path, body, deadline)
-            gen_body = {**body, "disaggregated_params": ctx_data["disaggregated_params"]}
-            return await generation_hop(request, path, gen_body, stream, deadline, ctx_data, ctx_w)
-        except ApiError as e:
-            status = e.status
-            raise
-        finally:
-            metrics.requests.labels(endpoint, str(status)).inc()
+            return await until_gone(request, self.client.send(hreq, stream=True))
+        except httpx.TimeoutException:
+            raise ApiError(504, f"generation worker {w.name} did not answer within {left:.1f}s",
+                           "timeout_error", "timeout") from None
+        except httpx.TransportError as e:
+            w.mark(False, type(e).__name__)
+            code = "generation_unreachable" if isinstance(e, httpx.ConnectError) else "generation_failed"
+            raise ApiError(502, f"generation worker {w.name} failed: {type(e).__name__} {e}".rstrip(),
+                           "server_error", code) from None
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, "/v1/completions", "completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await handle(request, "/v1/chat/completions", "chat")
-
-    app.state.pools = (ctx, gen)
-    return app
+    async def _release(self, w: WorkerRef, ctx_data: dict) -> None:
+        """Tell the context worker to drop a prefilled request's KV now (best effort, bounded)."""
+        try:
+            await self.client.post(w.url + "/internal/release", timeout=self._tmo(2.0),
+                                   json={"disaggregated_params": ctx_data["disaggregated_params"]})
+        except httpx.HTTPError as e:
+            log.warning("router: could not release a prefilled request on %s: %s", w.name, type(e).__name__)
 
 
-def _json_or_none(raw: bytes | str) -> Any:
+async def _all(coros) -> list:
+    """Every result in order; the first failure cancels the rest (nothing keeps running for nobody)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        return json.loads(raw)
-    except ValueError:
-        return None
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _HopFailed(Exception):
+    """A context hop that failed before an answer (the next context worker is tried)."""
+
+
+def _no_context(errors: list[str], described: str, late: bool) -> ApiError:
+    why = "; ".join(errors) or f"context workers: {described}"
+    if late:
+        return ApiError(504, f"no context worker answered before the deadline ({why})", "timeout_error",
+                        "timeout")
+    return ApiError(502 if errors else 503, f"no context worker could prefill the prompt: {why}",
+                    "server_error", "context_failed", retry_after=None if errors else 2)
+
+
+async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+
+async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
+    log.exception("router: a request failed unexpectedly")
+    err = ApiError(500, f"the router failed this request: {type(e).__name__}: {e}"[:500], "server_error",
+                   "internal_error")
+    return JSONResponse(err.body(), status_code=500)
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,12 @@ Routes:
         none                                aggregated on this worker's executor (either role)
     GET /health (503 once the executor failed), /metrics (Prometheus, every rank process merged),
         /v1/models, /debug/free_blocks (free blocks per rank, pinned context requests)
+    POST /internal/release {"disaggregated_params": <what this context worker answered>}   (router only)
+        drop a prefilled request's KV now (the generation side refused it); readers in flight finish first
+
+Requests are admitted under the process's bound (max_inflight_requests, max_inflight_body_bytes: beyond it
+503 + Retry-After). Anything a request triggers here fails that request alone, as a JSON error.
+
 Every route needs the deployment's internal token (auth.InternalAuth: 401 before any work); /health answers
 without it too, but then only {"status": ...} (no name, instance, endpoint, pid or load).
 
@@ -35,11 +41,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import KvBridgeError
 from ..executor.sampling import SamplingParams
-from ..executor.transceiver_hook import disagg_params
+from ..executor.transceiver_hook import context_request_of, disagg_params
 from ..transceiver import DisaggParams
 from .auth import InternalAuth, authenticated, internal_token
 from .backend import Backend
 from .config import ServeConfig, ServerSpec
+from .inflight import Admission
 from .metrics import WorkerMetrics, render
 from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, add_common_routes, chunk,
                        logprobs_object, new_id, parse_request, read_json, response, sse, usage_chunk)
@@ -72,6 +79,7 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
     """
     cfg, spec, be = st.cfg, st.spec, st.backend
     metrics = WorkerMetrics(spec.role)
+    admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -86,7 +94,11 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(_internal(spec.name, e).body(), status_code=500)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -96,6 +108,7 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
         body = {"status": "failed" if err else "ok", "name": spec.name, "role": spec.role,
                 "model": cfg.model_name, "instance": st.instance, "tp": spec.tp, "pp": spec.pp,
                 "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid(),
+                "capacity_tokens": be.ex.cfg.num_blocks * be.ex.cfg.tokens_per_block,
                 "device": be.ex.cfg.device, "layout": be.ex.layout.to_wire()}
         if err:
             body["error"] = err.splitlines()[0]
@@ -109,20 +122,29 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
         return {"free_blocks": free, "num_blocks": be.ex.cfg.num_blocks, "pinned_context_requests":
                 be.collect_released() if spec.role == "context" else 0}
 
+    @app.post("/internal/release")
+    async def release(request: Request) -> JSONResponse:
+        body = await read_json(request)
+        d = body.get("disaggregated_params") if isinstance(body, dict) else None
+        return JSONResponse({"released": _release(st, d)})
+
     async def handle(request: Request, kind: str):
         t0 = time.monotonic()
         outcome, phase, streaming = "ok", "generate", False
+        slot = contextlib.ExitStack()
+        ticket = slot.enter_context(admission.request())
         be.in_flight += 1
         metrics.in_flight.inc()
 
         def end(result: str) -> None:  # once per request; a stream ends when its generator does
             be.in_flight -= 1
             metrics.in_flight.dec()
+            slot.close()
             dt = time.monotonic() - t0
             metrics.done(kind, result, dt, phase, dt)
 
         try:
-            req = parse_request(await read_json(request), kind, cfg.default_max_tokens)
+            req = parse_request(await read_json(request, ticket), kind, cfg.default_max_tokens)
             if req.model and req.model not in (cfg.model_name, cfg.model):
                 raise ApiError(404, f"model {req.model!r} is not served here; this server has "
                                     f"{cfg.model_name!r}", code="model_not_found", param="model")
@@ -136,6 +158,9 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
         except ApiError as e:
             outcome = e.code or e.type
             raise
+        except Exception as e:  # noqa: BLE001 - fails this request alone (JSON), never the worker
+            outcome = "internal_error"
+            raise _internal(spec.name, e) from None
         finally:
             if not streaming:
                 end(outcome)
@@ -149,6 +174,31 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
         return await handle(request, "chat")
 
     return app
+
+
+def _internal(name: str, e: BaseException) -> ApiError:
+    log.exception("%s: a request failed unexpectedly", name, exc_info=e)
+    return ApiError(500, f"{name} failed this request: {type(e).__name__}: {e}"[:500], "server_error",
+                    "internal_error")
+
+
+def _release(st: WorkerState, d: Any) -> bool:
+    """Drop the KV of a request this context worker prefilled and still pins (named by the disaggregated
+    params it answered); False when there is nothing of ours to drop. Validated: this is network input."""
+    from .protocol import parse_disagg
+
+    req = parse_disagg(d)
+    if req is None or req.request_type != "generation_only" or st.spec.role != "context":
+        raise ApiError(400, "disaggregated_params: expected the generation_only object a context worker "
+                            "answered", param="disaggregated_params")
+    try:
+        params = DisaggParams.from_dict(req.ctx_params)
+    except KvBridgeError as e:
+        raise ApiError(400, f"disaggregated_params.ctx_params: {e}", param="disaggregated_params") from None
+    if params.ctx_instance != st.instance:
+        return False
+    rid = context_request_of(st.backend.ex, params, st.backend.pinned_ids())
+    return rid is not None and st.backend.drop_context(rid)
 
 
 # --- the two halves -------------------------------------------------------------------------------------

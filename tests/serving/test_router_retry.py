@@ -1,0 +1,71 @@
+"""Retry after handover: two context workers (separate processes) and one generation worker behind the
+router; kill -9 of one context worker (its whole process group) with requests in flight costs no request:
+those caught mid-prefill are retried on the other context worker, those caught mid-transfer are run again
+from it (the generation worker's failed KV pull comes back as kv_transfer_failed), all with exact tokens."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from .cluster import MODEL, PROMPTS, launch, wait_pool_full
+from .conftest import MAX_TOKENS
+
+BLOCKS = 128
+CFG = {
+    "model": MODEL,
+    "executor": {"num_blocks": BLOCKS, "tokens_per_block": 8, "threads_per_rank": 1, "timeout_s": 120},
+    "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, "transfer_timeout_s": 30, "peer_timeout_s": 5,
+                    "lease_s": 30, "heartbeat_s": 0.5},
+    "router": {"port": 0, "policy": "round_robin", "request_timeout_s": 120, "health_interval_s": 0.5},
+    "context_servers": {"instances": 2, "tp": 1},
+    "generation_servers": {"tp": 1},
+}
+REQUESTS = 48
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = launch(CFG, str(tmp_path))
+    yield c
+    c.stop()
+
+
+def test_kill_9_of_a_context_worker_with_requests_in_flight_loses_none(cluster, want):
+    url = cluster.router_url + "/v1/completions"
+    answered = threading.Semaphore(0)
+
+    def one(i: int):
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS, "temperature": 0}
+        try:
+            return httpx.post(url, json=body, timeout=180)
+        finally:
+            answered.release()
+
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        futures = [pool.submit(one, i) for i in range(REQUESTS)]
+        assert answered.acquire(timeout=120)  # the first answer: the rest are in flight now
+        ctx0 = next(c for c in cluster.children if c.name == "ctx0")
+        os.killpg(ctx0.proc.pid, signal.SIGKILL)
+        done_before_kill = sum(f.done() for f in futures)
+        results = [f.result() for f in futures]
+    assert done_before_kill < REQUESTS
+    bad = [(r.status_code, r.text[:300]) for r in results if r.status_code != 200]
+    assert not bad, bad
+    for i, r in enumerate(results):
+        assert r.json()["kvbridge"]["token_ids"] == want["prompts"][i % len(PROMPTS)]
+    after = [r.json()["kvbridge"]["context_worker"] for r in results[done_before_kill + 4:]]
+    assert set(after) <= {"ctx0", "ctx1"} and "ctx1" in after
+    assert wait_pool_full(cluster.cfg.context[1].url, BLOCKS, 1) == [BLOCKS]
+    assert wait_pool_full(cluster.cfg.generation[0].url, BLOCKS, 1) == [BLOCKS]
+    r = httpx.post(url, json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["kvbridge"]["context_worker"] == "ctx1"
+    metrics = httpx.get(cluster.router_url + "/metrics", timeout=10).text
+    retries = re.findall(r"^kvbridge_router_retries_total (\S+)", metrics, re.M)
+    print(f"killed ctx0 with {REQUESTS - done_before_kill} of {REQUESTS} in flight; router retries: {retries}")
