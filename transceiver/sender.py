@@ -357,8 +357,8 @@ class Sender(IOThread, SenderWork):
         e.fetched[s.gen_rank] = ident
         e.deadline = time.monotonic() + self.config.lease_s
         local = self.layout.local_layers(self.pool.rank)
-        staged = msg.staged and not msg.from_token  # a partial read goes direct (a packed piece is whole)
-        if staged and self.pool.arena is not None and e.layers_ready >= local and self._stage(ident, e, s):
+        if msg.staged and self.pool.arena is not None and e.layers_ready >= local and \
+                self._stage(ident, e, s, msg.from_token):
             return  # Blocks goes out once the pack is done (_packed)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
 

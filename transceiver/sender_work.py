@@ -24,18 +24,20 @@ __all__ = ["SenderWork"]
 
 
 class SenderWork:
-    def _stage(self, ident: bytes, e: _Entry, s: _Session) -> bool:
-        """Start packing the reader's piece into an arena slot; False (go direct) when the arena is full."""
+    def _stage(self, ident: bytes, e: _Entry, s: _Session, from_token: int = 0) -> bool:
+        """Start packing the reader's piece (tokens [from_token, n)) into an arena slot; False (go direct)
+        when the arena is full."""
         from ..formatter.staging import staging_nbytes
         from .staging import pack
 
         (piece,) = [p for p in mapping_for(self.layout, s.layout).pieces(s.gen_rank) if p.ctx_rank == self.pool.rank]
-        addr = self.pool.arena.alloc(staging_nbytes(self.layout, piece, e.num_tokens))
+        addr = self.pool.arena.alloc(staging_nbytes(self.layout, piece, e.num_tokens, from_token))
         if addr is None:
             return False
         e.slots[s.gen_rank] = addr
         e.packing.add(s.gen_rank)
-        fut = self._worker.submit(pack, piece, self.pool.rank_pool, e.blocks, e.num_tokens, self.pool.arena, addr)
+        fut = self._worker.submit(pack, piece, self.pool.rank_pool, e.blocks, e.num_tokens, self.pool.arena, addr,
+                                  from_token)
         self._jobs.append((fut, lambda f: self._packed(f, ident, e, s.gen_rank, addr)))
         return True
 
