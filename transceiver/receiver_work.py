@@ -22,7 +22,8 @@ class ReceiverWork:
     def _digests(self, pull: Pull, leg: Leg) -> list[bytes]:
         from ..formatter.digest import piece_digests  # torch + xxhash, only in verification mode
 
-        return piece_digests(self.pool.buffers, self.pool.rank_pool, leg.piece, pull.blocks, pull.num_tokens)
+        return piece_digests(self.pool.buffers, self.pool.rank_pool, leg.piece, pull.blocks, pull.num_tokens,
+                             pull.from_token)
 
     def _finish_pull(self, pull: Pull) -> dict[int, list[bytes]]:
         """Worker thread: unpack every staged leg into the request's blocks, then hash (verification mode)."""

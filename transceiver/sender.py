@@ -69,6 +69,7 @@ class _Entry:
     published_at: float = field(default_factory=time.monotonic)
     slots: dict[int, int] = field(default_factory=dict)  # gen rank -> staging slot address (staged path)
     packing: set[int] = field(default_factory=set)  # gen ranks whose slot is being packed right now
+    read_from: dict[int, int] = field(default_factory=dict)  # gen rank -> first token it reads (prefix reuse)
 
     @property
     def active_readers(self) -> int:
@@ -355,6 +356,7 @@ class Sender(IOThread, SenderWork):
                         f"{msg.from_token}: outside its {e.num_tokens} tokens", e.rid, "fetch")
             return
         e.fetched[s.gen_rank] = ident
+        e.read_from[s.gen_rank] = msg.from_token
         e.deadline = time.monotonic() + self.config.lease_s
         local = self.layout.local_layers(self.pool.rank)
         if msg.staged and self.pool.arena is not None and e.layers_ready >= local and \

@@ -66,7 +66,8 @@ class SenderWork:
 
     def _check_digests(self, e: _Entry, s: _Session, digests: list) -> tuple[bool, str]:
         """Verification mode: hash this rank's copy of what the reader read and compare with its digests."""
-        mine, layers = context_digests(self.pool, s.layout, s.gen_rank, e.blocks, e.num_tokens)
+        mine, layers = context_digests(self.pool, s.layout, s.gen_rank, e.blocks, e.num_tokens,
+                                       e.read_from.get(s.gen_rank, 0))
         if len(digests) != len(mine) or not all(isinstance(d, bytes) for d in digests):
             return False, f"integrity: {len(digests)} digests sent, {len(mine)} expected"
         bad = [layers[i] for i, (a, b) in enumerate(zip(mine, digests)) if a != b]

@@ -89,6 +89,7 @@ P1 = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
 
 
 STAGED = {**XCFG, "staging_arena_bytes": 4 << 20, "staging_min_fragments": 8}
+VERIFY = {**XCFG, "verify": True}  # digests of exactly the range read, compared on the context side
 
 
 def _exec(tmp_path, role, tag, xcfg, **kw) -> Executor:
@@ -108,7 +109,7 @@ def _disagg(ctx, gen, endpoints, prompt):
     return res, c
 
 
-@pytest.mark.parametrize("xcfg", [XCFG, STAGED], ids=["direct", "staged"])
+@pytest.mark.parametrize("xcfg", [XCFG, STAGED, VERIFY], ids=["direct", "staged", "verify"])
 def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens(tmp_path, xcfg):
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=48, tokens_per_block=8)) as agg:
         want1 = agg.generate([P1], max_tokens=10)[0]
