@@ -17,6 +17,8 @@ The API (see engine.py for when each call is allowed):
     rid = ex.submit(prompt, stream=True); ex.wait_tokens(rid, have, timeout) -> (tokens, Completion | None)
     ex.wait_stream(rid, have, timeout) -> (tokens, logprobs, Completion | None)   (SamplingParams.logprobs)
     ex.take_released() -> context requests released since the last call (by the hook; not mixed with release)
+    ExecutorConfig(enable_block_reuse=True): prompts' cached prefixes are not computed (or pulled) again;
+        Completion / ContextResult.reused_tokens say how many; free_blocks counts evictable cached blocks.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def as_bytes(buffer) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def piece_digests(buffers: list, pool: RankPool, piece: Piece, blocks, num_tokens: int) -> list[bytes]:
+def piece_digests(buffers: list, pool: RankPool, piece: Piece, blocks, num_tokens: int,
+                  first_token: int = 0) -> list[bytes]:
     """xxh3-64 digest per layer of `piece` of a request held in `pool` (its `buffers`, in region order).
 
     Args:
@@ -34,6 +35,7 @@ def piece_digests(buffers: list, pool: RankPool, piece: Piece, blocks, num_token
         pool: the rank's RankPool (layout, rank, addressing).
         piece: global layer and head ranges to hash.
         blocks: the request's block ids in this pool; num_tokens: its token count.
+        first_token: hash only tokens [first_token, num_tokens) (what a partial pull read).
     """
     lay, a = pool.layout, pool.addressing
     tp_rank, pp_rank = lay.coords(pool.rank)
@@ -53,6 +55,6 @@ def piece_digests(buffers: list, pool: RankPool, piece: Piece, blocks, num_token
                                 base - bases[r] + h0 * a.head_stride)
         sel = view.index_select(0, idx.to(view.device))  # [nblk, K, H, T, row]
         canon = sel.permute(1, 2, 0, 3, 4).reshape(lay.shape.kv_factor, nh, nblk * tpb, a.row_bytes)
-        canon = canon[:, :, :num_tokens].contiguous().cpu().numpy()
+        canon = canon[:, :, int(first_token):num_tokens].contiguous().cpu().numpy()
         out.append(xxhash.xxh3_64_digest(canon.tobytes()))
     return out

@@ -13,6 +13,9 @@ prefix of the buffer (layer-by-layer pipelining reads a growing prefix).
 
 A staging buffer is described to the planner as a RankPool of ONE block of n tokens whose extent is the
 piece, so packing and unpacking are ordinary plans (`plan_piece`) — same vectorised code, same checks.
+A token range (prefix reuse: `first_token` > 0) stages only tokens [first_token, n): the buffer holds n -
+first_token tokens per (layer, kv, head) row and its pool's base is shifted back by first_token rows, so the
+planner's absolute token positions land inside it.
 
 Owns only address arithmetic and the path choice; never allocates, registers or copies memory.
 """
@@ -42,7 +45,7 @@ DEFAULT_THRESHOLD_BYTES = 32 << 10
 MIN_STAGED_FRAGMENTS = 64
 
 
-def _check_piece(layout: KVLayout, piece: Piece, num_tokens: int) -> None:
+def _check_piece(layout: KVLayout, piece: Piece, num_tokens: int, first_token: int = 0) -> None:
     s = layout.shape
     heads = 1 if s.mla else s.num_kv_heads
     if not piece.layers or piece.layers.start < 0 or piece.layers.stop > s.num_layers:
@@ -51,17 +54,20 @@ def _check_piece(layout: KVLayout, piece: Piece, num_tokens: int) -> None:
         raise PlanError(f"{piece!r}: kv heads outside the model's 0..{heads - 1}")
     if int(num_tokens) <= 0:
         raise PlanError(f"a request needs at least one token, got {num_tokens}")
+    if not 0 <= int(first_token) < int(num_tokens):
+        raise PlanError(f"first token {first_token} to stage is outside the request's {num_tokens} tokens")
 
 
-def staging_nbytes(layout: KVLayout, piece: Piece, num_tokens: int) -> int:
-    """Bytes of the staging buffer of `piece` of a request of `num_tokens` tokens."""
-    _check_piece(layout, piece, num_tokens)
+def staging_nbytes(layout: KVLayout, piece: Piece, num_tokens: int, first_token: int = 0) -> int:
+    """Bytes of the staging buffer of `piece` of a request's tokens [first_token, num_tokens)."""
+    _check_piece(layout, piece, num_tokens, first_token)
     s = layout.shape
-    return len(piece.layers) * s.kv_factor * len(piece.heads) * int(num_tokens) * s.head_dim * s.itemsize
+    n = int(num_tokens) - int(first_token)
+    return len(piece.layers) * s.kv_factor * len(piece.heads) * n * s.head_dim * s.itemsize
 
 
 def staging_pool(layout: KVLayout, piece: Piece, base: int, num_tokens: int,
-                 kind: MemoryKind = MemoryKind.DRAM, device: int = 0) -> RankPool:
+                 kind: MemoryKind = MemoryKind.DRAM, device: int = 0, first_token: int = 0) -> RankPool:
     """The staging buffer at `base` as a pool of one block of `num_tokens` tokens holding exactly `piece`.
 
     Args:
@@ -70,17 +76,18 @@ def staging_pool(layout: KVLayout, piece: Piece, base: int, num_tokens: int,
         base: address of the buffer (staging_nbytes bytes).
         num_tokens: the request's token count.
         kind, device: where the buffer lives.
+        first_token: the buffer holds only tokens [first_token, num_tokens) (plan with the same first_token).
     Returns:
         A RankPool usable as either side of `plan_piece` with block ids [0].
     """
-    _check_piece(layout, piece, num_tokens)
+    _check_piece(layout, piece, num_tokens, first_token)
     s = layout.shape
-    n, row = int(num_tokens), s.head_dim * s.itemsize
+    n, row, first = int(num_tokens), s.head_dim * s.itemsize, int(first_token)
     H, L = len(piece.heads), len(piece.layers)
-    token, head = row, n * row
+    token, head = row, (n - first) * row
     kv = H * head
     layer = s.kv_factor * kv
-    layer_base = np.int64(base) + np.arange(L, dtype=np.int64) * layer
+    layer_base = np.int64(base) - first * row + np.arange(L, dtype=np.int64) * layer
     addressing = PoolAddressing(layer_base, L * layer, kv, head, token, 1, row)
     return RankPool(layout, piece.ctx_rank, addressing, kind, device, tokens_per_block=n,
                     extent=(piece.layers, piece.heads))
@@ -89,14 +96,16 @@ def staging_pool(layout: KVLayout, piece: Piece, base: int, num_tokens: int,
 _ZERO = np.zeros(1, dtype=np.int64)
 
 
-def plan_pack(piece: Piece, ctx: RankPool, staging: RankPool, ctx_blocks, num_tokens: int) -> Fragments:
+def plan_pack(piece: Piece, ctx: RankPool, staging: RankPool, ctx_blocks, num_tokens: int,
+              first_token: int = 0) -> Fragments:
     """Local copies that gather `piece` of a request from the context pool into its staging buffer."""
-    return plan_piece(piece, ctx, staging, ctx_blocks, _ZERO, num_tokens)
+    return plan_piece(piece, ctx, staging, ctx_blocks, _ZERO, num_tokens, first_token)
 
 
-def plan_unpack(piece: Piece, staging: RankPool, gen: RankPool, gen_blocks, num_tokens: int) -> Fragments:
+def plan_unpack(piece: Piece, staging: RankPool, gen: RankPool, gen_blocks, num_tokens: int,
+                first_token: int = 0) -> Fragments:
     """Local copies that scatter `piece` from its staging buffer into the generation pool's blocks."""
-    return plan_piece(piece, staging, gen, _ZERO, gen_blocks, num_tokens)
+    return plan_piece(piece, staging, gen, _ZERO, gen_blocks, num_tokens, first_token)
 
 
 def staged_read(src: RankPool, dst: RankPool) -> Fragments:

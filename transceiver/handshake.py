@@ -48,11 +48,13 @@ def accept_welcome(pool: LocalPool, w: m.Welcome, endpoint: str) -> tuple[RankPo
                     f"{list(pool.agents)}, it offers {sorted(w.agents)}; " + "; ".join(tried))
 
 
-def context_digests(pool: LocalPool, gen_layout: KVLayout, gen_rank: int, blocks, num_tokens: int
-                    ) -> tuple[list[bytes], list[int]]:
-    """Context side of verification: digests (and their global layers) of what `gen_rank` reads here."""
+def context_digests(pool: LocalPool, gen_layout: KVLayout, gen_rank: int, blocks, num_tokens: int,
+                    first_token: int = 0) -> tuple[list[bytes], list[int]]:
+    """Context side of verification: digests (and their global layers) of what `gen_rank` reads here
+    (tokens [first_token, num_tokens))."""
     from ..formatter.digest import piece_digests  # torch + xxhash, only in verification mode
 
     pieces = [p for p in mapping_for(pool.layout, gen_layout).pieces(gen_rank) if p.ctx_rank == pool.rank]
-    digests = [d for p in pieces for d in piece_digests(pool.buffers, pool.rank_pool, p, blocks, num_tokens)]
+    digests = [d for p in pieces
+               for d in piece_digests(pool.buffers, pool.rank_pool, p, blocks, num_tokens, first_token)]
     return digests, [layer for p in pieces for layer in p.layers]

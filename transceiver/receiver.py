@@ -91,7 +91,7 @@ class Receiver(IOThread, ReceiverWork):
         """Start pulling `params`' request into local `block_ids` (the first num_tokens tokens).
 
         from_token > 0 (prefix reuse): the local blocks already hold tokens [0, from_token); only the rest
-        is read (never the staged path, which moves whole pieces).
+        is read (the staged path packs only the rest too).
         """
         if not 0 <= int(from_token) < int(num_tokens):
             raise TransceiverError(f"request {request_id}: from_token {from_token} outside its {num_tokens} "

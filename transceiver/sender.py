@@ -84,6 +84,7 @@ class _Entry:
     published_at: float = field(default_factory=time.monotonic)
     slots: dict[int, int] = field(default_factory=dict)  # gen rank -> staging slot address (staged path)
     packing: set[int] = field(default_factory=set)  # gen ranks whose slot is being packed right now
+    read_from: dict[int, int] = field(default_factory=dict)  # gen rank -> first token it reads (prefix reuse)
 
     @property
     def active_readers(self) -> int:
@@ -414,10 +415,11 @@ class Sender(IOThread, SenderWork):
         e.fetched[s.gen_rank] = ident
         with self._count_lock:
             self._nfetched += 1
+        e.read_from[s.gen_rank] = msg.from_token
         e.deadline = time.monotonic() + self.config.lease_s
         local = self.layout.local_layers(self.pool.rank)
-        staged = msg.staged and not msg.from_token  # a partial read goes direct (a packed piece is whole)
-        if staged and self.pool.arena is not None and e.layers_ready >= local and self._stage(ident, e, s):
+        if msg.staged and self.pool.arena is not None and e.layers_ready >= local and \
+                self._stage(ident, e, s, msg.from_token):
             return  # Blocks goes out once the pack is done (_packed)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
 

@@ -25,18 +25,20 @@ __all__ = ["SenderWork"]
 
 
 class SenderWork:
-    def _stage(self, ident: bytes, e: _Entry, s: _Session) -> bool:
-        """Start packing the reader's piece into an arena slot; False (go direct) when the arena is full."""
+    def _stage(self, ident: bytes, e: _Entry, s: _Session, from_token: int = 0) -> bool:
+        """Start packing the reader's piece (tokens [from_token, n)) into an arena slot; False (go direct)
+        when the arena is full."""
         from ..formatter.staging import staging_nbytes
         from .staging import pack
 
         (piece,) = [p for p in mapping_for(self.layout, s.layout).pieces(s.gen_rank) if p.ctx_rank == self.pool.rank]
-        addr = self.pool.arena.alloc(staging_nbytes(self.layout, piece, e.num_tokens))
+        addr = self.pool.arena.alloc(staging_nbytes(self.layout, piece, e.num_tokens, from_token))
         if addr is None:
             return False
         e.slots[s.gen_rank] = addr
         e.packing.add(s.gen_rank)
-        fut = self._worker.submit(pack, piece, self.pool.rank_pool, e.blocks, e.num_tokens, self.pool.arena, addr)
+        fut = self._worker.submit(pack, piece, self.pool.rank_pool, e.blocks, e.num_tokens, self.pool.arena, addr,
+                                  from_token)
         self._jobs.append((fut, lambda f: self._packed(f, ident, e, s.gen_rank, addr)))
         return True
 
@@ -65,7 +67,8 @@ class SenderWork:
 
     def _check_digests(self, e: _Entry, s: _Session, digests: list) -> tuple[bool, str]:
         """Verification mode: hash this rank's copy of what the reader read and compare with its digests."""
-        mine, layers = context_digests(self.pool, s.layout, s.gen_rank, e.blocks, e.num_tokens)
+        mine, layers = context_digests(self.pool, s.layout, s.gen_rank, e.blocks, e.num_tokens,
+                                       e.read_from.get(s.gen_rank, 0))
         if len(digests) != len(mine) or not all(isinstance(d, bytes) for d in digests):
             return False, f"integrity: {len(digests)} digests sent, {len(mine)} expected"
         bad = [layers[i] for i, (a, b) in enumerate(zip(mine, digests)) if a != b]

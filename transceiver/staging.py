@@ -92,22 +92,26 @@ def _sync(kind: MemoryKind, device: int) -> None:
         torch.cuda.synchronize(device)
 
 
-def pack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: StagingArena, addr: int) -> int:
-    """Gather `piece` of a request from `pool` into the slot at `addr`; returns the slot's bytes (done on return)."""
-    nbytes = staging_nbytes(pool.layout, piece, num_tokens)
-    stg = staging_pool(pool.layout, piece, addr, num_tokens, arena.kind, arena.device)
-    f = plan_pack(piece, pool, stg, blocks, num_tokens)
+def pack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: StagingArena, addr: int,
+         first_token: int = 0) -> int:
+    """Gather `piece` of a request's tokens [first_token, num_tokens) from `pool` into the slot at `addr`;
+    returns the slot's bytes (done on return)."""
+    nbytes = staging_nbytes(pool.layout, piece, num_tokens, first_token)
+    stg = staging_pool(pool.layout, piece, addr, num_tokens, arena.kind, arena.device, first_token)
+    f = plan_pack(piece, pool, stg, blocks, num_tokens, first_token)
     order = np.argsort(f.dst, kind="stable")  # staging-side order tiles the slot contiguously
     gather(arena.kind, arena.device, f.src[order], f.length[order], span_view(arena.kind, arena.device, addr, nbytes))
     _sync(arena.kind, arena.device)
     return nbytes
 
 
-def unpack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: StagingArena, addr: int) -> None:
-    """Scatter `piece` from the slot at `addr` into the request's blocks of `pool` (done on return)."""
-    nbytes = staging_nbytes(pool.layout, piece, num_tokens)
-    stg = staging_pool(pool.layout, piece, addr, num_tokens, arena.kind, arena.device)
-    f = plan_unpack(piece, stg, pool, blocks, num_tokens)
+def unpack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: StagingArena, addr: int,
+           first_token: int = 0) -> None:
+    """Scatter `piece` (tokens [first_token, num_tokens)) from the slot at `addr` into the request's blocks of
+    `pool` (done on return)."""
+    nbytes = staging_nbytes(pool.layout, piece, num_tokens, first_token)
+    stg = staging_pool(pool.layout, piece, addr, num_tokens, arena.kind, arena.device, first_token)
+    f = plan_unpack(piece, stg, pool, blocks, num_tokens, first_token)
     order = np.argsort(f.src, kind="stable")
     scatter(arena.kind, arena.device, f.dst[order], f.length[order], span_view(arena.kind, arena.device, addr, nbytes))
     _sync(arena.kind, arena.device)

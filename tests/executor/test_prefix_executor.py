@@ -77,3 +77,13 @@ def test_a_prompt_that_is_only_cached_blocks_still_computes_its_last_block(plain
     c = reuse.wait(rid)
     assert c.tokens == want and c.reused_tokens == 4
     assert reuse.free_blocks() == [24, 24]
+
+
+def test_eviction_under_pressure_keeps_every_answer_exact(plain, reuse):
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(13)] for i in range(10)]  # 3 full blocks each
+    want = [plain.generate([p], max_tokens=4)[0] for p in prompts]
+    got = [reuse.generate([p], max_tokens=4)[0] for p in prompts]  # 10 x 4 blocks > 24: old ones evicted
+    again = [reuse.wait(reuse.submit(p, max_tokens=4)) for p in prompts[::-1]]
+    assert got == want and [c.tokens for c in again] == want[::-1]
+    assert any(c.reused_tokens for c in again) and not all(c.reused_tokens for c in again)
+    assert reuse.free_blocks() == [24, 24]

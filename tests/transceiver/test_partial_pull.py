@@ -15,6 +15,7 @@ from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executo
 from kvbridge.formatter.layout import KVLayout, KVShape, ParallelSplit
 from kvbridge.formatter.mapping import mapping_for
 from kvbridge.formatter.planner import RankPool, plan_piece, plan_pieces
+from kvbridge.formatter.staging import plan_pack, plan_unpack, staging_nbytes, staging_pool
 from kvbridge.transceiver import DisaggParams
 
 NB = 12
@@ -53,6 +54,26 @@ def test_a_range_plan_copies_exactly_the_tokens_from_first_on(ctx_tp, gen_tp, tc
             assert (part[~got] == 0xEE).all()
 
 
+@pytest.mark.parametrize("first", [0, 4, 9])
+def test_a_staged_range_packs_and_unpacks_exactly_the_tokens_from_first_on(first):
+    ctx = KVLayout(KVShape(3, 2, 4, "float16", 8), ParallelSplit(2, 1))
+    gen = KVLayout(KVShape(3, 2, 4, "float16", 4))
+    n = 23
+    cb, gb = np.array([5, 1, 7]), np.array([2, 9, 0, 4, 11, 3])
+    gp = RankPool.of(gen, 0, [0], NB)
+    for piece in mapping_for(ctx, gen).pieces(0):
+        cp = RankPool.of(ctx, piece.ctx_rank, [0], NB)
+        src = (np.arange(NB * ctx.block_bytes(piece.ctx_rank)) * 13 + 1).astype(np.uint8)
+        direct, staged = (np.full(NB * gen.block_bytes(0), 0xEE, np.uint8) for _ in range(2))
+        want = _apply(plan_piece(piece, cp, gp, cb, gb, n, first), src, direct)
+        slot = np.zeros(staging_nbytes(ctx, piece, n, first), np.uint8)
+        stg = staging_pool(ctx, piece, 0, n, first_token=first)
+        packed = _apply(plan_pack(piece, cp, stg, cb, n, first), src, slot)
+        assert packed.all()  # the slot is exactly the range: every byte written once
+        got = _apply(plan_unpack(piece, stg, gp, gb, n, first), slot, staged)
+        assert np.array_equal(got, want) and np.array_equal(staged, direct)
+
+
 def test_a_range_outside_the_request_is_refused():
     a = KVLayout(KVShape(2, 2, 4, "float16", 4))
     p = RankPool.of(a, 0, [0], NB)
@@ -67,10 +88,14 @@ XCFG = {"agents": ["nixl"], "transfer_timeout_s": 30}
 P1 = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
 
 
-def _exec(tmp_path, role, tag, **kw) -> Executor:
+STAGED = {**XCFG, "staging_arena_bytes": 4 << 20, "staging_min_fragments": 8}
+VERIFY = {**XCFG, "verify": True}  # digests of exactly the range read, compared on the context side
+
+
+def _exec(tmp_path, role, tag, xcfg, **kw) -> Executor:
     run_dir = tmp_path / tag
     run_dir.mkdir()
-    return Executor.start(hooked_executor_config(role, f"{tag}-instance", run_dir, XCFG, model="seeded:tiny3",
+    return Executor.start(hooked_executor_config(role, f"{tag}-instance", run_dir, xcfg, model="seeded:tiny3",
                                                  timeout_s=90, enable_block_reuse=True, num_blocks=48, **kw))
 
 
@@ -84,13 +109,14 @@ def _disagg(ctx, gen, endpoints, prompt):
     return res, c
 
 
-def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens(tmp_path):
+@pytest.mark.parametrize("xcfg", [XCFG, STAGED, VERIFY], ids=["direct", "staged", "verify"])
+def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens(tmp_path, xcfg):
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=48, tokens_per_block=8)) as agg:
         want1 = agg.generate([P1], max_tokens=10)[0]
         p2 = P1 + want1 + [21, 22]
         want2 = agg.generate([p2], max_tokens=10)[0]
-    with _exec(tmp_path, "context", "ctx", tp=2, tokens_per_block=8) as ctx, \
-            _exec(tmp_path, "generation", "gen", tp=1, tokens_per_block=4) as gen:
+    with _exec(tmp_path, "context", "ctx", xcfg, tp=2, tokens_per_block=8) as ctx, \
+            _exec(tmp_path, "generation", "gen", xcfg, tp=1, tokens_per_block=4) as gen:
         endpoints = context_endpoints(str(tmp_path / "ctx"), 2)
         per_token = gen.layout.block_bytes(0) // 4
         res1, c1 = _disagg(ctx, gen, endpoints, P1)
@@ -101,7 +127,10 @@ def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens
         assert res2.reused_tokens == 8  # the context side's cached 8-token block of P1
         # the generation side cached P1 + the 9 tokens it decoded: 22 tokens, 5 full blocks of 4
         assert c2.reused_tokens == 20
-        assert json.loads(c2.transfer)["bytes"] == per_token * (len(p2) - 20)
+        stats = json.loads(c2.transfer)
+        assert stats["bytes"] == per_token * (len(p2) - 20)
+        if xcfg is STAGED:  # one packed read per context rank
+            assert stats["fragments"] == 2 and json.loads(c1.transfer)["fragments"] == 2
         assert ctx.free_blocks(timeout=30) == [48, 48]
         assert gen.free_blocks() == [48]
 
