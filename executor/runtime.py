@@ -423,8 +423,10 @@ class Executor:
         except (EOFError, OSError):
             with self._cv:
                 if not self._closing and self._st.fatal is None:
+                    self._procs[rank].join(2.0)  # its pipe closes just before it is reaped: get the real code
                     code = self._procs[rank].exitcode
-                    self._st.fatal = f"rank {rank} exited (exit code {code}) without a report"
+                    how = f", killed by signal {-code}" if code is not None and code < 0 else ""
+                    self._st.fatal = f"rank {rank} exited (exit code {code}{how}) without a report"
                 self._cv.notify_all()
         except Exception as e:  # noqa: BLE001 - a malformed frame from a rank is fatal for the executor
             with self._cv:

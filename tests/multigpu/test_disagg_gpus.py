@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from kvbridge.executor.kv_check import check_positional
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params, hooked_executor_config
 
@@ -29,20 +30,27 @@ def _start(tmp_path, role, tag, **kw) -> Executor:
     d = tmp_path / tag
     d.mkdir()
     kw.setdefault("model", "seeded:tiny")
+    kw.setdefault("kv_digests", True)
     return Executor.start(hooked_executor_config(
         role, f"{tag}-inst", d, {"agents": ["auto"], "transfer_timeout_s": 120},
         num_blocks=kw.pop("num_blocks", 128), tokens_per_block=16, timeout_s=180, **kw))
 
 
-def _disagg(ctx: Executor, gen: Executor, run_dir, prompts, max_tokens):
+def _disagg(ctx: Executor, gen: Executor, run_dir, prompts, max_tokens, check_kv: bool = True):
+    """Every prompt prefilled on ctx and decoded on gen; each completed request's KV also checked position by
+    position against the context's (executor/kv_check.py: token equality cannot see misplaced KV)."""
     eps = context_endpoints(str(run_dir), ctx.layout.world_size)
     ids = []
     for p in prompts:
         r = ctx.prefill(p)
         params = disagg_params(ctx, r.request_id, eps).to_dict()
-        ids.append(gen.submit(p, max_tokens=max_tokens, mode="generation_only", first_token=r.first_token,
-                              ctx_info={"disagg_params": params}))
-    return [gen.wait(i, timeout=180) for i in ids]
+        ids.append((r.request_id, gen.submit(p, max_tokens=max_tokens, mode="generation_only",
+                                             first_token=r.first_token, ctx_info={"disagg_params": params})))
+    out = [gen.wait(g, timeout=180) for _, g in ids]
+    for (c_id, g_id), c in zip(ids, out):
+        if check_kv and c.finish_reason != "aborted":
+            check_positional(ctx.kv_digest(c_id), gen.kv_digest(g_id), f"context request {c_id}")
+    return out
 
 
 @pytest.mark.parametrize("ctx_kw, gen_kw, agg_kw", [
@@ -75,11 +83,12 @@ def test_an_8k_token_prompt_of_a_70b_shaped_layer_moves_fast(tmp_path):
     kw = dict(model=SEVENTY_B_LAYER, num_blocks=600)
     with Executor.start(ExecutorConfig(tokens_per_block=16, device="cuda:0", **kw)) as agg:
         want = agg.generate([prompt], max_tokens=4)[0]
+    kw["kv_digests"] = False  # timed: no hashing of 256 MiB of KV on either side before the transfer
     with _start(tmp_path, "context", "ctx", device="cuda:1", **kw) as ctx, \
             _start(tmp_path, "generation", "gen", device="cuda:0", **kw) as gen:
-        warm = _disagg(ctx, gen, tmp_path / "ctx", [prompt[:512]], 2)[0]  # opens IPC, compiles the kernel
+        warm = _disagg(ctx, gen, tmp_path / "ctx", [prompt[:512]], 2, check_kv=False)[0]  # IPC, kernel compile
         assert warm.finish_reason != "aborted", warm.error
-        (c,) = _disagg(ctx, gen, tmp_path / "ctx", [prompt], 4)
+        (c,) = _disagg(ctx, gen, tmp_path / "ctx", [prompt], 4, check_kv=False)
         assert c.tokens == want, c.error
         st = json.loads(c.transfer)
         row = {"case": "8k prompt, 70B-shaped layer (8 layers, 8 kv heads, head_dim 128, bf16), ctx TP1 GPU1 -> "
