@@ -15,6 +15,7 @@ import yaml
 
 from ..errors import KvBridgeError, ServeConfigError
 from ..serving.config import ServeConfig, ServerSpec, load_config
+from ..transceiver.upstream import ENV_SWITCHES
 from .serve_config import is_trtllm_serve_config
 
 __all__ = ["main", "describe"]
@@ -63,6 +64,9 @@ def describe(cfg: ServeConfig) -> str:
                      f"agents {','.join(agents)}")
         for r, dev in enumerate(_devices(s)):
             lines.append(f"  rank {r} (tp {r % s.tp}, pp {r // s.tp}): {dev}")
+    for name, meaning in ENV_SWITCHES.items():  # TensorRT-LLM's switches set in this environment
+        if os.environ.get(name):
+            lines.append(f"env {name}={os.environ[name]}: {meaning}")
     return "\n".join(lines)
 
 

@@ -24,9 +24,9 @@ def _example() -> dict:
         return yaml.safe_load(f)
 
 
-def _check(path: str) -> subprocess.CompletedProcess:
+def _check(path: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvbridge.cli", "serve", "--check", path], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env={**os.environ, **env})
 
 
 def test_every_field_of_the_example_maps_onto_kvbridge():
@@ -65,6 +65,13 @@ def test_serve_check_prints_the_deployment_and_exits_0():
     assert "valid (trtllm-serve disaggregated format)" in r.stdout
     assert "ctx0: context worker at http://127.0.0.1:8001, tp=2 pp=1" in r.stdout and "agents nixl" in r.stdout
     assert "  rank 1 (tp 1, pp 0): cpu" in r.stdout
+
+
+def test_serve_check_names_the_tensorrt_llm_switches_it_honours_or_refuses():
+    r = _check(EXAMPLE, TRTLLM_PARALLEL_CACHE_SEND="1")
+    assert r.returncode == 0 and "env TRTLLM_PARALLEL_CACHE_SEND=1: no effect" in r.stdout
+    r = _check(EXAMPLE, TRTLLM_USE_MPI_KVCACHE="1")
+    assert r.returncode == 2 and "TRTLLM_USE_MPI_KVCACHE=1 asks for the MPI backend" in r.stderr
 
 
 def test_serve_check_exits_2_naming_the_bad_field(tmp_path):
