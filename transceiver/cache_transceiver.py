@@ -140,7 +140,7 @@ class Agreement:
     """Completion agreed by all ranks of an executor.
 
     Each rank adds its locally finished results; `agree(all_gather)` exchanges the finished ids (all_gather
-    takes this rank's list of ids and returns every rank's list) and returns the results finished on EVERY
+    takes this rank's list of ints, [id, ok, id, ok, ...], and returns every rank's list) and returns the results finished on EVERY
     rank, with ok only if ok everywhere (the local result is returned; `failed_elsewhere` marks the rest).
     """
 
@@ -156,12 +156,13 @@ class Agreement:
     def agree(self, all_gather: Callable[[list[int]], list[list[int]]]) -> list[tuple[Any, bool]]:
         """[(local result, ok on every rank)] for ids finished on every rank."""
         mine = sorted(self._local)
-        tagged = [rid * 2 + (1 if _ok(self._local[rid]) else 0) for rid in mine]
+        # flat [id, ok, id, ok, ...]: ids are 63-bit request handles, so no arithmetic that could leave int64
+        tagged = [x for rid in mine for x in (rid, 1 if _ok(self._local[rid]) else 0)]
         lists = all_gather(tagged)
         done: dict[int, list[bool]] = {}
         for lst in lists:
-            for t in lst:
-                done.setdefault(t // 2, []).append(bool(t % 2))
+            for rid, ok in zip(lst[0::2], lst[1::2]):
+                done.setdefault(rid, []).append(bool(ok))
         out = []
         for rid in mine:
             oks = done.get(rid, [])
