@@ -9,6 +9,9 @@ Modules:
     router      `kvbridge router`: OpenAI endpoints, context hop then generation hop, retries, deadlines
     balancer    worker pools: health, round-robin and least-loaded picks
     launcher    `kvbridge serve CONFIG`: every worker and the router as process groups, health, shutdown
+    supervisor  what serve does when a child dies: restart with back-off, or stop; role_grace_s
+    auth        the internal token between a deployment's processes, the router's API keys
+    listen      a process binds its own port and announces it (--port-file)
     metrics     Prometheus metrics (workers in multiprocess mode so rank processes' metrics are merged)
 Imports the executor and transceiver; nothing below imports this package. Importing it is cheap (the CLI
 imports worker/router/launcher modules to run them; they import FastAPI and torch only in main).
