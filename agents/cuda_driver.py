@@ -48,7 +48,7 @@ def load() -> tuple[object, object]:
                 raise AgentError(f"the cuda_ipc agent needs an NVIDIA GPU and driver; {e}") from None
             if int(err) != 0:
                 raise AgentError(f"the cuda_ipc agent needs an NVIDIA GPU and driver; cuInit failed: "
-                                 f"{_name(cu, err)}")
+                                 f"{error_name(cu, err)}")
             _cu, _nvrtc = cu, nvrtc
         return _cu, _nvrtc
 
@@ -70,7 +70,7 @@ def nvrtc_module():
     return nvrtc
 
 
-def _name(cu, err) -> str:
+def error_name(cu, err) -> str:
     try:
         e2, s = cu.cuGetErrorName(err)
         return s.decode() if int(e2) == 0 else str(err)
@@ -82,7 +82,7 @@ def check(result, what: str, exc: type[AgentError] = AgentError):
     """Unpack a cuda-bindings result tuple (err, *values); raise `exc` naming `what` unless err is success."""
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        raise exc(f"{what} failed: {_name(_cu, err)}")
+        raise exc(f"{what} failed: {error_name(_cu, err)}")
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else tuple(rest)
@@ -148,7 +148,7 @@ class Device:
             (err,) = cu.cuCtxEnablePeerAccess(peer.ctx, 0)
         if int(err) not in (0, int(cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)):
             raise AgentError(f"cuCtxEnablePeerAccess({self.ordinal} -> {peer.ordinal}) failed: "
-                             f"{_name(cu, err)}")
+                             f"{error_name(cu, err)}")
         self._peers_enabled.add(peer.ordinal)
 
     def can_access_peer(self, ordinal: int) -> bool:

@@ -70,7 +70,7 @@ class CudaIpcTransfer(TransferHandle):
         else:
             self._final = XferState.FAILED
             self.error = ("cancelled" if err == 0
-                          else f"the copy kernel failed: {drv._name(drv.load()[0], err)}")
+                          else f"the copy kernel failed: {drv.error_name(drv.load()[0], err)}")
         slot, self._slot = self._slot, None
         self._engine.recycle(slot, done=True)
         return self._final

@@ -83,7 +83,10 @@ class CmaAgent(TransferAgent):
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         with self._mu:
-            pid, table = self._remote[peer]
+            entry = self._remote.get(peer)
+        if entry is None:  # disconnected by another thread since the base class checked
+            raise PeerError(f"{op} names peer {peer!r}, which was disconnected")
+        pid, table = entry
         table.check(remote, f"{op} remote side (peer {peer!r})")
         fn = _libc.process_vm_readv if op == "READ" else _libc.process_vm_writev
         fut = self._pool.submit(_move, fn, pid, local, remote)
