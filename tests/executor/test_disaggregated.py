@@ -38,7 +38,6 @@ def test_disaggregated_decoding_gives_exactly_the_aggregated_tokens(tmp_path, ct
     with _exec(tmp_path, "context", "ctx", num_blocks=64, **ctx_split) as ctx, \
             _exec(tmp_path, "generation", "gen", num_blocks=64, **gen_split) as gen:
         endpoints = context_endpoints(str(tmp_path / "ctx"), ctx.cfg.tp * ctx.cfg.pp)
-        layout = ctx.layout
         gen_ids, ctx_ids = [], []
         for prompt in PROMPTS:
             res = ctx.prefill(prompt)
