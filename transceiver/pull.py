@@ -8,6 +8,7 @@ cancelled and waited for (bounded), so no transfer can still write into blocks t
 from __future__ import annotations
 
 import time
+from enum import Enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,19 @@ from ..formatter.mapping import Piece
 from ..formatter.planner import Fragments, RankPool, plan_piece
 
 __all__ = ["ReceiveResult", "Leg", "Pull"]
+
+
+class PullState(str, Enum):
+    """Where one pull is; the receiver's `_step_*` method of each state moves it on (receiver.py)."""
+
+    HANDSHAKE = "handshake"  # sessions with every context rank, a Fetch to each, reads posted as ids arrive
+    READ = "read"            # every leg fetched: post what becomes readable, wait for the reads
+    CONFIRM = "confirm"      # reads settled (unpacked/hashed): Done sent, waiting for every DoneAck
+    DRAIN = "drain"          # failed: cancelled reads settle (or are quarantined) before the report
+    DONE = "done"            # terminal: reported once
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 @dataclass
@@ -81,7 +95,7 @@ class Pull:
     deadline: float
     legs: dict[int, Leg]
     submitted: float = field(default_factory=time.monotonic)
-    state: str = "handshake"  # handshake | read | confirm | drain | done
+    state: PullState = PullState.HANDSHAKE
     error: str = ""
     error_type: str = ""
     nbytes: int = 0
@@ -99,9 +113,9 @@ class Pull:
 
     def fail(self, error_type: str, error: str, drain_s: float) -> None:
         """Enter draining (once): cancel reads in flight, remember the first error."""
-        if self.state in ("drain", "done"):
+        if self.state in (PullState.DRAIN, PullState.DONE):
             return
-        self.state, self.error, self.error_type = "drain", error, error_type
+        self.state, self.error, self.error_type = PullState.DRAIN, error, error_type
         self.drain_deadline = time.monotonic() + drain_s
         for leg in self.legs.values():
             for h in leg.handles:
@@ -149,5 +163,5 @@ class Pull:
         if "read_done" in self.marks and "fetched" in self.marks:
             t["read"] = (self.marks["read_done"] - self.marks["fetched"]) * 1e3
             t["confirm"] = (end - self.marks["read_done"]) * 1e3
-        return ReceiveResult(self.request_id, self.state == "done" and not self.error, self.error, self.error_type,
+        return ReceiveResult(self.request_id, self.state is PullState.DONE and not self.error, self.error, self.error_type,
                              self.nbytes, self.fragments, agents, t)

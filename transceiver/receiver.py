@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -22,14 +21,14 @@ import zmq
 from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, ProtocolError, RequestCancelled,
                       RequestNotFound, TransceiverError)
 from ..formatter.mapping import MAPPING_VERSION, mapping_for
-from ..formatter.planner import RankPool
 from . import messages as m
 from . import metrics
 from .config import TransceiverConfig, local_host_id
 from .handshake import accept_welcome
 from .params import DisaggParams
 from .pool import LocalPool
-from .pull import Leg, Pull, ReceiveResult
+from .ctx_peer import CtxPeer, PeerState
+from .pull import Leg, Pull, PullState, ReceiveResult
 from .iothread import IOThread
 from .receiver_work import ReceiverWork
 from .sockets import make_dealer
@@ -43,23 +42,6 @@ _ERROR_TYPES = {
     m.ErrorCode.LAYOUT_MISMATCH.value: LayoutMismatchError, m.ErrorCode.VERSION.value: ProtocolError,
     m.ErrorCode.MALFORMED.value: ProtocolError, m.ErrorCode.CANCELLED.value: RequestCancelled,
 }
-
-
-@dataclass
-class _Peer:
-    endpoint: str
-    sock: zmq.Socket | None = None
-    state: str = "new"  # new | hello | ready | failed
-    error: tuple[str, str] = ("", "")
-    welcome: m.Welcome | None = None
-    remote: RankPool | None = None
-    agent_kind: str = ""
-    peer_name: str = ""
-    hello_at: float = 0.0
-    first_hello: float = 0.0
-    last_heard: float = 0.0
-    last_sent: float = 0.0  # idle peers get an empty heartbeat now and then, so their session stays
-    legs: set = field(default_factory=set)  # (request_id, ctx_rank) with traffic in flight
 
 
 class Receiver(IOThread, ReceiverWork):
@@ -76,7 +58,7 @@ class Receiver(IOThread, ReceiverWork):
     def __init__(self, pool: LocalPool, config: TransceiverConfig, instance: str | None = None) -> None:
         self.pool, self.config, self.layout = pool, config, pool.layout
         self.instance = instance or uuid.uuid4().hex
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, CtxPeer] = {}
         self._pulls: dict[int, Pull] = {}
         self._host = local_host_id()
         self._last_beat = 0.0
@@ -128,7 +110,7 @@ class Receiver(IOThread, ReceiverWork):
             poller.register(s, zmq.POLLIN)
         # While reads are in flight, completion is noticed by polling the handles: spin (a zero-timeout poll,
         # yielding the GIL) so a finished read is seen within microseconds; otherwise sleep in the poll.
-        busy = any(p.state == "read" or p.state == "drain" for p in self._pulls.values())
+        busy = any(p.state in (PullState.READ, PullState.DRAIN) for p in self._pulls.values())
         ready = dict(poller.poll(0 if busy else 20))
         if busy and not ready:
             time.sleep(0)
@@ -174,34 +156,34 @@ class Receiver(IOThread, ReceiverWork):
         self._finished.append(result)
 
     # --- sessions -------------------------------------------------------------------------------------
-    def _ensure_session(self, endpoint: str, now: float) -> _Peer:
+    def _ensure_session(self, endpoint: str, now: float) -> CtxPeer:
         peer = self._peers.get(endpoint)
         if peer is None:
-            peer = self._peers[endpoint] = _Peer(endpoint)
+            peer = self._peers[endpoint] = CtxPeer(endpoint)
         # (Re)send hello when new, when a failure is older than a second, or when a hello went unanswered for a
         # second (hello is idempotent on the context side).
-        if peer.state == "new" or (peer.state in ("failed", "hello") and now - peer.hello_at > 1.0):
+        if peer.state is PeerState.NEW or (peer.state in (PeerState.FAILED, PeerState.HELLO) and now - peer.hello_at > 1.0):
             if peer.sock is None:
                 ident = f"{self.instance}:{self.pool.rank}:{uuid.uuid4().hex[:6]}".encode()
                 peer.sock = make_dealer(self._zctx, self.config, endpoint, ident)
             hello = m.Hello(self.instance, self.pool.rank, self.layout.to_wire(), list(self.pool.agents), self._host,
                             MAPPING_VERSION)
             self._send(peer, hello.encode())
-            if peer.state != "hello":
+            if peer.state is not PeerState.HELLO:
                 peer.first_hello = now
-            peer.state, peer.hello_at, peer.last_heard = "hello", now, now
+            peer.state, peer.hello_at, peer.last_heard = PeerState.HELLO, now, now
         return peer
 
-    def _reset(self, peer: _Peer) -> None:
+    def _reset(self, peer: CtxPeer) -> None:
         """Drop a peer's socket and session (queued stale frames go with it); the next use re-handshakes."""
         if peer.sock is not None:
             peer.sock.close(0)
-        peer.sock, peer.state, peer.welcome, peer.remote = None, "new", None, None
+        peer.sock, peer.state, peer.welcome, peer.remote = None, PeerState.NEW, None, None
         # The agent keeps knowing the peer: reads to it may still be in flight (forgetting it would turn
         # their status into an error while data can still land); a new Welcome re-connects it.
         peer.peer_name = peer.agent_kind = ""
 
-    def _send(self, peer: _Peer, frame: bytes) -> None:
+    def _send(self, peer: CtxPeer, frame: bytes) -> None:
         if peer.sock is None:  # reset after silence or an error; its context rank's lease covers the rest
             return
         try:
@@ -209,16 +191,16 @@ class Receiver(IOThread, ReceiverWork):
         except zmq.ZMQError as e:  # queue full: the deadline covers retries
             log.debug("send to %s failed: %s", peer.endpoint, e)
 
-    def _on_welcome(self, peer: _Peer, w: m.Welcome) -> None:
+    def _on_welcome(self, peer: CtxPeer, w: m.Welcome) -> None:
         try:
             remote, kind, name = accept_welcome(self.pool, w, peer.endpoint)
         except KvBridgeError as e:
-            peer.state, peer.error = "failed", (type(e).__name__, f"context rank at {peer.endpoint}: {e}")
+            peer.state, peer.error = PeerState.FAILED, (type(e).__name__, f"context rank at {peer.endpoint}: {e}")
             return
-        peer.state, peer.welcome, peer.remote, peer.agent_kind, peer.peer_name = "ready", w, remote, kind, name
+        peer.state, peer.welcome, peer.remote, peer.agent_kind, peer.peer_name = PeerState.READY, w, remote, kind, name
 
     # --- frames from context ranks -------------------------------------------------------------------
-    def _on_frame(self, peer: _Peer, frame: bytes) -> None:
+    def _on_frame(self, peer: CtxPeer, frame: bytes) -> None:
         try:
             msg = m.decode(frame)
         except ProtocolError as e:
@@ -232,7 +214,7 @@ class Receiver(IOThread, ReceiverWork):
                 self._reset(peer)
                 return
             etype = _ERROR_TYPES.get(msg.code, TransceiverError).__name__
-            peer.state, peer.error = "failed", (etype, f"context rank at {peer.endpoint}: {msg.message}")
+            peer.state, peer.error = PeerState.FAILED, (etype, f"context rank at {peer.endpoint}: {msg.message}")
             return
         if isinstance(msg, m.HeartbeatAck):
             for rid, alive in zip(msg.ctx_request_ids, msg.alive):
@@ -246,7 +228,7 @@ class Receiver(IOThread, ReceiverWork):
             if pull.ctx_request_id == rid and leg is not None:
                 self._on_leg_message(pull, leg, peer, msg)
 
-    def _fail_ctx(self, peer: _Peer, ctx_rid: int, etype: str, error: str) -> None:
+    def _fail_ctx(self, peer: CtxPeer, ctx_rid: int, etype: str, error: str) -> None:
         """A context rank says it no longer pins `ctx_rid` for us. After Done was sent that is expected (the
         DoneAck decides validity); before, the pull has lost its blocks."""
         for pull in self._pulls.values():
@@ -254,7 +236,7 @@ class Receiver(IOThread, ReceiverWork):
                                                       for lg in pull.legs.values()):
                 pull.fail(etype, error, self.config.drain_timeout_s)
 
-    def _on_leg_message(self, pull: Pull, leg: Leg, peer: _Peer, msg: m.Message) -> None:
+    def _on_leg_message(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.Message) -> None:
         if isinstance(msg, m.Blocks):
             if msg.num_tokens != pull.num_tokens:
                 pull.fail("ProtocolError", f"context rank {leg.ctx_rank} holds {msg.num_tokens} tokens of request "
@@ -305,92 +287,116 @@ class Receiver(IOThread, ReceiverWork):
             self._heartbeat(now)
 
     def _advance_pull(self, pull: Pull, now: float) -> None:
-        if pull.state not in ("drain", "done") and now > pull.deadline:
+        """Move one pull as far as it can go this tick: each state's step runs when the pull is in that state
+        (a step may move it on, so one tick can take it from handshake to done); a step that returns True
+        ends the tick for this pull (it failed, or waits)."""
+        if pull.state not in (PullState.DRAIN, PullState.DONE) and now > pull.deadline:
             pull.fail("DeadlineExceeded", f"request {pull.request_id} (context request {pull.ctx_request_id}) not "
                       f"received within its deadline (stage: {pull.state})", self.config.drain_timeout_s)
-        if pull.state == "handshake":
-            for leg in pull.legs.values():
-                peer = self._ensure_session(leg.endpoint, now)
-                if peer.state == "failed":
-                    pull.fail(*peer.error, self.config.drain_timeout_s)
-                    return
-                if peer.state == "hello" and now - peer.first_hello > self.config.handshake_timeout_s:
-                    pull.fail("PeerGone", f"context rank at {leg.endpoint} did not answer hello within "
-                              f"{self.config.handshake_timeout_s:g} s", self.config.drain_timeout_s)
-                    return
-                if peer.state == "ready" and not leg.fetch_sent:
-                    if peer.welcome.ctx_instance != pull.ctx_instance:
-                        pull.fail("RequestNotFound", f"context executor at {leg.endpoint} restarted (instance "
-                                  f"{peer.welcome.ctx_instance}, request issued by {pull.ctx_instance})",
-                                  self.config.drain_timeout_s)
-                        return
-                    leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
-                    staged = self._want_staged(pull, leg, peer)
-                    self._send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers,
-                                             staged, pull.from_token, pull.secret).encode())
-                    leg.fetch_sent = True
-                    if not peer.legs:  # an idle peer: its silence is measured from this request on
-                        peer.last_heard = now
-                    peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
-                if leg.fetched and not leg.handles:  # start this leg's reads now; others may still be fetching
-                    pull.mark("fetched")
-                    pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
-            if all(leg.fetched for leg in pull.legs.values()):
-                pull.state = "read"
-        if pull.state == "read":
-            for leg in pull.legs.values():
-                if not leg.all_posted:
-                    pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
-                err = leg.failed()
-                if err:
-                    pull.fail("TransferFailed", f"read from context rank {leg.ctx_rank} failed: {err}",
-                              self.config.drain_timeout_s)
-                    return
-            if all(leg.all_posted and not leg.pending() for leg in pull.legs.values()):
-                pull.mark("read_done")
-                if self.before_confirm is not None:
-                    self.before_confirm(pull)
-                if self.config.verify or any(leg.remote_slot >= 0 for leg in pull.legs.values()):
-                    # unpack staged legs and hash off the I/O thread, so heartbeats keep the leases alive
-                    pull.verifying = self._worker.submit(self._finish_pull, pull)
-                pull.state = "confirm"
-        if pull.state == "confirm" and not any(leg.done_sent for leg in pull.legs.values()):
-            if pull.verifying is not None and not pull.verifying.done():
+        for state, step in ((PullState.HANDSHAKE, self._step_handshake), (PullState.READ, self._step_read),
+                            (PullState.CONFIRM, self._step_confirm), (PullState.DRAIN, self._step_drain)):
+            if pull.state == state and step(pull, now):
                 return
+
+    def _step_handshake(self, pull: Pull, now: float) -> bool:
+        """Sessions up, a Fetch to every context rank, reads posted as each rank's block ids arrive."""
+        for leg in pull.legs.values():
+            peer = self._ensure_session(leg.endpoint, now)
+            if peer.state is PeerState.FAILED:
+                pull.fail(*peer.error, self.config.drain_timeout_s)
+                return True
+            if peer.state is PeerState.HELLO and now - peer.first_hello > self.config.handshake_timeout_s:
+                pull.fail("PeerGone", f"context rank at {leg.endpoint} did not answer hello within "
+                          f"{self.config.handshake_timeout_s:g} s", self.config.drain_timeout_s)
+                return True
+            if peer.state is PeerState.READY and not leg.fetch_sent and self._send_fetch(pull, leg, peer, now):
+                return True
+            if leg.fetched and not leg.handles:  # start this leg's reads now; others may still be fetching
+                pull.mark("fetched")
+                pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
+        if all(leg.fetched for leg in pull.legs.values()):
+            pull.state = PullState.READ
+        return False
+
+    def _send_fetch(self, pull: Pull, leg: Leg, peer: CtxPeer, now: float) -> bool:
+        """Ask `peer` for this leg's block ids; True (the pull failed) when the context executor restarted."""
+        if peer.welcome.ctx_instance != pull.ctx_instance:
+            pull.fail("RequestNotFound", f"context executor at {leg.endpoint} restarted (instance "
+                      f"{peer.welcome.ctx_instance}, request issued by {pull.ctx_instance})",
+                      self.config.drain_timeout_s)
+            return True
+        leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
+        staged = self._want_staged(pull, leg, peer)
+        self._send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers,
+                                 staged, pull.from_token, pull.secret).encode())
+        leg.fetch_sent = True
+        if not peer.legs:  # an idle peer: its silence is measured from this request on
+            peer.last_heard = now
+        peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
+        return False
+
+    def _step_read(self, pull: Pull, now: float) -> bool:
+        """Post what became readable; once every read settled, unpack/hash off the I/O thread if needed."""
+        for leg in pull.legs.values():
+            if not leg.all_posted:
+                pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
+            err = leg.failed()
+            if err:
+                pull.fail("TransferFailed", f"read from context rank {leg.ctx_rank} failed: {err}",
+                          self.config.drain_timeout_s)
+                return True
+        if all(leg.all_posted and not leg.pending() for leg in pull.legs.values()):
+            pull.mark("read_done")
+            if self.before_confirm is not None:
+                self.before_confirm(pull)
+            if self.config.verify or any(leg.remote_slot >= 0 for leg in pull.legs.values()):
+                # unpack staged legs and hash off the I/O thread, so heartbeats keep the leases alive
+                pull.verifying = self._worker.submit(self._finish_pull, pull)
+            pull.state = PullState.CONFIRM
+        return False
+
+    def _step_confirm(self, pull: Pull, now: float) -> bool:
+        """Done to every context rank (with digests in verify mode); the pull is done once all acked."""
+        if not any(leg.done_sent for leg in pull.legs.values()):
+            if pull.verifying is not None and not pull.verifying.done():
+                return True
             try:
                 digests = pull.verifying.result() if pull.verifying is not None else {}
             except Exception as ex:  # noqa: BLE001 - an unpack or hash that failed fails the pull, not the loop
                 pull.fail("TransferFailed", f"unpacking or hashing the received KV failed: {ex}",
                           self.config.drain_timeout_s)
-                return
+                return True
             for r, leg in pull.legs.items():
                 self._send(self._peers[leg.endpoint],
                            m.Done(pull.ctx_request_id, self.pool.rank, True, "", digests.get(r, [])).encode())
                 leg.done_sent = True
-        if pull.state == "confirm" and all(leg.acked for leg in pull.legs.values()):
-            pull.state = "done"
+        if all(leg.acked for leg in pull.legs.values()):
+            pull.state = PullState.DONE
             self._complete(pull)
-        if pull.state == "drain":
-            # A failed pull is reported only once no read can still write into its blocks: the executor frees
-            # them on the report. Reads that outlive the drain deadline (a transport that cannot abort data in
-            # flight) keep the pull quarantined, blocks held, until they settle or quarantine_s runs out.
-            settled = not any(leg.pending() for leg in pull.legs.values())
-            if settled or now > pull.drain_deadline:
-                for leg in pull.legs.values():  # the context ranks may release their side now
-                    if leg.fetched and not leg.done_sent and leg.endpoint in self._peers:
-                        self._send(self._peers[leg.endpoint],
-                                   m.Done(pull.ctx_request_id, self.pool.rank, False, pull.error[:500]).encode())
-                        leg.done_sent = True
-            if not settled and now > pull.drain_deadline and not pull.quarantined:
-                pull.quarantined = True
-                log.error("request %d: reads still in flight %.1f s after the failure; its blocks stay held until "
-                          "they settle", pull.request_id, self.config.drain_timeout_s)
-            if settled or now > pull.drain_deadline + self.config.quarantine_s:
-                if not settled:
-                    log.critical("request %d: reads never settled; releasing its blocks after %.0f s of quarantine",
-                                 pull.request_id, self.config.quarantine_s)
-                pull.state = "done"
-                self._complete(pull)
+        return False
+
+    def _step_drain(self, pull: Pull, now: float) -> bool:
+        """A failed pull is reported only once no read can still write into its blocks: the executor frees
+        them on the report. Reads that outlive the drain deadline (a transport that cannot abort data in
+        flight) keep the pull quarantined, blocks held, until they settle or quarantine_s runs out."""
+        settled = not any(leg.pending() for leg in pull.legs.values())
+        if settled or now > pull.drain_deadline:
+            for leg in pull.legs.values():  # the context ranks may release their side now
+                if leg.fetched and not leg.done_sent and leg.endpoint in self._peers:
+                    self._send(self._peers[leg.endpoint],
+                               m.Done(pull.ctx_request_id, self.pool.rank, False, pull.error[:500]).encode())
+                    leg.done_sent = True
+        if not settled and now > pull.drain_deadline and not pull.quarantined:
+            pull.quarantined = True
+            log.error("request %d: reads still in flight %.1f s after the failure; its blocks stay held until "
+                      "they settle", pull.request_id, self.config.drain_timeout_s)
+        if settled or now > pull.drain_deadline + self.config.quarantine_s:
+            if not settled:
+                log.critical("request %d: reads never settled; releasing its blocks after %.0f s of quarantine",
+                             pull.request_id, self.config.quarantine_s)
+            pull.state = PullState.DONE
+            self._complete(pull)
+        return False
 
     def _complete(self, pull: Pull) -> None:
         self._pulls.pop(pull.request_id, None)
@@ -432,6 +438,6 @@ class Receiver(IOThread, ReceiverWork):
             if peer.sock is None:
                 continue
             ids = sorted({self._pulls[r].ctx_request_id for r, _ in peer.legs if r in self._pulls})
-            if ids or (peer.state == "ready" and now - peer.last_sent >= self.config.peer_timeout_s / 3):
+            if ids or (peer.state is PeerState.READY and now - peer.last_sent >= self.config.peer_timeout_s / 3):
                 peer.last_sent = now  # an empty heartbeat keeps an idle session alive on the context rank
                 self._send(peer, m.Heartbeat(ids).encode())

@@ -8,12 +8,8 @@ stages only the tokens it lacks: both sides pack / unpack tokens [from_token, n)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .ctx_peer import CtxPeer
 from .pull import Leg, Pull
-
-if TYPE_CHECKING:
-    from .receiver import _Peer
 
 __all__ = ["ReceiverWork"]
 
@@ -35,7 +31,7 @@ class ReceiverWork:
                        pull.from_token)
         return {r: self._digests(pull, leg) for r, leg in pull.legs.items()} if self.config.verify else {}
 
-    def _want_staged(self, pull: Pull, leg: Leg, peer: _Peer) -> bool:
+    def _want_staged(self, pull: Pull, leg: Leg, peer: CtxPeer) -> bool:
         """Ask for the staged path when both sides have an arena, the piece's direct plan is many small
         fragments, and this rank's arena has room for the piece (the slot is taken now)."""
         arena, cfg = self.pool.arena, self.config
