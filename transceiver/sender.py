@@ -32,7 +32,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -47,6 +46,7 @@ from .handles import new_secret
 from .iothread import IOThread
 from .sender_work import SenderWork
 from .pool import LocalPool
+from .send_state import Entry, SendResult, Tomb
 from .sessions import Session, SessionTable
 from .sockets import make_router, stop_authenticator
 from .zap import RejectLog
@@ -56,49 +56,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Sender", "SendResult"]
 
 _TOMBSTONES = 10000
-
-
-@dataclass
-class SendResult:
-    """A request that is finished on this context rank; its blocks may be freed once all ranks agree."""
-
-    ctx_request_id: int
-    status: str  # "complete" | "failed" | "expired" | "cancelled"
-    detail: str = ""
-    readers: int = 0
-
-
-@dataclass
-class _Entry:
-    rid: int
-    blocks: np.ndarray
-    num_tokens: int
-    layers_ready: int
-    deadline: float
-    secret: bytes = field(default=b"", repr=False)
-    instance: str | None = None
-    expected: frozenset[int] = frozenset()
-    fetched: dict[int, bytes] = field(default_factory=dict)  # gen rank -> ROUTER identity
-    done: dict[int, bool] = field(default_factory=dict)  # gen rank -> ok
-    cancel_requested: bool = False
-    published_at: float = field(default_factory=time.monotonic)
-    slots: dict[int, int] = field(default_factory=dict)  # gen rank -> staging slot address (staged path)
-    packing: set[int] = field(default_factory=set)  # gen ranks whose slot is being packed right now
-    read_from: dict[int, int] = field(default_factory=dict)  # gen rank -> first token it reads (prefix reuse)
-
-    @property
-    def active_readers(self) -> int:
-        return len(set(self.fetched) - set(self.done))
-
-
-@dataclass(frozen=True)
-class _Tomb:
-    """What is remembered of a finished request: told only to those who show its secret (or read it)."""
-
-    status: str
-    secret: bytes = field(repr=False)
-    readers: frozenset[bytes]
-
 
 
 class Sender(IOThread, SenderWork):
@@ -123,8 +80,8 @@ class Sender(IOThread, SenderWork):
             stop_authenticator(zctx)
             zctx.destroy(0)
             raise
-        self._entries: dict[int, _Entry] = {}
-        self._tomb: collections.OrderedDict[int, _Tomb] = collections.OrderedDict()
+        self._entries: dict[int, Entry] = {}
+        self._tomb: collections.OrderedDict[int, Tomb] = collections.OrderedDict()
         self._sessions = SessionTable(config.max_sessions, config.peer_timeout_s)
         self._refused = RejectLog(f"context rank {pool.rank}")
         arena, agents = pool.arena, {k: a.metadata() for k, a in pool.agents.items()}
@@ -228,7 +185,7 @@ class Sender(IOThread, SenderWork):
                 log.warning("request %d published twice; keeping the first", rid)
                 return
             self._tomb.pop(rid, None)
-            self._entries[rid] = _Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s,
+            self._entries[rid] = Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s,
                                         secret)
             self._set_pinned()
             for _, ident, msg in self._early.pop(rid, []):
@@ -256,11 +213,11 @@ class Sender(IOThread, SenderWork):
                     if gen_rank not in e.done:
                         self._send(ident, frame)
 
-    def _finish(self, e: _Entry, status: str, detail: str) -> None:
+    def _finish(self, e: Entry, status: str, detail: str) -> None:
         self._entries.pop(e.rid, None)
         for gen_rank in [g for g in e.slots if g not in e.packing]:  # a slot still being packed: _packed frees it
             self.pool.arena.free(e.slots.pop(gen_rank))
-        self._tomb[e.rid] = _Tomb(status, e.secret, frozenset(e.fetched.values()))
+        self._tomb[e.rid] = Tomb(status, e.secret, frozenset(e.fetched.values()))
         while len(self._tomb) > _TOMBSTONES:
             self._tomb.popitem(last=False)
         self._set_pinned()
@@ -457,7 +414,7 @@ class Sender(IOThread, SenderWork):
             return
         self._reader_done(ident, e, s.gen_rank, msg.ok, msg.error, True, "")
 
-    def _reader_done(self, ident: bytes, e: _Entry, gen_rank: int, ok: bool, error: str, intact: bool,
+    def _reader_done(self, ident: bytes, e: Entry, gen_rank: int, ok: bool, error: str, intact: bool,
                      why: str) -> None:
         e.done[gen_rank] = ok
         if gen_rank in e.slots:

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
-
 from ..formatter.mapping import mapping_for
 from . import messages as m
 from .handshake import context_digests
-
-if TYPE_CHECKING:
-    from .sender import _Entry
-    from .sessions import Session as _Session
+from .send_state import Entry
+from .sessions import Session
 
 log = logging.getLogger("kvbridge.transceiver.sender")
 
@@ -25,7 +21,7 @@ __all__ = ["SenderWork"]
 
 
 class SenderWork:
-    def _stage(self, ident: bytes, e: _Entry, s: _Session, from_token: int = 0) -> bool:
+    def _stage(self, ident: bytes, e: Entry, s: Session, from_token: int = 0) -> bool:
         """Start packing the reader's piece (tokens [from_token, n)) into an arena slot; False (go direct)
         when the arena is full."""
         from ..formatter.staging import staging_nbytes
@@ -42,7 +38,7 @@ class SenderWork:
         self._jobs.append((fut, lambda f: self._packed(f, ident, e, s.gen_rank, addr)))
         return True
 
-    def _packed(self, fut, ident: bytes, e: _Entry, gen_rank: int, addr: int) -> None:
+    def _packed(self, fut, ident: bytes, e: Entry, gen_rank: int, addr: int) -> None:
         e.packing.discard(gen_rank)
         if self._entries.get(e.rid) is not e:  # finished (expired, cancelled) while packing: the slot is ours
             self.pool.arena.free(e.slots.pop(gen_rank, addr))
@@ -65,7 +61,7 @@ class SenderWork:
                 still.append((fut, callback))
         self._jobs = still
 
-    def _check_digests(self, e: _Entry, s: _Session, digests: list) -> tuple[bool, str]:
+    def _check_digests(self, e: Entry, s: Session, digests: list) -> tuple[bool, str]:
         """Verification mode: hash this rank's copy of what the reader read and compare with its digests."""
         mine, layers = context_digests(self.pool, s.layout, s.gen_rank, e.blocks, e.num_tokens,
                                        e.read_from.get(s.gen_rank, 0))
@@ -77,7 +73,7 @@ class SenderWork:
             return False, f"integrity: received KV differs from the context copy in layers {bad}"
         return True, ""
 
-    def _verified(self, fut, ident: bytes, e: _Entry, gen_rank: int) -> None:
+    def _verified(self, fut, ident: bytes, e: Entry, gen_rank: int) -> None:
         try:
             intact, why = fut.result()
         except Exception as ex:  # noqa: BLE001
