@@ -132,8 +132,11 @@ def run_mode(reuse: bool, conversations: int, turns: int, workers: int, threads:
 
 
 def _png(path: str, res: dict[str, Any]) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("no PNG: matplotlib is not installed (pip install 'kvbridge[bench]')")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

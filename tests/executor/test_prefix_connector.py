@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from kvbridge.executor.connector import KvConnectorConfig
 from kvbridge.executor.runtime import Executor, ExecutorConfig
@@ -37,6 +38,7 @@ def _settle(ex, timeout=30.0) -> list[int]:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_connector_load_fills_the_prefix_tree_and_the_next_request_reuses_it(tmp_path):
     store = tmp_path / "store"
     with Executor.start(_cfg()) as plain:

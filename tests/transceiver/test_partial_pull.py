@@ -109,6 +109,7 @@ def _disagg(ctx, gen, endpoints, prompt):
     return res, c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("xcfg", [XCFG, STAGED, VERIFY], ids=["direct", "staged", "verify"])
 def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens(tmp_path, xcfg):
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=48, tokens_per_block=8)) as agg:
