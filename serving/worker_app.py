@@ -33,7 +33,7 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,33 +41,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import KvBridgeError
 from ..executor.sampling import SamplingParams
-from ..executor.transceiver_hook import context_request_of, disagg_params
+from ..executor.transceiver_hook import disagg_params
 from ..transceiver import DisaggParams
 from .auth import InternalAuth, authenticated, internal_token
-from .backend import Backend
-from .config import ServeConfig, ServerSpec
 from .inflight import Admission
 from .metrics import WorkerMetrics, render
 from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, add_common_routes, chunk,
                        logprobs_object, new_id, parse_request, read_json, response, sse, usage_chunk)
 from .stops import TextCutter
-from .text import TextCodec
+from .worker_state import WorkerState, housekeeping, internal_error, release_context
 
 log = logging.getLogger("kvbridge.serving.worker")
 
 __all__ = ["WorkerState", "build_app"]
-
-
-@dataclass
-class WorkerState:
-    cfg: ServeConfig
-    spec: ServerSpec
-    backend: Backend
-    codec: TextCodec
-    instance: str
-    endpoints: tuple[str, ...] = ()
-    started: float = field(default_factory=time.time)
-    failed: str | None = None
 
 
 def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
@@ -77,36 +63,63 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
         st: the worker's state (its executor already started).
         on_fatal: called once if the executor fails while serving (the worker should stop).
     """
-    cfg, spec, be = st.cfg, st.spec, st.backend
-    metrics = WorkerMetrics(spec.role)
-    admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
+    return WorkerApp(st, on_fatal).app
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        task = asyncio.create_task(housekeeping(st, on_fatal))
-        try:
-            yield
-        finally:
-            task.cancel()
 
-    app = FastAPI(title=f"kvbridge worker {spec.name}", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.add_middleware(InternalAuth, token=internal_token(cfg))
+class WorkerApp:
+    """One worker's routes over its WorkerState; admission and in-flight counts by one context manager
+    (`_in_flight`), whose `end` runs exactly once per request."""
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+    def __init__(self, st: WorkerState, on_fatal) -> None:
+        self.st, self.on_fatal = st, on_fatal
+        self.metrics = WorkerMetrics(st.spec.role)
+        self.admission = Admission(st.cfg.max_inflight_requests, st.cfg.max_inflight_body_bytes)
+        self.app = self._build()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(_internal(spec.name, e).body(), status_code=500)
+    def _build(self) -> FastAPI:
+        st, spec = self.st, self.st.spec
 
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: FastAPI):
+            task = asyncio.create_task(housekeeping(st, self.on_fatal))
+            try:
+                yield
+            finally:
+                task.cancel()
+
+        app = FastAPI(title=f"kvbridge worker {spec.name}", docs_url=None, redoc_url=None, lifespan=lifespan)
+        app.add_middleware(InternalAuth, token=internal_token(st.cfg))
+
+        @app.exception_handler(ApiError)
+        async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+        @app.exception_handler(Exception)
+        async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
+            return JSONResponse(internal_error(spec.name, e).body(), status_code=500)
+
+        app.get("/health")(self.health)
+        add_common_routes(app, st.cfg.model_name, st.started, render)
+        app.get("/debug/free_blocks")(self.free_blocks)
+        app.post("/internal/release")(self.release)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.handle(request, "completion")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.handle(request, "chat")
+
+        return app
+
+    async def health(self, request: Request) -> JSONResponse:
+        st, be = self.st, self.st.backend
         err = st.failed or be.ex.error
         if not authenticated(request):  # nothing an attacker can use: no endpoint, instance, id or load
             return JSONResponse({"status": "failed" if err else "ok"}, status_code=503 if err else 200)
-        body = {"status": "failed" if err else "ok", "name": spec.name, "role": spec.role,
-                "model": cfg.model_name, "instance": st.instance, "tp": spec.tp, "pp": spec.pp,
+        body = {"status": "failed" if err else "ok", "name": st.spec.name, "role": st.spec.role,
+                "model": st.cfg.model_name, "instance": st.instance, "tp": st.spec.tp, "pp": st.spec.pp,
                 "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid(),
                 "capacity_tokens": be.ex.cfg.num_blocks * be.ex.cfg.tokens_per_block,
                 "device": be.ex.cfg.device, "layout": be.ex.layout.to_wire()}
@@ -114,91 +127,65 @@ def build_app(st: WorkerState, on_fatal=lambda: None) -> FastAPI:
             body["error"] = err.splitlines()[0]
         return JSONResponse(body, status_code=503 if err else 200)
 
-    add_common_routes(app, cfg.model_name, st.started, render)
-
-    @app.get("/debug/free_blocks")
-    async def free_blocks() -> dict:
+    async def free_blocks(self) -> dict:
+        be = self.st.backend
         free = await be.free_blocks()
         return {"free_blocks": free, "num_blocks": be.ex.cfg.num_blocks, "pinned_context_requests":
-                be.collect_released() if spec.role == "context" else 0}
+                be.collect_released() if self.st.spec.role == "context" else 0}
 
-    @app.post("/internal/release")
-    async def release(request: Request) -> JSONResponse:
+    async def release(self, request: Request) -> JSONResponse:
         body = await read_json(request)
         d = body.get("disaggregated_params") if isinstance(body, dict) else None
-        return JSONResponse({"released": _release(st, d)})
+        return JSONResponse({"released": release_context(self.st, d)})
 
-    async def handle(request: Request, kind: str):
-        t0 = time.monotonic()
-        outcome, phase, streaming = "ok", "generate", False
+    @contextlib.contextmanager
+    def _in_flight(self, kind: str):
+        """Admission and the in-flight counts of one request; `end(outcome)` closes them once (a stream calls
+        it when its generator finishes, anything else when the handler returns)."""
+        t0, be, metrics = time.monotonic(), self.st.backend, self.metrics
         slot = contextlib.ExitStack()
-        ticket = slot.enter_context(admission.request())
+        ticket = slot.enter_context(self.admission.request())
         be.in_flight += 1
         metrics.in_flight.inc()
+        phase, open_ = {"phase": "generate"}, [True]
 
-        def end(result: str) -> None:  # once per request; a stream ends when its generator does
+        def end(result: str) -> None:
+            if not open_:
+                return
+            open_.clear()
             be.in_flight -= 1
             metrics.in_flight.dec()
             slot.close()
             dt = time.monotonic() - t0
-            metrics.done(kind, result, dt, phase, dt)
+            metrics.done(kind, result, dt, phase["phase"], dt)
 
-        try:
-            req = parse_request(await read_json(request, ticket), kind, cfg.default_max_tokens)
-            if req.model and req.model not in (cfg.model_name, cfg.model):
-                raise ApiError(404, f"model {req.model!r} is not served here; this server has "
-                                    f"{cfg.model_name!r}", code="model_not_found", param="model")
-            deadline = t0 + _timeout(request, cfg.router.request_timeout_s)
-            if req.disagg is not None and req.disagg.request_type == "context_only":
-                phase = "prefill"
-                return await _context(st, req, deadline)
-            resp = await _generate(st, request, req, deadline, metrics, end)
-            streaming = isinstance(resp, StreamingResponse)
-            return resp
-        except ApiError as e:
-            outcome = e.code or e.type
-            raise
-        except Exception as e:  # noqa: BLE001 - fails this request alone (JSON), never the worker
-            outcome = "internal_error"
-            raise _internal(spec.name, e) from None
-        finally:
-            if not streaming:
-                end(outcome)
+        yield t0, ticket, phase, end
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await handle(request, "chat")
-
-    return app
-
-
-def _internal(name: str, e: BaseException) -> ApiError:
-    log.exception("%s: a request failed unexpectedly", name, exc_info=e)
-    return ApiError(500, f"{name} failed this request: {type(e).__name__}: {e}"[:500], "server_error",
-                    "internal_error")
-
-
-def _release(st: WorkerState, d: Any) -> bool:
-    """Drop the KV of a request this context worker prefilled and still pins (named by the disaggregated
-    params it answered); False when there is nothing of ours to drop. Validated: this is network input."""
-    from .protocol import parse_disagg
-
-    req = parse_disagg(d)
-    if req is None or req.request_type != "generation_only" or st.spec.role != "context":
-        raise ApiError(400, "disaggregated_params: expected the generation_only object a context worker "
-                            "answered", param="disaggregated_params")
-    try:
-        params = DisaggParams.from_dict(req.ctx_params)
-    except KvBridgeError as e:
-        raise ApiError(400, f"disaggregated_params.ctx_params: {e}", param="disaggregated_params") from None
-    if params.ctx_instance != st.instance:
-        return False
-    rid = context_request_of(st.backend.ex, params, st.backend.pinned_ids())
-    return rid is not None and st.backend.drop_context(rid)
+    async def handle(self, request: Request, kind: str):
+        st, cfg = self.st, self.st.cfg
+        outcome, streaming = "ok", False
+        with self._in_flight(kind) as (t0, ticket, phase, end):
+            try:
+                req = parse_request(await read_json(request, ticket), kind, cfg.default_max_tokens)
+                if req.model and req.model not in (cfg.model_name, cfg.model):
+                    raise ApiError(404, f"model {req.model!r} is not served here; this server has "
+                                        f"{cfg.model_name!r}", code="model_not_found", param="model")
+                deadline = t0 + _timeout(request, cfg.router.request_timeout_s)
+                if req.disagg is not None and req.disagg.request_type == "context_only":
+                    phase["phase"] = "prefill"
+                    return await _context(st, req, deadline)
+                resp = await _generate(st, request, req, deadline, self.metrics, end)
+                streaming = isinstance(resp, StreamingResponse)
+                return resp
+            except ApiError as e:
+                outcome = e.code or e.type
+                raise
+            except Exception as e:  # noqa: BLE001 - fails this request alone (JSON), never the worker
+                outcome = "internal_error"
+                raise internal_error(st.spec.name, e) from None
+            finally:
+                if not streaming:
+                    end(outcome)
 
 
 # --- the two halves -------------------------------------------------------------------------------------
@@ -448,17 +435,3 @@ def _timeout(request: Request, default: float) -> float:
         return min(default, max(0.0, float(v))) if v else default
     except ValueError:
         raise ApiError(400, f"header {DEADLINE_HEADER}: {v!r} is not a number of seconds") from None
-
-
-async def housekeeping(st: WorkerState, on_fatal) -> None:
-    """Every half second: fold in released context requests; stop the worker once its executor failed."""
-    while True:
-        await asyncio.sleep(0.5)
-        if st.spec.role == "context":
-            st.backend.collect_released()
-        err = st.backend.ex.error
-        if err:
-            st.failed = err
-            log.error("%s: the executor failed, stopping the worker: %s", st.spec.name, err.splitlines()[0])
-            on_fatal()
-            return
