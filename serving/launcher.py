@@ -50,11 +50,16 @@ class _Child:
     reader: threading.Thread | None = None
     started_at: float = field(default_factory=time.monotonic)
 
+    @property
+    def label(self) -> str:
+        """What to call it: e.g. "context worker ctx0", or just "router"."""
+        return self.what if self.what == self.name else f"{self.what} {self.name}"
+
     def describe(self) -> str:
         code = self.proc.returncode
         how = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code is not None and code < 0
                else f"exited with code {code}")
-        return f"{self.what} {self.name} ({self.url}, pid {self.proc.pid}) {how}"
+        return f"{self.label} ({self.url}, pid {self.proc.pid}) {how}"
 
 
 class Cluster:
@@ -215,7 +220,7 @@ class Cluster:
         try:
             return wait_port_file(self._port_file(c.name), timeout, c.proc)
         except ServingError as e:
-            raise ServingError(f"{c.what} {c.name} during start-up: {e}{self.tail(c)}") from None
+            raise ServingError(f"{c.label} during start-up: {e}{self.tail(c)}") from None
 
     def _spawn(self, name: str, what: str, role: str, url: str, args: list[str]) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=os.path.join(self.run_dir, "tmp"),

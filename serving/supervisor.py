@@ -78,12 +78,12 @@ class Supervisor:
                 self._schedule(c, t, now)
             elif t.state is _State.WAITING and now >= t.due:
                 t.restarts += 1
-                self._say(f"restarting {c.what} {c.name} at {c.url} (restart {t.restarts})")
+                self._say(f"restarting {c.label} at {c.url} (restart {t.restarts})")
                 self.cluster.restart(c)
                 t.state = _State.STARTING
             elif t.state is _State.STARTING and self.cluster.healthy(c, timeout=0.5):
                 t.state = _State.LIVE
-                self._say(f"{c.what} {c.name} is back at {c.url}")
+                self._say(f"{c.label} is back at {c.url}")
         return self._role_gone(now)
 
     def _schedule(self, c, t: _Track, now: float) -> None:

@@ -24,8 +24,10 @@ BLOCKS, GEN_BLOCKS = 256, 2048  # the generation pool holds five 2,000-token req
 CFG = {
     "model": MODEL,
     "executor": {"num_blocks": BLOCKS, "tokens_per_block": 8, "threads_per_rank": 1, "timeout_s": 120},
-    # a pull from a killed context worker fails at its deadline: 20 s keeps the test short, still patient
-    "transceiver": {"agent": "tcp", **PATIENT, "transfer_timeout_s": 20},
+    # A pull from a killed context worker fails at its deadline, and a prefilled request whose generation
+    # worker was killed before it pulled stays pinned until pickup_timeout_s (until the router releases it
+    # at once, issue 14): 20 s and 30 s keep the test short and are still patient.
+    "transceiver": {"agent": "tcp", **PATIENT, "transfer_timeout_s": 20, "pickup_timeout_s": 30},
     "router": {"port": 0, "request_timeout_s": 120, "health_interval_s": 0.5},
     "context_servers": {"instances": 2},
     "generation_servers": {"instances": 1, "executor": {"num_blocks": GEN_BLOCKS}},

@@ -31,8 +31,12 @@ class _Child:
     what: str = "context worker"
     url: str = "http://127.0.0.1:1"
 
+    @property
+    def label(self) -> str:
+        return f"{self.what} {self.name}"
+
     def describe(self) -> str:
-        return f"{self.what} {self.name} exited with code {self.proc.returncode}"
+        return f"{self.label} exited with code {self.proc.returncode}"
 
 
 class _Cluster:
