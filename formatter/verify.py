@@ -176,16 +176,7 @@ def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0
     nb_ctx, nb_gen = nbc + 3, nbg + 2  # spare blocks that must stay untouched
     ctx_blocks = _pick_blocks(rng, nb_ctx, nbc)
     gen_blocks = _pick_blocks(rng, nb_gen, nbg)
-
-    sizes = [pool_nbytes(ctx, r, nb_ctx) for r in range(ctx.world_size)]
-    sizes += [pool_nbytes(gen, r, nb_gen) for r in range(gen.world_size)]
-    stage_at = {}  # (gen rank, piece index) -> arena index of its context-side staging buffer
-    if path == "staged":
-        for g in range(gen.world_size):
-            for j, p in enumerate(mapping.pieces(g)):
-                stage_at[(g, j)] = len(sizes)
-                sizes += [staging_nbytes(ctx, p, num_tokens)] * 2  # context side, generation side
-    arena = Arena(sizes)
+    arena, sizes, stage_at = _arena(ctx, gen, mapping, nb_ctx, nb_gen, num_tokens, path)
 
     def bases(layout: KVLayout, rank: int, i: int, nb: int) -> list[int]:
         if layout.order == "block_major":
@@ -205,23 +196,52 @@ def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0
         i = ctx.world_size + g
         arena.view(i, sizes[i])[:] = gen_before.rank(g)
         gpool = RankPool.of(gen, g, bases(gen, g, i, nb_gen), nb_gen)
+        pieces = mapping.pieces(g)
         if path == "direct":
-            per_ctx = plan_pieces(mapping.pieces(g), ctx_pools, gpool, ctx_blocks, gen_blocks, num_tokens)
-            for f in per_ctx.values():
-                arena.execute(f)
-                total += f.nbytes
-            frag_counts[g] = sum(len(f) for f in per_ctx.values())
+            frag_counts[g], moved = _move_direct(arena, pieces, ctx_pools, gpool, ctx_blocks, gen_blocks,
+                                                 num_tokens)
         else:
-            frag_counts[g] = 0
-            for j, p in enumerate(mapping.pieces(g)):
-                k = stage_at[(g, j)]
-                src = staging_pool(ctx, p, arena.addr(k), num_tokens)
-                dst = staging_pool(gen, p, arena.addr(k + 1), num_tokens)
-                arena.execute(plan_pack(p, ctx_pools[p.ctx_rank], src, ctx_blocks, num_tokens))
-                read = staged_read(src, dst)
-                arena.execute(read)
-                arena.execute(plan_unpack(p, dst, gpool, gen_blocks, num_tokens))
-                total += read.nbytes
-                frag_counts[g] += len(read)
+            frag_counts[g], moved = _move_staged(arena, ctx, gen, pieces, [stage_at[(g, j)] for j in
+                                                 range(len(pieces))], ctx_pools, gpool, ctx_blocks,
+                                                 gen_blocks, num_tokens)
+        total += moved
         mism[g] = int(np.count_nonzero(arena.view(i, sizes[i]) != gen_after.rank(g)))
     return VerifyResult(not any(mism.values()), mapping.strategy, frag_counts, total, mism)
+
+
+def _arena(ctx: KVLayout, gen: KVLayout, mapping, nb_ctx: int, nb_gen: int, num_tokens: int, path: str):
+    """One arena holding every rank's pool (context ranks first) and, staged, a pair of staging buffers per
+    (generation rank, piece): (arena, sizes, {(gen rank, piece index): arena index of the context-side one})."""
+    sizes = [pool_nbytes(ctx, r, nb_ctx) for r in range(ctx.world_size)]
+    sizes += [pool_nbytes(gen, r, nb_gen) for r in range(gen.world_size)]
+    stage_at = {}
+    if path == "staged":
+        for g in range(gen.world_size):
+            for j, p in enumerate(mapping.pieces(g)):
+                stage_at[(g, j)] = len(sizes)
+                sizes += [staging_nbytes(ctx, p, num_tokens)] * 2  # context side, generation side
+    return Arena(sizes), sizes, stage_at
+
+
+def _move_direct(arena, pieces, ctx_pools, gpool, ctx_blocks, gen_blocks, num_tokens: int) -> tuple[int, int]:
+    """The generation rank's direct plan, executed as it is: (fragments, bytes)."""
+    per_ctx = plan_pieces(pieces, ctx_pools, gpool, ctx_blocks, gen_blocks, num_tokens)
+    for f in per_ctx.values():
+        arena.execute(f)
+    return sum(len(f) for f in per_ctx.values()), sum(f.nbytes for f in per_ctx.values())
+
+
+def _move_staged(arena, ctx, gen, pieces, stage_idx, ctx_pools, gpool, ctx_blocks, gen_blocks,
+                 num_tokens: int) -> tuple[int, int]:
+    """Per piece: pack on the context side, one read of the packed buffer, unpack: (fragments read, bytes)."""
+    frags = moved = 0
+    for p, k in zip(pieces, stage_idx):
+        src = staging_pool(ctx, p, arena.addr(k), num_tokens)
+        dst = staging_pool(gen, p, arena.addr(k + 1), num_tokens)
+        arena.execute(plan_pack(p, ctx_pools[p.ctx_rank], src, ctx_blocks, num_tokens))
+        read = staged_read(src, dst)
+        arena.execute(read)
+        arena.execute(plan_unpack(p, dst, gpool, gen_blocks, num_tokens))
+        moved += read.nbytes
+        frags += len(read)
+    return frags, moved
