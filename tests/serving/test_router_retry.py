@@ -60,6 +60,7 @@ def _burst(url: str, n: int, on_first_answer) -> tuple[int, list[httpx.Response]
         return done_before, [f.result() for f in futures]
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_context_worker_with_requests_in_flight_loses_none(cluster, want):
     url = cluster.router_url + "/v1/completions"
     ctx0 = next(c for c in cluster.children if c.name == "ctx0")
@@ -80,6 +81,7 @@ def test_kill_9_of_a_context_worker_with_requests_in_flight_loses_none(cluster, 
     print(f"killed ctx0 with {REQUESTS - done_before_kill} of {REQUESTS} in flight; router retries: {retries}")
 
 
+@pytest.mark.slow
 def test_a_sigstopped_context_worker_costs_no_request_and_nothing_waits_past_its_deadline(cluster, want):
     """SIGSTOP: ctx0 answers nothing (no reset either). Its context hops time out (context_timeout_s 10) and
     go to ctx1; pulls from it fail once its heartbeats stop (peer_timeout_s 5) and are run again."""
