@@ -157,6 +157,9 @@ class Router:
         except ApiError as e:
             status = e.status
             raise
+        except Exception as e:  # noqa: BLE001 - fails this request alone, as JSON (the connection stays)
+            status = 500
+            raise _internal(e) from None
         finally:
             stack.close()
             self.metrics.requests.labels(endpoint, str(status)).inc()
@@ -370,11 +373,14 @@ async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
+def _internal(e: Exception) -> ApiError:
+    log.error("router: a request failed unexpectedly", exc_info=e)
+    return ApiError(500, f"the router failed this request: {type(e).__name__}: {e}"[:500], "server_error",
+                    "internal_error")
+
+
 async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
-    log.exception("router: a request failed unexpectedly")
-    err = ApiError(500, f"the router failed this request: {type(e).__name__}: {e}"[:500], "server_error",
-                   "internal_error")
-    return JSONResponse(err.body(), status_code=500)
+    return JSONResponse(_internal(e).body(), status_code=500)
 
 
 def main(argv: list[str]) -> int:

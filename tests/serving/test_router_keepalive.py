@@ -65,7 +65,7 @@ def fakes():
 
 
 def test_a_context_hop_on_a_connection_closed_under_it_is_sent_again_once_fresh(fakes):
-    cfg = parse_config({"model": "seeded:tiny3", "router": {"health_interval_s": 0.1},
+    cfg = parse_config({"model": "seeded:tiny3", "router": {"health_interval_s": 60},
                         "context_servers": {"urls": [fakes[0]]}, "generation_servers": {"urls": [fakes[1]]}})
     with TestClient(Router(cfg).app) as client:
         deadline = time.monotonic() + 30

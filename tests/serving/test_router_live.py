@@ -236,6 +236,7 @@ _bodies = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_bodies)
 def test_generated_bodies_never_get_a_5xx_nor_kill_a_worker(urls, body):
