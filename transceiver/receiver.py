@@ -438,6 +438,9 @@ class Receiver(IOThread, ReceiverWork):
             if peer.sock is None:
                 continue
             ids = sorted({self._pulls[r].ctx_request_id for r, _ in peer.legs if r in self._pulls})
+            if not ids and peer.state is PeerState.READY and now - peer.last_heard > 2 * self.config.peer_timeout_s:
+                self._reset(peer)  # an idle peer that stopped answering: drop its socket, re-handshake on use
+                continue
             if ids or (peer.state is PeerState.READY and now - peer.last_sent >= self.config.peer_timeout_s / 3):
                 peer.last_sent = now  # an empty heartbeat keeps an idle session alive on the context rank
                 self._send(peer, m.Heartbeat(ids).encode())

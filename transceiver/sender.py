@@ -13,15 +13,9 @@ Per request:
 A request's expected readers are the generation ranks the mapping assigns to this rank, for the generation
 layout announced in the first reader's Hello. One generation instance per request.
 
-A Fetch must carry the request's secret (handles.py). A wrong or missing secret takes exactly the path of an
-unknown id: the Fetch waits as if its request were not published yet and is answered "no request" when that
-wait ends; it pins nothing, starts no lease and learns nothing about the request (not even a finished one's
-status).
-
-Per-peer state is bounded: a session (one per handshaken ROUTER identity) is dropped when sending to its peer
-fails (it disconnected) or when the peer has been silent for peer_timeout_s with no read in flight (a live
-generation rank keeps its idle sessions with empty heartbeats); at most max_sessions exist at once, and a
-Hello beyond that gets an error. Only authenticated peers get here when CurveZMQ is on (zap.py).
+A Fetch must carry the request's secret (handles.py); a wrong or missing one takes exactly the unknown-id path
+(waits as if unpublished, then "no request"): nothing pinned, no lease, nothing learnt, not even a finished
+request's status. Sessions are bounded (sessions.py); with CurveZMQ only authorised peers get here (zap.py).
 """
 
 from __future__ import annotations
@@ -188,8 +182,11 @@ class Sender(IOThread, SenderWork):
             self._entries[rid] = Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s,
                                         secret)
             self._set_pinned()
-            for _, ident, msg in self._early.pop(rid, []):
-                self._on_fetch(ident, msg)
+            for d, ident, msg in self._early.pop(rid, []):
+                if hmac.compare_digest(secret, msg.secret):
+                    self._on_fetch(ident, msg)
+                else:  # a wrong secret keeps waiting, to the same deadline, exactly as for an unknown id
+                    self._early.setdefault(rid, []).append((d, ident, msg))
         elif op == "layers":
             e = self._entries.get(rid)
             if e is not None and cmd[2] > e.layers_ready:

@@ -99,3 +99,17 @@ def test_disagg_params_carry_the_secret_as_hex_and_never_print_it():
                         ({"ctx_request_id": 1 << 63}, "ctx_request_id must be in")):
         with pytest.raises(ProtocolError, match=needle):
             DisaggParams.from_dict({**d, **bad})
+
+
+def test_a_guess_waiting_for_its_request_to_be_published_is_still_refused_when_it_is(cluster):
+    c = cluster
+    rid = 9
+    guess = _peer(c.endpoints[0])
+    guess.send(m.Fetch(rid, 0, secret=bytes(16)).encode())
+    c.publish([(rid, [4, 5], 20, rid)])  # published while the guess waits: it must not turn into Blocks
+    assert guess.poll(10000)
+    a = m.decode(guess.recv())
+    assert isinstance(a, m.Error) and a.code == m.ErrorCode.UNKNOWN_REQUEST.value and "has no request 9" in a.message
+    guess.close()
+    (ans,) = c.pull([[rid, c.params(rid), [6, 7], 20, rid]])
+    assert ans["results"][0]["ok"] and ans["mismatched_bytes"] == 0

@@ -1,7 +1,8 @@
 """Bounded per-peer state: 20,000 connect / Hello / disconnect cycles leave a context rank as they found it.
 
-The context rank is a real process (ranks.RankProc); the peers are real ZeroMQ DEALER sockets, a few hundred
-at a time, each with its own identity, each completing the handshake (Welcome received) before it goes away.
+The context rank is a real process (ranks.RankProc); the peers are real ZeroMQ DEALER sockets, a hundred at
+a time, each with its own identity, each completing the handshake (Welcome received) before it goes away. RSS
+is compared after a warm-up (allocator arenas and zmq's per-connection buffers reach their high-water mark).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from kvbridge.transceiver import messages as m
 from .ranks import RankProc
 
 LAYOUT = KVLayout(KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=16))
-CFG = {"agents": ["nixl"], "peer_timeout_s": 1.0, "max_sessions": 4096}
-CYCLES, BATCH = 20_000, 400
+CFG = {"agents": ["nixl"], "peer_timeout_s": 0.5, "max_sessions": 4096}
+CYCLES, BATCH = 20_000, 100
 
 
 def _rss_kb(pid: int) -> int:
@@ -64,17 +65,21 @@ def test_twenty_thousand_hello_disconnect_cycles_leave_sessions_and_memory_where
         ep = p.call("init", {"role": "context", "layout": LAYOUT.to_wire(), "rank": 0, "num_blocks": 8,
                              "config": CFG, "instance": "ctx-churn"})
         start = _sessions(p)
-        assert _cycles(ep, 2000) == 2000  # warm-up: allocator arenas, zmq pipes, import-time caches
+        # warm-up: allocator arenas and zmq's per-connection structures reach their high-water mark
+        assert _cycles(ep, 5000) == 5000
         assert _wait_sessions(p, start, CFG["peer_timeout_s"] + 10) == start
-        rss0 = _rss_kb(p.proc.pid)
+        rss = [_rss_kb(p.proc.pid)]
         t0 = time.monotonic()
-        assert _cycles(ep, CYCLES) == CYCLES
+        peak = 0
+        for _ in range(2):
+            assert _cycles(ep, CYCLES // 2) == CYCLES // 2
+            peak = max(peak, _sessions(p))
+            assert _wait_sessions(p, start, CFG["peer_timeout_s"] + 10) == start  # every session dropped again
+            rss.append(_rss_kb(p.proc.pid))
         took = time.monotonic() - t0
-        peak = _sessions(p)
-        assert _wait_sessions(p, start, CFG["peer_timeout_s"] + 10) == start  # every session dropped again
-        growth_mb = (_rss_kb(p.proc.pid) - rss0) / 1024
-        print(f"{CYCLES} cycles in {took:.1f} s; sessions {start} -> {peak} (peak seen) -> {_sessions(p)}; "
-              f"context rank RSS growth {growth_mb:+.2f} MB")
+        growth_mb = (rss[-1] - rss[0]) / 1024
+        print(f"{CYCLES} cycles in {took:.1f} s; sessions {start} -> {peak} (seen) -> {_sessions(p)}; context "
+              f"rank RSS {' -> '.join(f'{r / 1024:.1f}' for r in rss)} MB: {growth_mb:+.2f} MB")
         assert growth_mb < 8, f"context rank grew by {growth_mb:.1f} MB over {CYCLES} cycles"
     finally:
         p.close()
