@@ -109,3 +109,12 @@ def test_the_engine_bans_stop_ids_until_min_tokens_and_ignore_eos_never_stops_on
     plan = eng.next_plan()
     assert plan["batch"][0][6] is None  # ignore_eos: nothing to ban
     assert [(e["rid"], e["reason"], e["tokens"]) for e in eng.step_done(plan, [9])] == [(2, "length", [9] * 3)]
+
+
+def test_packed_logprobs_travel_exactly_with_each_rows_own_width():
+    from kvbridge.executor.sampling import logprob_width, pack_logprobs, unpack_logprobs
+
+    ps = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0)]
+    _, lps = sample_step(LOGITS.repeat(3, 1), ps, [0, 0, 0])
+    k = logprob_width(ps)
+    assert k == 2 and unpack_logprobs(pack_logprobs(lps, k), ps, k, 6) == lps
