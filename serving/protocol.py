@@ -353,9 +353,9 @@ def _logprobs(body: dict, kind: str) -> int:
         return 0 if on else -1
     if type(top) is not int or not 0 <= top <= hi:
         raise ApiError(400, f"top_logprobs: expected an integer in [0, {hi}], got {top!r}", param="top_logprobs")
-    if not on:
+    if not on and top > 0:
         raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-    return top
+    return top if on else -1
 
 
 def _stop(v: Any) -> tuple[str, ...]:
