@@ -173,7 +173,8 @@ class TokenLogprob:
             raise ValueError("token logprob: expected [logprob, [[token id, logprob], ...]]")
         top = []
         for p in v[1]:
-            if not (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] >= 0 and _finite(p[1])):
+            if not (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] >= 0
+                    and _finite(p[1])):
                 raise ValueError(f"token logprob: bad top entry {p!r:.80}")
             top.append((p[0], float(p[1])))
         return cls(float(v[0]), tuple(top))
@@ -285,7 +286,8 @@ def _draw(row: torch.Tensor, p: SamplingParams, pos: int, greedy_token: int) -> 
     return int(torch.multinomial(probs, 1, generator=g).item())
 
 
-def _logprobs(raw: torch.Tensor, params: list[SamplingParams], chosen: list[int]) -> list[TokenLogprob | None]:
+def _logprobs(raw: torch.Tensor, params: list[SamplingParams],
+              chosen: list[int]) -> list[TokenLogprob | None]:
     want = [i for i, p in enumerate(params) if p.logprobs >= 0]
     out: list[TokenLogprob | None] = [None] * len(params)
     if not want:

@@ -231,7 +231,7 @@ class _Runner:
                 raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
         return sampled
 
-    # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) ---------------------
+    # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) -----------------
     def _sample(self, batch: list, logits: torch.Tensor, positions: list[int]) -> tuple[list[int], list]:
         params = [SamplingParams.from_wire(b[5]) for b in batch]
         hist = [TokenHistory.from_wire(b[6]) for b in batch]
