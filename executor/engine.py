@@ -91,7 +91,8 @@ class Request:
             return None
         banned = self.stop_ids if n < sp.min_tokens and not sp.ignore_eos else ()
         prompt = self.prompt if sp.repetition_penalty != 1 else ()
-        out = self.output if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1) else ()
+        counted = sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
+        out = self.output if counted else ()
         return TokenHistory(tuple(prompt), tuple(out), tuple(banned)).to_wire()
 
 

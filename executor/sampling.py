@@ -33,7 +33,7 @@ import torch
 from .weights import stable_seed
 
 __all__ = ["SamplingParams", "TokenHistory", "TokenLogprob", "sample", "sample_step", "WIRE_VERSION",
-           "MAX_TOP_LOGPROBS"]
+           "MAX_TOP_LOGPROBS", "logprob_width", "pack_logprobs", "unpack_logprobs"]
 
 # Bump when SamplingParams' wire form changes meaning (a field renamed, retyped or reinterpreted); a new
 # field with a default keeps the version.
@@ -173,7 +173,8 @@ class TokenLogprob:
             raise ValueError("token logprob: expected [logprob, [[token id, logprob], ...]]")
         top = []
         for p in v[1]:
-            if not (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] >= 0 and _finite(p[1])):
+            if not (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] >= 0
+                    and _finite(p[1])):
                 raise ValueError(f"token logprob: bad top entry {p!r:.80}")
             top.append((p[0], float(p[1])))
         return cls(float(v[0]), tuple(top))
@@ -238,6 +239,36 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
     return x
 
 
+def logprob_width(params: list[SamplingParams]) -> int:
+    """Columns of top alternatives a step's packed logprobs hold (0: no row asked; at least 1 otherwise)."""
+    asked = [p.logprobs for p in params if p.logprobs >= 0]
+    return max(1, min(max(asked), MAX_TOP_LOGPROBS)) if asked else 0
+
+
+def pack_logprobs(entries: list[TokenLogprob | None], k: int) -> torch.Tensor:
+    """A step's logprob entries as one int64 tensor (to go where the sampled tokens go): [S, 1 + 2k] float64
+    rows (logprob, k top ids, k top logprobs; token ids are exact below 2**53), bit-cast and flattened."""
+    buf = torch.zeros(len(entries), 1 + 2 * k, dtype=torch.float64)
+    for i, e in enumerate(entries):
+        if e is not None:
+            buf[i, 0] = e.logprob
+            for j, (t, v) in enumerate(e.top):
+                buf[i, 1 + j], buf[i, 1 + k + j] = t, v
+    return buf.view(torch.int64).reshape(-1)
+
+
+def unpack_logprobs(flat: torch.Tensor, params: list[SamplingParams], k: int,
+                    vocab_size: int) -> list[TokenLogprob | None]:
+    """pack_logprobs undone, with each row's own number of alternatives (None where a row did not ask)."""
+    buf = flat.contiguous().view(torch.float64).reshape(len(params), 1 + 2 * k)
+    out: list[TokenLogprob | None] = []
+    for i, p in enumerate(params):
+        n = min(p.logprobs, vocab_size)
+        top = tuple((int(buf[i, 1 + j]), float(buf[i, 1 + k + j])) for j in range(max(n, 0)))
+        out.append(TokenLogprob(float(buf[i, 0]), top) if p.logprobs >= 0 else None)
+    return out
+
+
 def _draw(row: torch.Tensor, p: SamplingParams, pos: int, greedy_token: int) -> int:
     row = row.float().cpu() / p.temperature
     if p.top_k > 0:
@@ -255,7 +286,8 @@ def _draw(row: torch.Tensor, p: SamplingParams, pos: int, greedy_token: int) -> 
     return int(torch.multinomial(probs, 1, generator=g).item())
 
 
-def _logprobs(raw: torch.Tensor, params: list[SamplingParams], chosen: list[int]) -> list[TokenLogprob | None]:
+def _logprobs(raw: torch.Tensor, params: list[SamplingParams],
+              chosen: list[int]) -> list[TokenLogprob | None]:
     want = [i for i, p in enumerate(params) if p.logprobs >= 0]
     out: list[TokenLogprob | None] = [None] * len(params)
     if not want:

@@ -32,7 +32,7 @@ from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
 from .kv_check import DigestBook
 from .kv_io import gather_blocks, scatter_blocks
 from .model import StageModel, StepBatch
-from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenHistory, TokenLogprob, sample_step
+from .sampling import SamplingParams, TokenHistory, logprob_width, pack_logprobs, sample_step, unpack_logprobs
 from .sources import load_source
 from .weights import stage_weights
 
@@ -110,12 +110,6 @@ class _Inbox(threading.Thread):
                                         f"{timeout:.0f}s")
                 self.cv.wait(left)
             return self.kv.pop(rid)
-
-
-def _logprob_width(params: list[SamplingParams]) -> int:
-    """Columns of top alternatives a step's logprobs need (0: no row asked; 1 when only the chosen one)."""
-    asked = [p.logprobs for p in params if p.logprobs >= 0]
-    return max(1, min(max(asked), MAX_TOP_LOGPROBS)) if asked else 0
 
 
 class _Runner:
@@ -254,38 +248,27 @@ class _Runner:
                 raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
         return sampled
 
-    # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) ---------------------
+    # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) -----------------
     def _sample(self, batch: list, logits: torch.Tensor, positions: list[int]) -> tuple[list[int], list]:
         params = [SamplingParams.from_wire(b[5]) for b in batch]
         hist = [TokenHistory.from_wire(b[6]) for b in batch]
         toks, lps = sample_step(logits, params, positions, hist)
         if self.rank != 0:
             self.comm.send_tokens_to_leader(torch.tensor(toks, dtype=torch.int64))
-            k = _logprob_width(params)
-            if k:  # [S, 1 + 2k] float64 (token ids exact below 2**53), bit-cast to go as int64
-                buf = torch.zeros(len(batch), 1 + 2 * k, dtype=torch.float64)
-                for i, e in enumerate(lps):
-                    if e is not None:
-                        buf[i, 0] = e.logprob
-                        for j, (t, v) in enumerate(e.top):
-                            buf[i, 1 + j], buf[i, 1 + k + j] = t, v
-                self.comm.send_tokens_to_leader(buf.view(torch.int64).reshape(-1))
+            k = logprob_width(params)
+            if k:
+                self.comm.send_tokens_to_leader(pack_logprobs(lps, k))
         return toks, [None if e is None else e.to_wire() for e in lps]
 
     def _receive_sampled(self, batch: list) -> tuple[list[int], list]:
         toks = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
         params = [SamplingParams.from_wire(b[5]) for b in batch]
-        k = _logprob_width(params)
-        lps: list = [None] * len(batch)
-        if k:
-            buf = self.comm.recv_tokens_from(self.sampler_rank, len(batch) * (1 + 2 * k))
-            buf = buf.view(torch.float64).reshape(len(batch), 1 + 2 * k)
-            for i, p in enumerate(params):
-                if p.logprobs >= 0:
-                    n = min(p.logprobs, self.mcfg.vocab_size)
-                    top = tuple((int(buf[i, 1 + j]), float(buf[i, 1 + k + j])) for j in range(n))
-                    lps[i] = TokenLogprob(float(buf[i, 0]), top).to_wire()
-        return toks, lps
+        k = logprob_width(params)
+        if not k:
+            return toks, [None] * len(batch)
+        flat = self.comm.recv_tokens_from(self.sampler_rank, len(batch) * (1 + 2 * k))
+        lps = unpack_logprobs(flat, params, k, self.mcfg.vocab_size)
+        return toks, [None if e is None else e.to_wire() for e in lps]
 
     # --- KV in and out (tests and tools; the transceiver moves KV with its agents) -------------------------
     def _read_kv(self, rid: int) -> None:

@@ -90,7 +90,7 @@ class GenRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
-    logprobs: int = -1                 # -1: none; else top alternatives per token (chat 0..20, completions 0..5)
+    logprobs: int = -1                 # -1: none; else top alternatives per token (chat 0..20, compl. 0..5)
     stop: tuple[str, ...] = ()         # generation ends at the first of these strings (not returned)
 
 
@@ -201,10 +201,12 @@ def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
                       stream=_bool(body.get("stream", False), "stream"),
                       include_usage=_bool(so.get("include_usage", False), "stream_options.include_usage"),
                       disagg=parse_disagg(body.get("disaggregated_params")),
-                      presence_penalty=_num(_given(body, "presence_penalty", 0.0), "presence_penalty", -2.0, 2.0),
+                      presence_penalty=_num(_given(body, "presence_penalty", 0.0), "presence_penalty",
+                                            -2.0, 2.0),
                       frequency_penalty=_num(_given(body, "frequency_penalty", 0.0), "frequency_penalty",
                                              -2.0, 2.0),
-                      repetition_penalty=_positive(_given(body, "repetition_penalty", 1.0), "repetition_penalty"),
+                      repetition_penalty=_positive(_given(body, "repetition_penalty", 1.0),
+                                                   "repetition_penalty"),
                       logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=min_tokens,
                       ignore_eos=_bool(_given(body, "ignore_eos", False), "ignore_eos"),
                       logprobs=_logprobs(body, kind), stop=_stop(body.get("stop")))
@@ -236,7 +238,8 @@ def parse_disagg(d: Any) -> DisaggRequest | None:
         try:
             lp = TokenLogprob.from_wire(d["first_logprob"])
         except ValueError as e:
-            raise ApiError(400, f"disaggregated_params.first_logprob: {e}", param="disaggregated_params") from None
+            raise ApiError(400, f"disaggregated_params.first_logprob: {e}",
+                           param="disaggregated_params") from None
     return DisaggRequest("generation_only", first, ids, d["ctx_params"], _seed(d),
                          cw if isinstance(cw, str) else "", lp)
 
@@ -372,10 +375,11 @@ def _logprobs(body: dict, kind: str) -> int:
     if top is None:
         return 0 if on else -1
     if type(top) is not int or not 0 <= top <= hi:
-        raise ApiError(400, f"top_logprobs: expected an integer in [0, {hi}], got {top!r}", param="top_logprobs")
-    if not on:
+        raise ApiError(400, f"top_logprobs: expected an integer in [0, {hi}], got {top!r}",
+                       param="top_logprobs")
+    if not on and top > 0:
         raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-    return top
+    return top if on else -1
 
 
 def _stop(v: Any) -> tuple[str, ...]:

@@ -202,7 +202,8 @@ async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[st
     res = await be.prefill(prompt, sampling, max(0.1, deadline - t0))
     WorkerMetrics(spec.role).prefix(len(prompt), res.reused_tokens, _kv_bytes_per_token(be.ex.layout))
     params = disagg_params(be.ex, res.request_id, st.endpoints).to_dict()  # wire handle + secret
-    out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name, res.first_logprob)
+    out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name,
+                        res.first_logprob)
     return {"id": new_id(req.kind), "object": "text_completion", "created": int(time.time()),
             "model": st.cfg.model_name,
             "choices": [{"index": 0, "text": st.codec.decode([res.first_token]), "finish_reason": None}],
@@ -279,7 +280,8 @@ def _generation_only(st: WorkerState, req: GenRequest) -> list[int]:
                        param="disaggregated_params") from None
     if req.logprobs >= 0 and d.first_logprob is None:
         raise ApiError(400, "disaggregated_params.first_logprob: missing, and the request asks for "
-                            "logprobs (the context worker samples the first token)", param="disaggregated_params")
+                            "logprobs (the context worker samples the first token)",
+                       param="disaggregated_params")
     return d.prompt_token_ids
 
 
@@ -337,7 +339,8 @@ class _Output:
 async def _stream(out: _Output, got, events, extra: dict[str, Any], metrics: WorkerMetrics, end):
     """The SSE body; `end(outcome)` is called once it finished, failed, or its client went away."""
     st, req, rid = out.st, out.req, out.rid
-    cutter, sent, first, model, offset = TextCutter(st.codec, req.stop, req.min_tokens), 0, True, st.cfg.model_name, 0
+    cutter = TextCutter(st.codec, req.stop, req.min_tokens)
+    sent, first, model, offset = 0, True, st.cfg.model_name, 0
     outcome = "client_closed"
     try:
         while True:

@@ -1,5 +1,5 @@
-"""The sampler on its own: penalties change logits exactly as specified, logit_bias, min_tokens bans, logprobs,
-strict wire form, and requests that used to kill a rank (top_p=0, temperature=1e-40) sample greedily."""
+"""The sampler on its own: penalties change logits exactly as specified, logit_bias, min_tokens bans,
+logprobs, strict wire form, and requests that used to kill a rank (top_p=0, temperature=1e-40) sample greedily."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def test_logprobs_are_the_raw_distribution_sorted_and_the_chosen_token_matches_i
 @pytest.mark.parametrize("kw, field", [
     (dict(top_p=float("nan")), "top_p"), (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logit_bias=((1, 101.0),)), "logit_bias value"), (dict(logit_bias=((-1, 1.0),)), "logit_bias token id"),
+    (dict(logit_bias=((1, 101.0),)), "logit_bias value"),
+    (dict(logit_bias=((-1, 1.0),)), "logit_bias token id"),
     (dict(min_tokens=-1), "min_tokens"), (dict(logprobs=21), "logprobs"), (dict(seed=1 << 64), "seed"),
     (dict(top_k=True), "top_k"),
 ])
@@ -108,4 +109,14 @@ def test_the_engine_bans_stop_ids_until_min_tokens_and_ignore_eos_never_stops_on
     assert [(e["rid"], e["reason"]) for e in eng.step_done(plan, [9, 9])] == [(1, "stop")]
     plan = eng.next_plan()
     assert plan["batch"][0][6] is None  # ignore_eos: nothing to ban
-    assert [(e["rid"], e["reason"], e["tokens"]) for e in eng.step_done(plan, [9])] == [(2, "length", [9] * 3)]
+    done = eng.step_done(plan, [9])
+    assert [(e["rid"], e["reason"], e["tokens"]) for e in done] == [(2, "length", [9] * 3)]
+
+
+def test_packed_logprobs_travel_exactly_with_each_rows_own_width():
+    from kvbridge.executor.sampling import logprob_width, pack_logprobs, unpack_logprobs
+
+    ps = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0)]
+    _, lps = sample_step(LOGITS.repeat(3, 1), ps, [0, 0, 0])
+    k = logprob_width(ps)
+    assert k == 2 and unpack_logprobs(pack_logprobs(lps, k), ps, k, 6) == lps

@@ -14,7 +14,8 @@ PENALISED = dict(presence_penalty=0.8, frequency_penalty=1.2, repetition_penalty
 
 
 def _cfg(**kw):
-    return ExecutorConfig(**{**dict(model="seeded:tiny", num_blocks=32, tokens_per_block=4, timeout_s=60), **kw})
+    base = dict(model="seeded:tiny", num_blocks=32, tokens_per_block=4, timeout_s=60)
+    return ExecutorConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +32,14 @@ def pair():
 
 def _stop_of(agg) -> tuple[int, ...]:
     """A stop id the penalised request would hit at once without min_tokens: its own first token."""
-    free = agg.wait(agg.submit(PROMPT, max_tokens=1, sampling=SamplingParams(**{**PENALISED, "min_tokens": 0}),
-                               stop_ids=()))
+    sp = SamplingParams(**{**PENALISED, "min_tokens": 0})
+    free = agg.wait(agg.submit(PROMPT, max_tokens=1, sampling=sp, stop_ids=()))
     return (free.tokens[0],)
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_context_pp2_then_generation_gives_the_aggregated_tokens_and_logprobs_with_penalties(agg, pair, seeded):
+def test_context_pp2_then_generation_gives_the_aggregated_tokens_and_logprobs_with_penalties(agg, pair,
+                                                                                            seeded):
     sp = SamplingParams(**PENALISED, **(dict(temperature=0.8, top_p=0.9, seed=77) if seeded else {}))
     stop = _stop_of(agg)
     plain = agg.generate([PROMPT], max_tokens=12)[0]

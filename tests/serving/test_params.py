@@ -132,3 +132,19 @@ def test_requests_that_used_to_kill_a_worker_are_greedy_and_the_worker_keeps_ser
     for kw in (dict(top_p=0.0, temperature=1.0), dict(temperature=1e-40)):
         r = agg.completions.create(model=c.cfg.model_name, prompt=PROMPTS[0], max_tokens=4, seed=3, **kw)
         assert _kb(r)["token_ids"] == _kb(want)["token_ids"]
+
+
+def test_streamed_chat_logprobs_come_with_their_chunks_and_equal_the_whole_answers(clients):
+    c, disagg, _ = clients
+    kw = dict(model=c.cfg.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+              logprobs=True, top_logprobs=2)
+    whole = disagg.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = []
+    for ch in disagg.chat.completions.create(**kw, stream=True):
+        if ch.choices:
+            lp = ch.choices[0].logprobs
+            assert len(lp.content if lp else []) == len(ch.model_extra["kvbridge"]["token_ids"])
+            streamed += lp.content if lp else []
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, [t.token for t in e.top_logprobs]) for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole])

@@ -50,6 +50,7 @@ def test_the_parameters_parse_to_their_fields():
     assert (c.logprobs, c.stop) == (0, ())
     assert parse_request({**CHAT, "logprobs": True, "top_logprobs": 5, "stop": ["a", ""]}, "chat", 16).logprobs == 5
     assert parse_request({**CHAT, "logprobs": False, "presence_penalty": None}, "chat", 16).logprobs == -1
+    assert parse_request({**CHAT, "top_logprobs": 0}, "chat", 16).logprobs == -1
 
 
 def test_the_first_tokens_logprob_travels_in_disaggregated_params_and_is_checked():
