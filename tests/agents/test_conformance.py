@@ -16,7 +16,7 @@ import pytest
 from kvbridge.agents import DescriptorList, MemoryRegion, XferState
 from kvbridge.errors import AgentError, PeerError, RegistrationError, TransferFailed
 
-from .peer import Peer, alloc, descs, device_of, pattern, resolve, restore, to_numpy
+from .peer import Peer, alloc, descs, device_of, resolve, restore, to_numpy
 
 HOST_AGENTS = ["nixl", "examples.custom_agent:CmaAgent", "tcp", "gloo", "examples.custom_connection:UdsAgent",
                "tests.agents.chunked:ChunkedCmaAgent"]
@@ -63,11 +63,13 @@ def test_scattered_read_moves_every_byte_exact(pair):
     src_off, lens = scattered(rng, NBYTES, 3000, 2048)
     dst_off, _ = scattered(rng, NBYTES, 3000, 2048, lens)  # independent placement on the local side
     before = to_numpy(buf).copy()
+    # the peer's bytes as they are now (pattern(NBYTES, 3) plus whatever the write tests put there: they may
+    # have run first), not as the fixture made them
+    remote = np.frombuffer(peer.call("dump"), dtype=np.uint8).copy()
     h = agent.read(name, descs(buf, dst_off, lens), descs(peer, src_off, lens))
     h.wait(TIMEOUT)
     assert h.state() is XferState.DONE
     h.release()
-    remote = pattern(NBYTES, 3)
     expected = before.copy()
     for d, s, n in zip(dst_off, src_off, lens):  # test oracle, not the data path
         expected[d:d + n] = remote[s:s + n]
