@@ -115,18 +115,23 @@ def test_worker_metrics_merge_the_transceiver_metrics_of_every_rank_process(urls
     assert 'kvbridge_router_requests_total{endpoint="completions",status="200"}' in router
 
 
+def _client_closed(url: str) -> float:
+    """The generation worker's count of requests ended because the client (the router) went away."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", headers=HEADERS).text.splitlines()
+               if line.startswith("kvbridge_serving_requests_total{") and 'outcome="client_closed"' in line)
+
+
 def test_a_client_that_goes_away_mid_stream_aborts_its_generation(urls):
+    before = _client_closed(urls["gen"])  # other tests (a router deadline) may have counted some already
     body = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
     with httpx.stream("POST", urls["router"] + "/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break  # one chunk, then hang up
     deadline = time.monotonic() + 60
-    while ("client_closed" not in httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
-           and time.monotonic() < deadline):
+    while _client_closed(urls["gen"]) == before:  # the generation worker saw the router hang up and aborted
+        assert time.monotonic() < deadline, "the generation worker never counted the client going away"
         time.sleep(0.3)
-    metrics = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
-    assert 'outcome="client_closed"' in metrics  # the generation worker saw the router hang up and aborted
     assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
 
 
@@ -186,6 +191,8 @@ def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_
 
 
 def test_bad_requests_get_openai_error_objects_through_the_router(urls):
+    # earlier tests' context blocks are released asynchronously (after the readers confirm): wait for them
+    assert wait_pool_full(urls["ctx"], CTX_BLOCKS, 2) == [CTX_BLOCKS] * 2
     r = httpx.post(urls["router"] + "/completions", json={"prompt": [], "max_tokens": 4}, timeout=30)
     assert r.status_code == 400
     err = r.json()["error"]
