@@ -143,41 +143,16 @@ def new_id(kind: str) -> str:
 
 def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
     """Validate a request body; ApiError(400) naming the first bad field."""
-    from .validate import GREEDY_BELOW, text_content
+    from .validate import GREEDY_BELOW
+
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for k, ok in _UNSUPPORTED.items():
         if body.get(k, ok) not in (ok, None) and not (k in ("logprobs",) and body.get(k) is False):
             raise ApiError(400, f"{k}={body[k]!r} is not supported by this server", code="unsupported",
                            param=k)
-    prompt = messages = None
-    if kind == "completion":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list):
-            if not _token_ids(prompt):
-                raise ApiError(400, "prompt: a token-id prompt must be a non-empty list of non-negative "
-                                    "integers (one prompt per request)", param="prompt")
-        elif not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "prompt: expected a non-empty string or a list of token ids", param="prompt")
-        elif len(prompt) > MAX_PROMPT_CHARS:
-            raise ApiError(400, f"prompt: {len(prompt)} characters; at most {MAX_PROMPT_CHARS}",
-                           code="context_length_exceeded", param="prompt")
-    else:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages: expected a non-empty list of {role, content} objects",
-                           param="messages")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
-                raise ApiError(400, f"messages[{i}]: expected {{'role': str, 'content': str}}",
-                               param="messages")
-        messages = [{"role": m["role"], "content": text_content(m["content"], f"messages[{i}]")}
-                    for i, m in enumerate(messages)]
-        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
-            raise ApiError(400, f"messages: more than {MAX_PROMPT_CHARS} characters of content",
-                           code="context_length_exceeded", param="messages")
+    prompt = _prompt(body) if kind == "completion" else None
+    messages = _messages(body) if kind != "completion" else None
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 1)
     so = body.get("stream_options") or {}
@@ -210,6 +185,41 @@ def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
                       logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=min_tokens,
                       ignore_eos=_bool(_given(body, "ignore_eos", False), "ignore_eos"),
                       logprobs=_logprobs(body, kind), stop=_stop(body.get("stop")))
+
+
+def _prompt(body: dict) -> str | list[int]:
+    """A completions prompt: a non-empty string (bounded) or one list of token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not _token_ids(prompt):
+            raise ApiError(400, "prompt: a token-id prompt must be a non-empty list of non-negative "
+                                "integers (one prompt per request)", param="prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "prompt: expected a non-empty string or a list of token ids", param="prompt")
+    elif len(prompt) > MAX_PROMPT_CHARS:
+        raise ApiError(400, f"prompt: {len(prompt)} characters; at most {MAX_PROMPT_CHARS}",
+                       code="context_length_exceeded", param="prompt")
+    return prompt
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    """Chat messages as {role, content} with text content (text parts joined), bounded in total."""
+    from .validate import text_content
+
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: expected a non-empty list of {role, content} objects", param="messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            raise ApiError(400, f"messages[{i}]: expected {{'role': str, 'content': str}}", param="messages")
+    messages = [{"role": m["role"], "content": text_content(m["content"], f"messages[{i}]")}
+                for i, m in enumerate(messages)]
+    if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+        raise ApiError(400, f"messages: more than {MAX_PROMPT_CHARS} characters of content",
+                       code="context_length_exceeded", param="messages")
+    return messages
 
 
 def parse_disagg(d: Any) -> DisaggRequest | None:

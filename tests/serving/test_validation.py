@@ -63,8 +63,10 @@ def test_the_sampler_never_fails_on_extreme_parameters():
     logits = torch.arange(32, dtype=torch.float32).reshape(2, 16) * 0.37
     greedy = logits.argmax(-1).tolist()
     for p in (SamplingParams(1e-40, 0, 1.0, 7), SamplingParams(1.0, 0, 0.0, 7),
-              SamplingParams(0.7, 3, 1e-9, 7), SamplingParams(float("nan"), 0, 1.0, 7)):
+              SamplingParams(0.7, 3, 1e-9, 7)):
         assert sample(logits, [p, p], [5, 6]) == greedy
+    with pytest.raises(ValueError, match="temperature"):  # refused when built (a 400 at the worker)
+        SamplingParams(float("nan"), 0, 1.0, 7)
     inf_row = torch.full((1, 16), float("inf"))
     assert sample(inf_row, [SamplingParams(1.0, 0, 1.0, 1)], [0]) == [0]
 
