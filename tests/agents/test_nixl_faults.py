@@ -13,7 +13,7 @@ from kvbridge.agents import MemoryRegion, create_agent
 from kvbridge.agents.base import DescriptorList
 from kvbridge.errors import AgentError, PeerError
 
-from .peer import Peer, alloc, pattern
+from kvbridge.agents.conformance.peer import Peer, alloc, pattern
 
 NBYTES = 1 << 20
 
