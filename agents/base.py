@@ -62,7 +62,8 @@ then a bounded wait, as `handles._settle` does); what releasing a still-PENDING 
 transport's business (ConnectionAgent cancels it), so nothing relies on it.
 
 A peer that dies: transfers to it end FAILED (or raise at post) within the transport's own deadline, never
-stay PENDING forever, and the agent keeps serving its other peers.
+stay PENDING forever, and the agent keeps serving its other peers. A transport that maps the peer's memory
+(CUDA IPC: the allocation stays alive while mapped) may end DONE, with exactly the peer's last bytes.
 
 `kvbridge check-agent MODULE:CLASS` runs the conformance suite (`kvbridge.agents.conformance`) that checks
 these rules against a class in real processes.
