@@ -15,13 +15,13 @@ Never logs a token or a key, and never decides what a route does: it only lets a
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import os
 import secrets
 
 from ..errors import ServeConfigError
+from ..transceiver.sockets import is_loopback
 
 log = logging.getLogger("kvbridge.serving.auth")
 
@@ -56,16 +56,6 @@ def api_keys(cfg, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The router's API keys: `router.api_keys`, then `extra` (from --api-key), then KVBRIDGE_API_KEY."""
     env = tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
     return tuple(dict.fromkeys((*cfg.router.api_keys, *extra, *env)))
-
-
-def is_loopback(host: str) -> bool:
-    """True for 'localhost' and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_worker_bind(name: str, bind_host: str, token: str | None, insecure: bool) -> None:
