@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from .plot import save_plot
 from .common import machine, table, write_json
 
 MODEL = "seeded:tiny3"
@@ -132,28 +133,20 @@ def run_mode(reuse: bool, conversations: int, turns: int, workers: int, threads:
 
 
 def _png(path: str, res: dict[str, Any]) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("no PNG: matplotlib is not installed (pip install 'kvbridge[bench]')")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = [("prefill_tokens", "prefill tokens computed"), ("bytes_moved", "KV bytes moved"),
             ("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p95_ms", "TTFT p95 (ms)")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(14, 3.4))
-    for ax, (k, title) in zip(axes, keys):
-        vals = [res["no_reuse"][k], res["reuse"][k]]
-        ax.bar(["no reuse", "reuse"], vals, color=["#999999", "#2a7ab9"])
-        ax.set_title(title, fontsize=10)
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
-    fig.suptitle(f"kvbridge prefix reuse: {res['conversations']} conversations x {res['turns']} turns "
-                 f"({MODEL}, CPU, through the router); identical outputs: {res['identical']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+
+    def draw(fig) -> None:
+        for ax, (k, title) in zip(fig.subplots(1, len(keys)), keys):
+            vals = [res["no_reuse"][k], res["reuse"][k]]
+            ax.bar(["no reuse", "reuse"], vals, color=["#999999", "#2a7ab9"])
+            ax.set_title(title, fontsize=10)
+            for i, v in enumerate(vals):
+                ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+
+    save_plot(path, draw, f"kvbridge prefix reuse: {res['conversations']} conversations x {res['turns']} "
+                          f"turns ({MODEL}, CPU, through the router); identical outputs: {res['identical']}",
+              size=(14, 3.4))
 
 
 def main(argv: list[str] | None = None) -> int:
