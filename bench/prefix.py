@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from .plot import save_plot
 from .common import machine, table, write_json
+from .plot import save_plot
 
 MODEL = "seeded:tiny3"
 SYSTEM_TOKENS = 64
