@@ -27,9 +27,8 @@ def _rss_kb(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-def _cycles(endpoint: str, n: int) -> int:
+def _cycles(zctx: zmq.Context, endpoint: str, n: int) -> int:
     """n connect / Hello / Welcome / disconnect cycles, BATCH peers at a time; returns Welcomes received."""
-    zctx = zmq.Context.instance()
     hello = m.Hello("churn", 0, LAYOUT.to_wire(), ["nixl"]).encode()
     welcomed = 0
     for start in range(0, n, BATCH):
@@ -61,18 +60,20 @@ def _wait_sessions(p: RankProc, want: int, timeout: float) -> int:
 @pytest.mark.slow
 def test_twenty_thousand_hello_disconnect_cycles_leave_sessions_and_memory_where_they_started():
     p = RankProc()
+    zctx = zmq.Context()  # its own: other tests' sockets do not count against its max_sockets
+    zctx.max_sockets = 4096  # closed sockets count until zmq's reaper is done with them
     try:
         ep = p.call("init", {"role": "context", "layout": LAYOUT.to_wire(), "rank": 0, "num_blocks": 8,
                              "config": CFG, "instance": "ctx-churn"})
         start = _sessions(p)
         # warm-up: allocator arenas and zmq's per-connection structures reach their high-water mark
-        assert _cycles(ep, 5000) == 5000
+        assert _cycles(zctx, ep, 5000) == 5000
         assert _wait_sessions(p, start, CFG["peer_timeout_s"] + 10) == start
         rss = [_rss_kb(p.proc.pid)]
         t0 = time.monotonic()
         peak = 0
         for _ in range(2):
-            assert _cycles(ep, CYCLES // 2) == CYCLES // 2
+            assert _cycles(zctx, ep, CYCLES // 2) == CYCLES // 2
             peak = max(peak, _sessions(p))
             assert _wait_sessions(p, start, CFG["peer_timeout_s"] + 10) == start  # every session dropped again
             rss.append(_rss_kb(p.proc.pid))
@@ -82,4 +83,5 @@ def test_twenty_thousand_hello_disconnect_cycles_leave_sessions_and_memory_where
               f"rank RSS {' -> '.join(f'{r / 1024:.1f}' for r in rss)} MB: {growth_mb:+.2f} MB")
         assert growth_mb < 8, f"context rank grew by {growth_mb:.1f} MB over {CYCLES} cycles"
     finally:
+        zctx.destroy(0)
         p.close()
