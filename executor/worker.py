@@ -34,6 +34,7 @@ from .kv_io import gather_blocks, scatter_blocks
 from .model import StageModel, StepBatch
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenHistory, TokenLogprob, sample_step
 from .sources import load_source
+from .streaming import LayerStreamer, supports_streaming
 from .weights import stage_weights
 
 __all__ = ["rank_main", "Pipes"]
@@ -158,6 +159,10 @@ class _Runner:
 
             self.conn = ConnectorRank(cfg, rank, self.layout, self.kv.pool, self.device, self.mcfg.to_dict())
             self.model.kv_connector = self.conn
+        self.streamer = None  # layer-wise streaming of context-only prefills (streaming.py)
+        if int(cfg.get("stream_layers") or 0) > 0 and supports_streaming(self.hook):
+            self.streamer = LayerStreamer(self.hook, int(cfg["stream_layers"]), len(self.model.layers),
+                                          self.device)
 
     def exchange(self) -> list[dict] | None:
         """After a step: every rank's hook report, gathered on every rank (None without hooks)."""
@@ -226,7 +231,8 @@ class _Runner:
             hidden = None
             if not self.model.first:
                 hidden = self.comm.recv_prev_stage((sb.num_tokens, self.mcfg.hidden_size), self.model.dtype)
-            out = self.model.forward(sb, hidden)
+            out = self._forward(sb, hidden, [(int(b[0]), list(blocks), n) for b, blocks, (_, n)
+                                             in zip(batch, rows, needs) if b[4]])
             if not self.model.last:
                 self.comm.send_next_stage(out)
             elif self.rank == self.sampler_rank:
@@ -253,6 +259,18 @@ class _Runner:
             else:
                 raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
         return sampled
+
+    def _forward(self, sb: StepBatch, hidden, ctx_only: list[tuple[int, list[int], int]]):
+        """The stage's forward pass; with streaming, this step's context-only prefills are published first and
+        their layers marked ready as they are written."""
+        if self.streamer is None or not self.streamer.begin(ctx_only):
+            return self.model.forward(sb, hidden)
+        self.model.layer_done = self.streamer.layer_done
+        try:
+            return self.model.forward(sb, hidden)
+        finally:
+            self.model.layer_done = None
+            self.streamer.end()
 
     # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) ---------------------
     def _sample(self, batch: list, logits: torch.Tensor, positions: list[int]) -> tuple[list[int], list]:
