@@ -3,7 +3,7 @@
 Context ranks: after marking their FIRST layer group ready, the forward pass waits (bounded) until the file
 `stall_until` exists, so the prefill cannot end before whatever writes that file happened; when the last
 local layer is marked, `prefill_end-<rank>` gets time.monotonic(). `stall_until` may name the request as
-{rid} (the context executor's request id). Generation ranks: once the first block of request `rid` holds
+{rid} (the context executor's request id); `stalled-<rank>-<rid>` is written when the stall begins. Generation ranks: once the first block of request `rid` holds
 layer 0's KV (it is all zeros before the pull), `first_read-<rank>-<rid>` gets time.monotonic().
 All processes run on one host, so their monotonic clocks compare.
 """
@@ -51,6 +51,7 @@ class StreamProbe(TransceiverHook):
         if layers == self.local:
             write_time(os.path.join(self.dir, f"prefill_end-{self.rank}"))
         elif self.first_group.setdefault(request_id, layers) == layers and self.stall_until:
+            write_time(os.path.join(self.dir, f"stalled-{self.rank}-{request_id}"))
             if not wait_file(self.stall_until.format(rid=request_id), STALL_LIMIT_S):
                 open(os.path.join(self.dir, f"stall_timed_out-{self.rank}"), "w").close()
 

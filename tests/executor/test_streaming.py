@@ -9,6 +9,7 @@ the prefill ran — and the monotonic timestamps of both (one host) are compared
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -68,3 +69,58 @@ def test_streamed_prefill_is_read_while_it_runs_and_decodes_the_aggregated_token
         ctx.wait_released(ctx_rid, timeout=30)
         assert ctx.free_blocks() == [32] * world
         assert gen.free_blocks() == [32]
+
+
+def _pools_full(ex: Executor, n: int, timeout: float) -> list[int]:
+    """Free blocks per rank, asked again (each answer is a round trip through the step loop) until every pool
+    is full or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free = ex.free_blocks()
+        if all(f == n for f in free) or time.monotonic() > deadline:
+            return free
+
+
+def test_aborts_mid_stream_free_every_block_once_and_the_service_goes_on(tmp_path):
+    with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=32, tokens_per_block=8)) as agg:
+        want = agg.generate([PROMPT], max_tokens=6)[0]
+    go = str(tmp_path / "go-{rid}")
+    with _exec(tmp_path, "context", "ctx", {"stall_until": go}, stream_layers=1, tp=2, tokens_per_block=4) as ctx, \
+            _exec(tmp_path, "generation", "gen", {}, tokens_per_block=12) as gen:
+        endpoints = context_endpoints(str(tmp_path / "ctx"), 2)
+
+        def start(gen_rid: int) -> int:
+            ctx_rid = ctx.submit(PROMPT, max_tokens=1, mode="context_only")
+            gen.submit(PROMPT, max_tokens=6, mode="generation_only", first_token=want[0], request_id=gen_rid,
+                       ctx_info={"disagg_params": disagg_params(ctx, ctx_rid, endpoints).to_dict()})
+            return ctx_rid
+
+        # 1. the generation side gives up mid-stream: layer 0 arrived, the prefill is stalled after it
+        ctx_rid = start(1)
+        assert wait_file(str(tmp_path / "first_read-0-1"), 60)
+        gen.abort(1)
+        c = gen.wait(1, timeout=60)
+        assert c.finish_reason == "aborted"
+        write_time(go.format(rid=ctx_rid))
+        assert ctx.wait_context(ctx_rid, timeout=60).first_token == want[0]
+        ctx.wait_released(ctx_rid, timeout=30)  # the reader's Done (or its lease running out) releases it
+        assert gen.free_blocks() == [32] and _pools_full(ctx, 32, 30) == [32, 32]
+
+        # 2. the context side aborts while its prefill is stalled mid-stream: the abort takes effect when the
+        # prefill step ends; the pull either finished first (tokens exact) or fails with the cancel as reason
+        ctx_rid = start(2)
+        assert wait_file(str(tmp_path / f"stalled-0-{ctx_rid}"), 60)
+        ctx.abort(ctx_rid)
+        write_time(go.format(rid=ctx_rid))
+        c = gen.wait(2, timeout=60)
+        assert c.tokens == want or (c.finish_reason == "aborted" and "cancel" in c.error), c
+        assert _pools_full(ctx, 32, 30) == [32, 32] and _pools_full(gen, 32, 30) == [32]
+
+        # 3. the next streamed request goes through, byte-exact
+        ctx_rid = start(3)
+        write_time(go.format(rid=ctx_rid))
+        c = gen.wait(3, timeout=60)
+        assert c.tokens == want, c
+        check_positional(ctx.kv_digest(ctx_rid), gen.kv_digest(3), "after the aborts")
+        ctx.wait_released(ctx_rid, timeout=30)
+        assert ctx.free_blocks() == [32, 32] and gen.free_blocks() == [32]
