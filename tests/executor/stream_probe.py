@@ -3,8 +3,9 @@
 Context ranks: after marking their FIRST layer group ready, the forward pass waits (bounded) until the file
 `stall_until` exists, so the prefill cannot end before whatever writes that file happened; when the last
 local layer is marked, `prefill_end-<rank>` gets time.monotonic(). `stall_until` may name the request as
-{rid} (the context executor's request id); `stalled-<rank>-<rid>` is written when the stall begins. Generation ranks: once the first block of request `rid` holds
-layer 0's KV (it is all zeros before the pull), `first_read-<rank>-<rid>` gets time.monotonic().
+{rid} (the context executor's request id); `stalled-<rank>-<rid>` is written when the stall begins.
+Generation ranks: once the first block of request `rid` holds layer 0's KV (all zeros before the pull on a
+fresh pool), `first_read-<rank>-<rid>` gets time.monotonic().
 All processes run on one host, so their monotonic clocks compare.
 """
 

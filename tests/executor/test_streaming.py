@@ -85,7 +85,8 @@ def test_aborts_mid_stream_free_every_block_once_and_the_service_goes_on(tmp_pat
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=32, tokens_per_block=8)) as agg:
         want = agg.generate([PROMPT], max_tokens=6)[0]
     go = str(tmp_path / "go-{rid}")
-    with _exec(tmp_path, "context", "ctx", {"stall_until": go}, stream_layers=1, tp=2, tokens_per_block=4) as ctx, \
+    with _exec(tmp_path, "context", "ctx", {"stall_until": go}, stream_layers=1, tp=2,
+               tokens_per_block=4) as ctx, \
             _exec(tmp_path, "generation", "gen", {}, tokens_per_block=12) as gen:
         endpoints = context_endpoints(str(tmp_path / "ctx"), 2)
 
