@@ -12,6 +12,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from kvbridge.executor.kv_check import check_positional
 from kvbridge.executor.runtime import Executor, ExecutorConfig
@@ -125,3 +126,27 @@ def test_aborts_mid_stream_free_every_block_once_and_the_service_goes_on(tmp_pat
         check_positional(ctx.kv_digest(ctx_rid), gen.kv_digest(3), "after the aborts")
         ctx.wait_released(ctx_rid, timeout=30)
         assert ctx.free_blocks() == [32, 32] and gen.free_blocks() == [32]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA events mark the layers)")
+def test_cuda_streamed_prefill_marks_layers_by_events_and_decodes_the_aggregated_tokens(tmp_path):
+    dev = dict(device="cuda", dtype="bfloat16")
+    with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=32, tokens_per_block=8, **dev)) as agg:
+        want = agg.generate([PROMPT], max_tokens=10)[0]
+    gen_rid = 5
+    with _exec(tmp_path, "context", "ctx", {"stall_until": str(tmp_path / f"first_read-0-{gen_rid}")},
+               stream_layers=1, tokens_per_block=4, **dev) as ctx, \
+            _exec(tmp_path, "generation", "gen", {}, tokens_per_block=12, **dev) as gen:
+        endpoints = context_endpoints(str(tmp_path / "ctx"), 1)
+        ctx_rid = ctx.submit(PROMPT, max_tokens=1, mode="context_only")
+        gen.submit(PROMPT, max_tokens=10, mode="generation_only", first_token=want[0], request_id=gen_rid,
+                   ctx_info={"disagg_params": disagg_params(ctx, ctx_rid, endpoints).to_dict()})
+        assert ctx.wait_context(ctx_rid, timeout=60).first_token == want[0]
+        got = gen.wait(gen_rid, timeout=60)
+        assert got.tokens == want, got
+        check_positional(ctx.kv_digest(ctx_rid), gen.kv_digest(gen_rid), "streamed on CUDA")
+        assert not [f for f in os.listdir(tmp_path) if f.startswith("stall_timed_out")]
+        assert _times(tmp_path, f"first_read-0-{gen_rid}")[0] < _times(tmp_path, "prefill_end-")[0]
+        ctx.wait_released(ctx_rid, timeout=30)
+        assert ctx.free_blocks() == [32] and gen.free_blocks() == [32]
