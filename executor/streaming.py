@@ -73,6 +73,10 @@ class LayerStreamer:
             self._mark(self.num_layers)
         self.active, self._pending = [], []
 
+    def abandon(self) -> None:
+        """The forward pass failed: mark nothing more (what is not marked was never written)."""
+        self.active, self._pending = [], []
+
     def _drain(self, block: bool) -> None:
         while self._pending:
             ev, n = self._pending[0]

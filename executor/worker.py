@@ -228,11 +228,8 @@ class _Runner:
             rows = kv.get_batch_cache_indices([n[0] for n in needs])
             sb = StepBatch.build([(b[2], int(b[1]), blocks, True) for b, blocks in zip(batch, rows)],
                                  kv.tokens_per_block, self.device)
-            hidden = None
-            if not self.model.first:
-                hidden = self.comm.recv_prev_stage((sb.num_tokens, self.mcfg.hidden_size), self.model.dtype)
-            out = self._forward(sb, hidden, [(int(b[0]), list(blocks), n) for b, blocks, (_, n)
-                                             in zip(batch, rows, needs) if b[4]])
+            out = self._forward(sb, [(int(b[0]), list(blocks), n) for b, blocks, (_, n)
+                                     in zip(batch, rows, needs) if b[4]])
             if not self.model.last:
                 self.comm.send_next_stage(out)
             elif self.rank == self.sampler_rank:
@@ -260,17 +257,28 @@ class _Runner:
                 raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
         return sampled
 
-    def _forward(self, sb: StepBatch, hidden, ctx_only: list[tuple[int, list[int], int]]):
-        """The stage's forward pass; with streaming, this step's context-only prefills are published first and
-        their layers marked ready as they are written."""
-        if self.streamer is None or not self.streamer.begin(ctx_only):
+    def _forward(self, sb: StepBatch, ctx_only: list[tuple[int, list[int], int]]):
+        """The stage's forward pass (a later PP stage first receives the previous stage's hidden states).
+
+        With streaming, this step's context-only prefills are published first (before a later stage waits for
+        its input, so generation ranks can fetch meanwhile) and their layers marked ready as they are written;
+        a forward pass that fails marks nothing more (the rank stops with the error)."""
+        streaming = self.streamer is not None and self.streamer.begin(ctx_only)
+        hidden = None
+        if not self.model.first:
+            hidden = self.comm.recv_prev_stage((sb.num_tokens, self.mcfg.hidden_size), self.model.dtype)
+        if not streaming:
             return self.model.forward(sb, hidden)
         self.model.layer_done = self.streamer.layer_done
         try:
-            return self.model.forward(sb, hidden)
+            out = self.model.forward(sb, hidden)
+        except BaseException:
+            self.streamer.abandon()
+            raise
         finally:
             self.model.layer_done = None
-            self.streamer.end()
+        self.streamer.end()
+        return out
 
     # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) ---------------------
     def _sample(self, batch: list, logits: torch.Tensor, positions: list[int]) -> tuple[list[int], list]:
