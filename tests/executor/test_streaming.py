@@ -21,6 +21,7 @@ from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params,
 from .stream_probe import wait_file, write_time
 
 PROMPT = list(range(30, 67))  # 37 tokens
+LONGER = [9, 8, 7, 6, 5, 4, 3]
 XCFG = {"agents": ["nixl"], "transfer_timeout_s": 30, "stream_layers": True, "lease_s": 3.0}
 PROBE = "tests.executor.stream_probe:make"
 
@@ -84,16 +85,16 @@ def _pools_full(ex: Executor, n: int, timeout: float) -> list[int]:
 
 def test_aborts_mid_stream_free_every_block_once_and_the_service_goes_on(tmp_path):
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=32, tokens_per_block=8)) as agg:
-        want = agg.generate([PROMPT], max_tokens=6)[0]
+        want, want_longer = agg.generate([PROMPT, PROMPT + LONGER], max_tokens=6)
     go = str(tmp_path / "go-{rid}")
-    with _exec(tmp_path, "context", "ctx", {"stall_until": go}, stream_layers=1, tp=2,
-               tokens_per_block=4) as ctx, \
+    with _exec(tmp_path, "context", "ctx", {"stall_until": go}, stream_layers=1, tp=2, tokens_per_block=4,
+               enable_block_reuse=True) as ctx, \
             _exec(tmp_path, "generation", "gen", {}, tokens_per_block=12) as gen:
         endpoints = context_endpoints(str(tmp_path / "ctx"), 2)
 
-        def start(gen_rid: int) -> int:
-            ctx_rid = ctx.submit(PROMPT, max_tokens=1, mode="context_only")
-            gen.submit(PROMPT, max_tokens=6, mode="generation_only", first_token=want[0], request_id=gen_rid,
+        def start(gen_rid: int, prompt=PROMPT, first=want[0]) -> int:
+            ctx_rid = ctx.submit(prompt, max_tokens=1, mode="context_only")
+            gen.submit(prompt, max_tokens=6, mode="generation_only", first_token=first, request_id=gen_rid,
                        ctx_info={"disagg_params": disagg_params(ctx, ctx_rid, endpoints).to_dict()})
             return ctx_rid
 
@@ -124,6 +125,17 @@ def test_aborts_mid_stream_free_every_block_once_and_the_service_goes_on(tmp_pat
         c = gen.wait(3, timeout=60)
         assert c.tokens == want, c
         check_positional(ctx.kv_digest(ctx_rid), gen.kv_digest(3), "after the aborts")
+        ctx.wait_released(ctx_rid, timeout=30)
+        assert ctx.free_blocks() == [32, 32] and gen.free_blocks() == [32]
+
+        # 4. on a cached prefix: only the new tokens are computed, every layer is marked once ALL its tokens
+        # (the cached blocks' and the new ones') are written, and the generation side reads it all exactly
+        ctx_rid = start(4, PROMPT + LONGER, want_longer[0])
+        write_time(go.format(rid=ctx_rid))
+        res = ctx.wait_context(ctx_rid, timeout=60)
+        c = gen.wait(4, timeout=60)
+        assert res.reused_tokens >= 32 and c.tokens == want_longer, (res, c)
+        check_positional(ctx.kv_digest(ctx_rid), gen.kv_digest(4), "streamed on a cached prefix")
         ctx.wait_released(ctx_rid, timeout=30)
         assert ctx.free_blocks() == [32, 32] and gen.free_blocks() == [32]
 
