@@ -144,7 +144,8 @@ def test_aborts_mid_stream_free_every_block_once_and_the_service_goes_on(tmp_pat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA events mark the layers)")
 def test_cuda_streamed_prefill_marks_layers_by_events_and_decodes_the_aggregated_tokens(tmp_path):
     dev = dict(device="cuda", dtype="bfloat16")
-    with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=32, tokens_per_block=8, **dev)) as agg:
+    with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=32, tokens_per_block=8,
+                                       **dev)) as agg:
         want = agg.generate([PROMPT], max_tokens=10)[0]
     gen_rid = 5
     with _exec(tmp_path, "context", "ctx", {"stall_until": str(tmp_path / f"first_read-0-{gen_rid}")},
