@@ -7,6 +7,11 @@ step loop, in lockstep with the other ranks (all hooks run on the rank's main th
     on_context_done(request_id, block_ids, num_tokens, first_token)
         a context-only prefill finished (called at the start of the step after it, when the leader knows the
         first token); its blocks are pinned on this rank until the request is released.
+    on_context_start(request_id, block_ids, num_tokens)   (optional; ExecutorConfig.stream_layers > 0)
+        a context-only prefill is about to run on these (allocated) blocks: publish it, nothing readable yet.
+    on_layers_ready(request_id, layers)                   (optional; with on_context_start)
+        the first `layers` LOCAL layers of the request hold their final KV (called from inside the forward
+        pass, executor/streaming.py: return at once). on_context_done still follows the prefill.
     on_generation_alloc(request_id, block_ids, prompt_len, ctx_info)
         a generation-only request got blocks on this rank: receive the prompt KV of this rank's layers and
         heads into them. ctx_info is the dict given to Executor.add_generation (e.g. where the context is).

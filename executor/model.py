@@ -106,6 +106,7 @@ class StageModel:
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
         self.inv_freq = self.inv_freq.to(torch.float32).to(self.device)
         self.kv_connector = None  # a KV connector (connector/rank.py): its hooks run around each layer
+        self.layer_done = None  # layer-wise streaming (streaming.py): called with li once li's KV is written
 
     # --- pieces -------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -190,6 +191,8 @@ class StageModel:
                                     sin)
             if conn is not None:
                 conn.save_kv_layer(li)
+            if self.layer_done is not None:
+                self.layer_done(li)
             x = x + self._mlp(layer, _rms_norm(x, self.w[p + "post_attention_layernorm.weight"], eps))
         if not self.last:
             return x

@@ -66,6 +66,10 @@ class ExecutorConfig:
             from a folder shared across executors and restarts.
         enable_block_reuse: keep finished requests' full KV blocks cached and start requests whose prompt
             prefix is cached on those blocks (kv_cache_manager.py); serving turns it on by default.
+        stream_layers: layer-wise streaming (streaming.py; needs a rank hook that streams, the transceiver's):
+            0 = off, a context-only request is published once its prefill is done; N > 0 = it is published
+            when its blocks are allocated and every rank marks its local layers ready every N layers as the
+            prefill's forward pass writes them, so the generation side reads layer L while L+1 computes.
     """
 
     model: str = "seeded:tiny"
@@ -85,6 +89,7 @@ class ExecutorConfig:
     kv_connector_config: KvConnectorConfig | dict | None = None
     kv_digests: bool = False
     enable_block_reuse: bool = False
+    stream_layers: int = 0
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
@@ -161,7 +166,7 @@ class Executor:
             "threads_per_rank": cfg.threads_per_rank, "port": free_port(),
             "rank_hook": cfg.rank_hook, "rank_hook_args": cfg.rank_hook_args,
             "kv_connector": connector_wire(cfg.kv_connector_config), "kv_digests": bool(cfg.kv_digests),
-            "enable_block_reuse": bool(cfg.enable_block_reuse),
+            "enable_block_reuse": bool(cfg.enable_block_reuse), "stream_layers": int(cfg.stream_layers),
         })
         ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
         ex._pipes = [Pipes(rx, tx) for rx, tx in zip(from_rank, to_rank)]
@@ -301,6 +306,12 @@ class Executor:
         """
         rid = self.submit(prompt, max_tokens=1, mode="context_only", sampling=sampling, request_id=request_id,
                           stop_ids=stop_ids)
+        return self.wait_context(rid, timeout)
+
+    def wait_context(self, request_id: int, timeout: float | None = None) -> ContextResult:
+        """Wait for the prefill of a context-only request submitted with `submit(..., mode="context_only")`
+        (with stream_layers its KV is readable layer by layer before this returns)."""
+        rid = request_id
         ev = self._wait_event(("ctx", rid), timeout, f"the prefill of request {rid}")
         lp = TokenLogprob.from_wire(ev["lp"]) if ev.get("lp") is not None else None
         return ContextResult(rid, tuple(ev["block_ids"]), int(ev["num_tokens"]), int(ev["first_token"]),
@@ -309,6 +320,11 @@ class Executor:
     def release(self, request_id: int, timeout: float | None = None) -> None:
         """Unpin and free a context-only request's blocks on every rank (after its transfers finished)."""
         self._send({"t": "release", "rid": int(request_id)})
+        self._wait_event(("released", request_id), timeout, f"the release of request {request_id}")
+
+    def wait_released(self, request_id: int, timeout: float | None = None) -> None:
+        """Wait until the rank hooks released context-only request `request_id` (its transfers ended, or it
+        was aborted and every rank settled it); do not mix with `take_released`."""
         self._wait_event(("released", request_id), timeout, f"the release of request {request_id}")
 
     def add_generation(self, prompt: list[int], first_token: int, *, max_tokens: int = 16,

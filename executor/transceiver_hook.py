@@ -7,7 +7,9 @@ Start an executor with
 and every rank builds a CacheTransceiver over its pool (registered once). An aborted request reaches every
 rank's hook (on_abort): the transfer is cancelled and its blocks are freed only after it settled everywhere. Context ranks write their control
 endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
-when its prefill is done and report "release" once their readers confirmed (or the lease ran out).
+when its prefill is done (with ExecutorConfig.stream_layers: when its blocks are allocated, marking layers
+ready as the forward pass writes them, executor/streaming.py) and report "release" once their readers
+confirmed (or the lease ran out).
 Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready",
 or "abort" with the transfer's error; with block reuse they read only the tokens after
 ctx_info["reused_tokens"] (set by the executor: its blocks already hold that prefix). The executor frees or
@@ -98,6 +100,7 @@ class _Req:
     disagg_params: Any = None
     from_token: int = 0  # prefix reuse: the blocks already hold tokens [0, from_token)
     secret: bytes | None = None
+    layers_ready: int | None = None  # context, streaming: local layers readable at publish (None: all)
 
 
 class TransceiverHook:
@@ -117,14 +120,31 @@ class TransceiverHook:
         self._failed: list[tuple[int, str]] = []
         self._key = _request_key(a) if self.role == "context" else None
         self._rid_of: dict[int, int] = {}  # context: wire handle -> executor request id
+        self._streamed: set[int] = set()  # context: handles published at admission (layer-wise streaming)
         if self.role == "context" and a.get("run_dir"):
             path = os.path.join(a["run_dir"], f"endpoint-{ctx.rank}")
             with open(path + ".tmp", "w") as f:
                 f.write(self.tr.endpoint)
             os.replace(path + ".tmp", path)
 
+    def on_context_start(self, request_id: int, block_ids, num_tokens: int) -> None:
+        """Layer-wise streaming: the prefill is about to run on these blocks; publish it with no layer
+        readable (generation ranks may fetch it now and read each layer group once marked ready)."""
+        handle = self._key.handle(request_id)
+        self._rid_of[handle] = request_id
+        self._streamed.add(handle)
+        self.tr.respond_and_send_async(_Req(handle, np.asarray(block_ids, dtype=np.int64), num_tokens,
+                                            secret=self._key.secret(request_id), layers_ready=0))
+
+    def on_layers_ready(self, request_id: int, layers: int) -> None:
+        """Layer-wise streaming: the first `layers` local layers of the request hold their final KV."""
+        self.tr.sender.mark_layers_ready(self._key.handle(request_id), layers)
+
     def on_context_done(self, request_id: int, block_ids, num_tokens: int, first_token: int | None = None) -> None:
         handle = self._key.handle(request_id)
+        if handle in self._streamed:  # published at admission, every layer already marked ready
+            self._streamed.discard(handle)
+            return
         self._rid_of[handle] = request_id
         self.tr.respond_and_send_async(_Req(handle, np.asarray(block_ids, dtype=np.int64), num_tokens,
                                             secret=self._key.secret(request_id)))

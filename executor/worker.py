@@ -34,6 +34,7 @@ from .kv_io import gather_blocks, scatter_blocks
 from .model import StageModel, StepBatch
 from .sampling import SamplingParams, TokenHistory, logprob_width, pack_logprobs, sample_step, unpack_logprobs
 from .sources import load_source
+from .streaming import LayerStreamer, supports_streaming
 from .weights import stage_weights
 
 __all__ = ["rank_main", "Pipes"]
@@ -152,6 +153,10 @@ class _Runner:
 
             self.conn = ConnectorRank(cfg, rank, self.layout, self.kv.pool, self.device, self.mcfg.to_dict())
             self.model.kv_connector = self.conn
+        self.streamer = None  # layer-wise streaming of context-only prefills (streaming.py)
+        if int(cfg.get("stream_layers") or 0) > 0 and supports_streaming(self.hook):
+            self.streamer = LayerStreamer(self.hook, int(cfg["stream_layers"]), len(self.model.layers),
+                                          self.device)
 
     def exchange(self) -> list[dict] | None:
         """After a step: every rank's hook report, gathered on every rank (None without hooks)."""
@@ -217,10 +222,8 @@ class _Runner:
             rows = kv.get_batch_cache_indices([n[0] for n in needs])
             sb = StepBatch.build([(b[2], int(b[1]), blocks, True) for b, blocks in zip(batch, rows)],
                                  kv.tokens_per_block, self.device)
-            hidden = None
-            if not self.model.first:
-                hidden = self.comm.recv_prev_stage((sb.num_tokens, self.mcfg.hidden_size), self.model.dtype)
-            out = self.model.forward(sb, hidden)
+            out = self._forward(sb, [(int(b[0]), list(blocks), n) for b, blocks, (_, n)
+                                     in zip(batch, rows, needs) if b[4]])
             if not self.model.last:
                 self.comm.send_next_stage(out)
             elif self.rank == self.sampler_rank:
@@ -247,6 +250,29 @@ class _Runner:
             else:
                 raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
         return sampled
+
+    def _forward(self, sb: StepBatch, ctx_only: list[tuple[int, list[int], int]]):
+        """The stage's forward pass (a later PP stage first receives the previous stage's hidden states).
+
+        With streaming, this step's context-only prefills are published first (before a later stage waits for
+        its input, so generation ranks can fetch meanwhile) and their layers marked ready as they are written;
+        a forward pass that fails marks nothing more (the rank stops with the error)."""
+        streaming = self.streamer is not None and self.streamer.begin(ctx_only)
+        hidden = None
+        if not self.model.first:
+            hidden = self.comm.recv_prev_stage((sb.num_tokens, self.mcfg.hidden_size), self.model.dtype)
+        if not streaming:
+            return self.model.forward(sb, hidden)
+        self.model.layer_done = self.streamer.layer_done
+        try:
+            out = self.model.forward(sb, hidden)
+        except BaseException:
+            self.streamer.abandon()
+            raise
+        finally:
+            self.model.layer_done = None
+        self.streamer.end()
+        return out
 
     # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) -----------------
     def _sample(self, batch: list, logits: torch.Tensor, positions: list[int]) -> tuple[list[int], list]:

@@ -44,7 +44,7 @@ _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver",
         "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
-             "enable_block_reuse": bool}
+             "enable_block_reuse": bool, "stream_layers": int}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
@@ -255,6 +255,8 @@ def _executor(d: dict, path: str, base: dict | None = None) -> dict[str, Any]:
     for k in ("num_blocks", "tokens_per_block", "max_batch_tokens", "max_batch_seqs", "threads_per_rank"):
         if k in d and out[k] < 1:
             raise ServeConfigError(f"{path}.{k}: must be >= 1, got {out[k]}")
+    if "stream_layers" in d and out["stream_layers"] < 0:  # 0: off; N: layers ready every N (streaming.py)
+        raise ServeConfigError(f"{path}.stream_layers: must be >= 0, got {out['stream_layers']}")
     if "timeout_s" in d and out["timeout_s"] <= 0:
         raise ServeConfigError(f"{path}.timeout_s: must be > 0, got {out['timeout_s']}")
     if "device" in d:

@@ -82,7 +82,7 @@ def test_blocks_swapped_after_the_pull_keep_the_tokens_but_fail_the_positional_c
             Executor.start(gen_cfg) as gen:
         endpoints = context_endpoints(str(tmp_path / "ctx"), 2)
         res = ctx.prefill(prompt)
-        params = DisaggParams(res.request_id, "ctx-instance", endpoints, ctx.layout).to_dict()
+        params = disagg_params(ctx, res.request_id, endpoints).to_dict()
         rid = gen.submit(prompt, max_tokens=10, mode="generation_only", first_token=res.first_token,
                          ctx_info={"disagg_params": params})
         c = gen.wait(rid, timeout=60)
