@@ -41,7 +41,8 @@ from .kv_io import assemble, shard_of
 from .launch import free_port, spawn_ranks, stop_processes
 from .sampling import SamplingParams, TokenLogprob
 from .results import Completion, ContextResult, ExecutorConfig, GenerationHandle
-from .worker import Pipes, rank_main
+from .pipes import Pipes
+from .worker import rank_main
 
 __all__ = ["ExecutorConfig", "Executor", "ContextResult", "GenerationHandle", "Completion"]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import queue
 import sys
-import threading
 import time
 import traceback
 from typing import Any
@@ -32,91 +31,23 @@ from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
 from .kv_check import DigestBook
 from .kv_io import gather_blocks, scatter_blocks
 from .model import StageModel, StepBatch
+from .pipes import Inbox, Pipes
 from .sampling import SamplingParams, TokenHistory, logprob_width, pack_logprobs, sample_step, unpack_logprobs
 from .sources import load_source
 from .streaming import LayerStreamer, supports_streaming
 from .weights import stage_weights
 
-__all__ = ["rank_main", "Pipes"]
+__all__ = ["rank_main"]
 
 HEARTBEAT_S = 0.2   # an idle leader still broadcasts an empty plan this often, so no rank's wait runs out
 HOOK_QUIET_S = 0.1  # idle rounds back off to this while no request exists (a command still wakes at once)
 MAX_FRAME = 1 << 31
 
 
-class Pipes:
-    """Framed msgpack messages over a pair of one-way multiprocessing connections (send_bytes/recv_bytes)."""
-
-    def __init__(self, rx, tx) -> None:
-        self.rx, self.tx = rx, tx
-        self._lock = threading.Lock()
-
-    def send(self, msg: dict, payload: bytes | None = None) -> None:
-        with self._lock:
-            self.tx.send_bytes(codec.pack(msg))
-            if payload is not None:
-                self.tx.send_bytes(payload)
-
-    def recv(self, timeout: float) -> tuple[dict, bytes | None] | None:
-        """One message (and its payload when the header says `has_payload`), or None on timeout."""
-        if not self.rx.poll(timeout):
-            return None
-        msg = codec.unpack(self.rx.recv_bytes(), what="executor frame")
-        if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-            raise ExecutorError(f"executor frame without a type: {msg!r:.200}")
-        payload = None
-        if msg.get("has_payload"):
-            if not self.rx.poll(60):
-                raise ExecutorError("executor frame: payload did not follow its header within 60s")
-            payload = self.rx.recv_bytes()
-        return msg, payload
-
-
-class _Inbox(threading.Thread):
-    """Drains the parent->rank pipe so the parent never blocks: commands to a queue, KV payloads by id."""
-
-    def __init__(self, pipes: Pipes) -> None:
-        super().__init__(daemon=True, name="kvbridge-inbox")
-        self.pipes = pipes
-        self.commands: queue.Queue = queue.Queue()
-        self.kv: dict[int, tuple[dict, bytes]] = {}
-        self.cv = threading.Condition()
-        self.closed = False
-
-    def run(self) -> None:
-        try:
-            while not self.closed:
-                got = self.pipes.recv(0.2)
-                if got is None:
-                    continue
-                msg, payload = got
-                if msg["t"] == "kv":
-                    with self.cv:
-                        self.kv[int(msg["rid"])] = (msg, payload or b"")
-                        self.cv.notify_all()
-                else:
-                    self.commands.put(msg)
-        except (EOFError, OSError):
-            self.commands.put({"t": "stop", "why": "parent closed the pipe"})
-        except Exception as e:  # noqa: BLE001 - a bad frame from the parent: the leader stops with the reason
-            self.commands.put({"t": "fatal", "msg": f"bad frame from the parent: {type(e).__name__}: {e}"})
-
-    def take_kv(self, rid: int, timeout: float) -> tuple[dict, bytes]:
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while rid not in self.kv:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ExecutorError(f"write_kv of request {rid}: its KV shard did not arrive in "
-                                        f"{timeout:.0f}s")
-                self.cv.wait(left)
-            return self.kv.pop(rid)
-
-
 class _Runner:
     """Executes plans on one rank."""
 
-    def __init__(self, cfg: dict, rank: int, pipes: Pipes, inbox: _Inbox) -> None:
+    def __init__(self, cfg: dict, rank: int, pipes: Pipes, inbox: Inbox) -> None:
         self.rank, self.pipes, self.inbox = rank, pipes, inbox
         self.timeout = float(cfg["timeout_s"])
         dev = cfg["device"]
@@ -318,7 +249,7 @@ class _Runner:
         scatter_blocks(kv.pool, kv.get_batch_cache_indices([rid])[0], x)
 
 
-def _leader_loop(run: _Runner, pipes: Pipes, inbox: _Inbox, cfg: dict) -> None:
+def _leader_loop(run: _Runner, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
     conn = None
     if run.conn is not None:
         from .connector.leader import ConnectorLeader
@@ -453,7 +384,7 @@ def rank_main(rank: int, blob: bytes, rx, tx) -> None:
     try:
         cfg: dict[str, Any] = codec.unpack(blob, what="executor config")
         torch.set_num_threads(int(cfg["threads_per_rank"]))
-        inbox = _Inbox(pipes)
+        inbox = Inbox(pipes)
         inbox.start()
         run = _Runner(cfg, rank, pipes, inbox)
         pipes.send({"t": "ready", "rank": rank, "config": run.mcfg.to_dict(), "layout": run.layout.to_wire(),
