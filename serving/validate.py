@@ -21,21 +21,41 @@ INT64_MAX = (1 << 63) - 1    # integers travel to the ranks as msgpack int64
 GREEDY_BELOW = 1e-5          # a temperature below this samples greedily (1/T would overflow float32)
 
 
-def _no_constant(name: str) -> Any:
-    raise ApiError(400, f"the request body is not strict JSON: {name} is not a number JSON allows",
-                   code="invalid_json")
+class _Constant(str):
+    """Where the body had NaN/Infinity/-Infinity (found after parsing, so the 400 can name the field)."""
+
+
+def _no_constant(obj: Any) -> None:
+    """ApiError(400) naming the first field (top-level key as `param`, full path in the message) that holds
+    NaN, Infinity or -Infinity. One pass; path strings are made only for containers and the culprit."""
+    stack: list[tuple[Any, str, str | None]] = [(obj, "", None)]
+    while stack:
+        v, path, top = stack.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, c in items:
+            if isinstance(c, (_Constant, dict, list)):
+                sub = (f"{path}.{k}" if path else str(k)) if isinstance(v, dict) else f"{path}[{k}]"
+                first = top if top is not None else (str(k) if isinstance(v, dict) else None)
+                if isinstance(c, _Constant):
+                    raise ApiError(400, f"{sub}: {c} is not a number JSON allows (the request body is not "
+                                        "strict JSON)", code="invalid_json", param=first)
+                stack.append((c, sub, first))
+    if isinstance(obj, _Constant):
+        raise ApiError(400, f"the request body is not strict JSON: {obj} is not a number JSON allows",
+                       code="invalid_json")
 
 
 def loads_strict(data: bytes | bytearray | str) -> Any:
     """Parse a request body: ApiError(400) naming the problem for non-JSON, NaN/Infinity, or too deep."""
     try:
-        obj = json.loads(data, parse_constant=_no_constant)
+        obj = json.loads(data, parse_constant=_Constant)
     except RecursionError:
         obj = None
         _too_deep()
     except ValueError as e:
         raise ApiError(400, f"the request body is not JSON: {e}", code="invalid_json") from None
     check_depth(obj)
+    _no_constant(obj)
     return obj
 
 

@@ -43,7 +43,7 @@ from .pool import LocalPool
 from .send_state import Entry, SendResult, Tomb
 from .sessions import Session, SessionTable
 from .sockets import make_router, stop_authenticator
-from .zap import RejectLog
+from .zap import HandshakeWatch, RejectLog
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class Sender(IOThread, SenderWork):
         self._tomb: collections.OrderedDict[int, Tomb] = collections.OrderedDict()
         self._sessions = SessionTable(config.max_sessions, config.peer_timeout_s)
         self._refused = RejectLog(f"context rank {pool.rank}")
+        curve = bool(self._router.getsockopt(zmq.CURVE_SERVER))
+        self._handshakes = HandshakeWatch(self._router, self._refused) if curve else None  # plain peers
         arena, agents = pool.arena, {k: a.metadata() for k, a in pool.agents.items()}
         self._welcome = m.Welcome(self.instance, pool.rank, self.layout.to_wire(), agents, pool.bases,
                                   pool.num_blocks, pool.kind.value, pool.device, config.lease_s, local_host_id(),
@@ -94,6 +96,8 @@ class Sender(IOThread, SenderWork):
         self._start_io(zctx, f"kvb-sender-r{pool.rank}")
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
+        if self._handshakes:
+            self._poller.register(self._handshakes.socket, zmq.POLLIN)
 
     # --- engine-facing API (any thread) -------------------------------------------------------------
     def publish(self, ctx_request_id: int, block_ids, num_tokens: int, layers_ready: int | None = None,
@@ -151,6 +155,8 @@ class Sender(IOThread, SenderWork):
     def close(self, timeout: float = 5.0) -> None:
         if self._stop_io(timeout):
             stop_authenticator(self._zctx)
+            if self._handshakes:
+                self._handshakes.close()
             self._router.close(0)
             self._zctx.term()
 
@@ -165,6 +171,8 @@ class Sender(IOThread, SenderWork):
                 except zmq.Again:
                     break
                 self._on_frames(frames)
+        if self._handshakes and self._handshakes.socket in ready:
+            self._handshakes.drain()
         if self._jobs:
             self._run_callbacks()
         self._expire(time.monotonic())

@@ -25,7 +25,7 @@ from .config import ConfigError
 
 log = logging.getLogger("kvbridge.auth")
 
-__all__ = ["ZapGuard", "RejectLog", "LOG_EVERY_S"]
+__all__ = ["ZapGuard", "RejectLog", "HandshakeWatch", "LOG_EVERY_S"]
 
 LOG_EVERY_S = 10.0
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -120,3 +120,38 @@ class ZapGuard:
             self.rejects.refused(addr, "key", f"CURVE key {key.decode()[:8]}... is not in curve_authorized_keys_dir")
             return [b"1.0", rid, b"400", b"Unknown key", b"", b""]
         return [b"1.0", rid, b"200", b"OK", key, b""]
+
+
+class HandshakeWatch:
+    """Refusals ZAP never sees: a peer that fails the CurveZMQ handshake itself (a plain, unauthenticated
+    peer: mechanism mismatch) is dropped by libzmq before any ZAP request. This watches the guarded socket's
+    monitor and records each such failure in `rejects` (logged rate-limited, counted as `mechanism`). Read
+    `socket` from the thread that owns the guarded socket (register it in that thread's poller)."""
+
+    EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+    def __init__(self, guarded: zmq.Socket, rejects: RejectLog) -> None:
+        self._guarded, self.rejects = guarded, rejects
+        self.socket = guarded.get_monitor_socket(self.EVENTS)
+
+    def drain(self) -> None:
+        """Record every handshake failure waiting on the monitor (never blocks)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        for _ in range(256):
+            try:
+                ev = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            where = ev.get("endpoint", b"")
+            where = where.decode("utf-8", "replace")[:64] if isinstance(where, bytes) else str(where)[:64]
+            self.rejects.refused(f"{where} (peer address not known)", "mechanism",
+                                 f"failed the CurveZMQ handshake (not CURVE, or a malformed greeting; code "
+                                 f"{ev.get('value')})")
+
+    def close(self) -> None:
+        try:
+            self._guarded.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.socket.close(0)

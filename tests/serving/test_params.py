@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from .cluster import MODEL, PATIENT, PROMPTS, launch, wait_pool_full
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, launch, wait_pool_full
 
 BLOCKS = 64
 CFG = {
@@ -26,7 +26,8 @@ PENALTIES = dict(presence_penalty=0.7, frequency_penalty=1.1, logit_bias={"65": 
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory):
     c = launch(CFG, str(tmp_path_factory.mktemp("logs")))
-    mk = lambda url: openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)  # noqa: E731
+    mk = lambda url: openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120,  # noqa: E731
+                                  default_headers=HEADERS)  # the aggregated client talks to a worker
     yield c, mk(c.router_url), mk(c.cfg.generation[0].url)  # disaggregated, aggregated (the gen worker alone)
     c.stop()
 
@@ -126,10 +127,14 @@ def test_bad_values_are_400s_naming_the_parameter(clients):
 
 def test_requests_that_used_to_kill_a_worker_are_greedy_and_the_worker_keeps_serving(clients):
     """top_p=0 and temperature=1e-40 made the sampler raise (inf/nan probabilities) and the rank die. Sent to
-    the worker itself: the router may refuse top_p=0 before any hop."""
+    the worker itself: it refuses top_p=0 as the router does (a 400 naming it; the sampler would be greedy,
+    tests/serving/test_validation.py), and a tiny temperature is greedy."""
     c, _, agg = clients
     want = agg.completions.create(model=c.cfg.model_name, prompt=PROMPTS[0], max_tokens=4, temperature=0)
-    for kw in (dict(top_p=0.0, temperature=1.0), dict(temperature=1e-40)):
+    with pytest.raises(openai.BadRequestError) as e:
+        agg.completions.create(model=c.cfg.model_name, prompt=PROMPTS[0], max_tokens=4, seed=3, top_p=0.0)
+    assert e.value.body["param"] == "top_p", e.value.body
+    for kw in (dict(top_p=1e-30, temperature=1.0), dict(temperature=1e-40)):
         r = agg.completions.create(model=c.cfg.model_name, prompt=PROMPTS[0], max_tokens=4, seed=3, **kw)
         assert _kb(r)["token_ids"] == _kb(want)["token_ids"]
 

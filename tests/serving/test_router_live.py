@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .cluster import MODEL, PATIENT, PROMPTS, launch, sse_events, streamed_tokens, wait_pool_full
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, launch, sse_events, streamed_tokens, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
 
 CTX_BLOCKS, GEN_BLOCKS, TPB = 64, 24, 4  # the generation pool holds 96 tokens: longer requests are refused
@@ -88,7 +88,7 @@ def test_a_refusal_after_prefill_frees_the_context_kv_at_once(urls):
                    json={"prompt": "twenty characters...", "max_tokens": 90, "temperature": 0})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("generation worker"), r.text
     assert wait_pool_full(urls["ctx"], CTX_BLOCKS, 1, timeout=5) == [CTX_BLOCKS]
-    assert httpx.get(urls["ctx"] + "/health", timeout=10).json()["pinned_context_requests"] == 0
+    assert httpx.get(urls["ctx"] + "/health", headers=HEADERS, timeout=10).json()["pinned_context_requests"] == 0
     r = httpx.post(urls["router"] + "/v1/completions", timeout=120,
                    json={"prompt": PROMPTS[0], "max_tokens": 90, "temperature": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
@@ -102,7 +102,7 @@ def test_a_worker_answers_bad_bodies_with_json_and_keeps_the_connection(urls, wa
     bad = [b'{"prompt": "x", "temperature": NaN}', b"[" * 5000 + b"]" * 5000,
            json.dumps({"prompt": "x", "seed": 2**64}).encode(),
            json.dumps({"prompt": "x", "top_p": 0}).encode()]
-    with httpx.Client(base_url=urls["gen"], timeout=60) as c:
+    with httpx.Client(base_url=urls["gen"], headers=HEADERS, timeout=60) as c:
         for raw in bad:
             r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 400 and "error" in r.json(), r.text
@@ -113,9 +113,9 @@ def test_a_worker_answers_bad_bodies_with_json_and_keeps_the_connection(urls, wa
 
 
 def test_the_release_endpoint_refuses_what_is_not_ours(urls):
-    r = httpx.post(urls["ctx"] + "/internal/release", json={"disaggregated_params": {"request_type": "x"}})
+    r = httpx.post(urls["ctx"] + "/internal/release", headers=HEADERS, json={"disaggregated_params": {"request_type": "x"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "disaggregated_params"
-    r = httpx.post(urls["ctx"] + "/internal/release", content=b"[[[[")
+    r = httpx.post(urls["ctx"] + "/internal/release", headers=HEADERS, content=b"[[[[")
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
@@ -161,7 +161,7 @@ def test_no_generation_worker_healthy_means_503_before_any_prefill(cluster, urls
         r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
     assert r.status_code == 503 and r.headers["retry-after"] == "2"
     assert r.json()["error"]["code"] == "no_generation_worker"
-    assert httpx.get(urls["ctx"] + "/health", timeout=10).json()["pinned_context_requests"] == 0
+    assert httpx.get(urls["ctx"] + "/health", headers=HEADERS, timeout=10).json()["pinned_context_requests"] == 0
 
 
 def _peak_rss_bytes(pid: int) -> int:

@@ -141,8 +141,7 @@ def test_kill_9_of_a_context_worker_with_64_in_flight_restarts_it_and_serve_keep
     assert all(o["token_ids"] == want["prompts"][i % 3]
                for i, o in enumerate(outcomes) if isinstance(o, dict))
     failed = [o for o in outcomes if not isinstance(o, dict)]
-    # every request caught mid-pull from ctx1 is run again from the other context worker (router retry)
-    assert not failed, f"{len(failed)} of 64 failed: {failed[:3]}"
+    assert not failed, f"{len(failed)} of 64 failed (the router retries after handover): {failed[:3]}"
     assert len(good) == 64
 
 
@@ -162,8 +161,9 @@ def test_kill_9_of_the_generation_worker_errors_its_requests_then_it_comes_back(
             assert "generation worker gen0" in str(e.value)
             for f in plain:
                 err = f.exception(timeout=120)
-                assert isinstance(err, openai.APIStatusError) and err.status_code == 502, err
-                assert "generation worker gen0" in err.message
+                # 502 when caught mid-hop; 503 when the router already saw gen0 down (nothing prefilled)
+                assert isinstance(err, openai.APIStatusError) and err.status_code in (502, 503), err
+                assert "gen0" in err.message and "generation worker" in err.message
     wait_log(serve.log, r"generation worker gen0 \(.*\) was killed by signal 9", serve.proc, after=mark)
     _back_and_serving(serve, "gen0", mark)
     with _client(serve) as client:

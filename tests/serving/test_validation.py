@@ -35,6 +35,16 @@ def test_a_body_that_is_not_strict_bounded_json_is_a_400(raw, text):
     assert e.status == 400 and text in e.message
 
 
+@pytest.mark.parametrize("raw, param, text", [
+    (b'{"prompt": "x", "temperature": NaN}', "temperature", "temperature: NaN is not a number JSON allows"),
+    (b'{"messages": [{"role": "user", "content": [1, -Infinity]}]}', "messages", "messages[0].content[1]: "),
+    (b'{"prompt": "NaN", "top_p": Infinity}', "top_p", "top_p: Infinity"),
+])
+def test_nan_or_infinity_is_a_400_naming_the_field_that_holds_it(raw, param, text):
+    e = _err(loads_strict, raw)
+    assert e.status == 400 and e.param == param and text in e.message, e.message
+
+
 @pytest.mark.parametrize("field, value, text", [
     ("seed", 2**64, "seed: expected an integer in [0, 9223372036854775807]"),
     ("top_k", 2**64, "top_k: expected an integer in [0, 9223372036854775807]"),
@@ -65,7 +75,7 @@ def test_the_sampler_never_fails_on_extreme_parameters():
     for p in (SamplingParams(1e-40, 0, 1.0, 7), SamplingParams(1.0, 0, 0.0, 7),
               SamplingParams(0.7, 3, 1e-9, 7)):
         assert sample(logits, [p, p], [5, 6]) == greedy
-    with pytest.raises(ValueError, match="temperature"):  # refused when built (a 400 at the worker)
+    with pytest.raises(ValueError, match="temperature"):  # NaN never reaches the sampler: refused when built
         SamplingParams(float("nan"), 0, 1.0, 7)
     inf_row = torch.full((1, 16), float("inf"))
     assert sample(inf_row, [SamplingParams(1.0, 0, 1.0, 1)], [0]) == [0]
