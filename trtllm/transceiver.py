@@ -37,6 +37,7 @@ from typing import Callable
 from ..errors import DeadlineExceeded, KvBridgeError
 from ..transceiver.agreement import Agreement
 from ..transceiver.cache_transceiver import CacheTransceiver
+from ..transceiver.handles import RequestKey
 from ..transceiver.params import DisaggParams
 from ..transceiver.upstream import CacheTransceiverConfig
 from .kv_cache_manager import KVCacheManager
@@ -71,6 +72,7 @@ class KvCacheTransceiver:
         self._ctx: CacheTransceiver | None = None
         self._gen: CacheTransceiver | None = None
         self._endpoints: tuple[str, ...] | None = None
+        self._key: RequestKey | None = None
         self._sending: dict[int, LlmRequest] = {}
         self._receiving: dict[int, LlmRequest] = {}
         self._agree_send, self._agree_recv = Agreement(), Agreement()
@@ -87,14 +89,15 @@ class KvCacheTransceiver:
         ctx = self._context()
         blocks = self.kv.impl.pin(req.request_id)  # held until the transfer ends, even if freed meanwhile
         try:
-            ctx.respond_and_send_async(_Publish(req.request_id, blocks, req.prompt_len))
+            secret = self._request_key().secret(req.request_id)  # the same on every rank of this executor
+            ctx.respond_and_send_async(_Publish(req.request_id, blocks, req.prompt_len, secret))
         except BaseException:
             self.kv.impl.unpin(req.request_id)
             raise
         self._sending[req.request_id] = req
         req.state = S.DISAGG_CONTEXT_TRANS_IN_PROGRESS
         req.context_phase_params = DisaggParams(req.request_id, ctx.instance, self._context_endpoints(),
-                                                self.kv.layout)
+                                                self.kv.layout, secret)
 
     def check_context_transfer_status(self, at_least_request_num: int | None = 0
                                       ) -> tuple[list[int], list[int]]:
@@ -228,6 +231,13 @@ class KvCacheTransceiver:
                                                     self._xcfg, self._instance)
         return self._gen
 
+    def _request_key(self) -> RequestKey:
+        """This executor's key for per-request secrets: rank 0's, agreed through all_gather once."""
+        if self._key is None:
+            lists = self._gather([RequestKey.new().hex])
+            self._key = RequestKey.from_hex(lists[0][0])
+        return self._key
+
     def _context_endpoints(self) -> tuple[str, ...]:
         if self._endpoints is None:
             lists = self._gather([self._context().endpoint])
@@ -258,8 +268,8 @@ class KvCacheTransceiver:
 class _Publish:
     """What CacheTransceiver.respond_and_send_async reads."""
 
-    def __init__(self, request_id: int, block_ids: list[int], num_tokens: int) -> None:
-        self.request_id, self.block_ids, self.num_tokens = request_id, block_ids, num_tokens
+    def __init__(self, request_id: int, block_ids: list[int], num_tokens: int, secret: bytes) -> None:
+        self.request_id, self.block_ids, self.num_tokens, self.secret = request_id, block_ids, num_tokens, secret
 
 
 class _Pull:

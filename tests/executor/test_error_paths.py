@@ -17,7 +17,7 @@ import pytest
 
 from kvbridge.errors import ExecutorError
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
+from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params, hooked_executor_config
 from kvbridge.transceiver import DisaggParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
@@ -54,7 +54,7 @@ def test_bad_disagg_params_abort_the_request_with_the_field_named_and_the_execut
             assert took < 10, f"{text}: detected after {took:.1f} s (it needs no network at all)"
         assert gen.free_blocks() == [16, 16]
         res = ctx.prefill(PROMPT)  # the generation executor still serves a good request
-        params = DisaggParams(res.request_id, "ctx-instance", good["endpoints"], ctx.layout).to_dict()
+        params = disagg_params(ctx, res.request_id, good["endpoints"]).to_dict()
         rid = gen.submit(PROMPT, max_tokens=4, mode="generation_only", first_token=res.first_token,
                          ctx_info={"disagg_params": params})
         assert gen.wait(rid, timeout=60).finish_reason != "aborted"
@@ -66,15 +66,15 @@ def test_a_token_count_mismatch_fails_the_pull_naming_both_counts_and_frees_both
             _exec(tmp_path, "generation", "gen", tokens_per_block=8) as gen:
         endpoints = context_endpoints(str(tmp_path / "ctx"), 1)
         res = ctx.prefill(PROMPT)
-        params = DisaggParams(res.request_id, "ctx-instance", endpoints, ctx.layout).to_dict()
+        params = disagg_params(ctx, res.request_id, endpoints).to_dict()
         t0 = time.monotonic()
         rid = gen.submit(PROMPT[:-1], max_tokens=4, mode="generation_only", first_token=res.first_token,
                          ctx_info={"disagg_params": params})
         c = gen.wait(rid, timeout=60)
         took = time.monotonic() - t0
         assert c.finish_reason == "aborted"
-        assert (f"context rank 0 holds {len(PROMPT)} tokens of request {res.request_id}, the generation side "
-                f"expects {len(PROMPT) - 1}") in c.error, c.error
+        assert (f"context rank 0 holds {len(PROMPT)} tokens of request {params['ctx_request_id']}, the generation "
+                f"side expects {len(PROMPT) - 1}") in c.error, c.error
         assert took < XCFG["transfer_timeout_s"], f"detected after {took:.1f} s: at the handover, not a timeout"
         assert gen.free_blocks() == [16]
         deadline = time.monotonic() + XCFG["pickup_timeout_s"] + 20  # the failed read releases the context side

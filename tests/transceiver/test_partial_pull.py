@@ -11,12 +11,11 @@ import pytest
 
 from kvbridge.errors import PlanError
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.executor.transceiver_hook import context_endpoints, hooked_executor_config
+from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params, hooked_executor_config
 from kvbridge.formatter.layout import KVLayout, KVShape, ParallelSplit
 from kvbridge.formatter.mapping import mapping_for
 from kvbridge.formatter.planner import RankPool, plan_piece, plan_pieces
 from kvbridge.formatter.staging import plan_pack, plan_unpack, staging_nbytes, staging_pool
-from kvbridge.transceiver import DisaggParams
 
 NB = 12
 
@@ -101,7 +100,7 @@ def _exec(tmp_path, role, tag, xcfg, **kw) -> Executor:
 
 def _disagg(ctx, gen, endpoints, prompt):
     res = ctx.prefill(prompt)
-    params = DisaggParams(res.request_id, "ctx-instance", endpoints, ctx.layout).to_dict()
+    params = disagg_params(ctx, res.request_id, endpoints).to_dict()
     rid = gen.submit(prompt, max_tokens=10, mode="generation_only", first_token=res.first_token,
                      ctx_info={"disagg_params": params})
     c = gen.wait(rid, timeout=60)
