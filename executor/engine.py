@@ -52,15 +52,37 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ExecutorError
 from .sampling import SamplingParams, TokenHistory
 
-__all__ = ["Engine", "Request", "MODES"]
+__all__ = ["Engine", "Request", "MODES", "PLAN_VERSION", "BatchRow", "empty_plan"]
 
 MODES = ("aggregated", "context_only", "generation_only")
-PLAN_VERSION = 1
+PLAN_VERSION = 1  # bump when a plan's keys, an op's fields or a batch row's fields change
+
+
+class BatchRow(NamedTuple):
+    """One sequence of a step plan's batch (a list on the wire, in this order; read it through this type)."""
+
+    rid: int
+    start: int               # tokens already in its KV (prefix reuse or earlier steps)
+    tokens: list             # the tokens this step computes
+    sample: bool             # this row's last position is sampled
+    context_only: bool       # a context-only prefill: its blocks are pinned after this step
+    sampling: dict           # SamplingParams wire form
+    history: list | None     # TokenHistory wire form (penalties, min_tokens), or None
+
+    @classmethod
+    def of(cls, row: list) -> "BatchRow":
+        return cls(int(row[0]), int(row[1]), row[2], bool(row[3]), bool(row[4]), row[5],
+                   row[6] if len(row) > 6 else None)
+
+
+def empty_plan(step: int, stop: bool = False, **extra: Any) -> dict[str, Any]:
+    """A plan with nothing to run: keeps followers' waits alive, gives hooks their poll, or stops the ranks."""
+    return {"v": PLAN_VERSION, "step": step, "stop": stop, "ops": [], "batch": [], "post": [], **extra}
 
 
 @dataclass
@@ -300,7 +322,8 @@ class Engine:
                                 f"sequences")
         logprobs = logprobs or [None] * len(sampled)
         for b, tok, lp in zip(plan["batch"], sampled, logprobs):
-            rid, start, toks = b[0], b[1], b[2]
+            row = BatchRow.of(b)
+            rid, start, toks = row.rid, row.start, row.tokens
             r = self.requests[rid]
             r.num_cached = start + len(toks)
             r.output.append(int(tok))

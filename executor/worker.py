@@ -12,9 +12,7 @@ plan carries the leader's free-block count before its ops and each rank checks i
 from __future__ import annotations
 
 import os
-import queue
 import sys
-import time
 import traceback
 from typing import Any
 
@@ -25,11 +23,12 @@ from ..errors import ExecutorError
 from ..formatter.layout import ParallelSplit
 from .comm import Comm
 from .config import kv_layout_for
-from .engine import Engine, Request
-from .hooks import HOOK_IDLE_S, HookTally, RankContext, exchange_reports, load_hook, validate_report
+from .engine import PLAN_VERSION, BatchRow
+from .hooks import RankContext, exchange_reports, load_hook, validate_report
 from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
 from .kv_check import DigestBook
 from .kv_io import gather_blocks, scatter_blocks
+from .leader import leader_loop
 from .model import StageModel, StepBatch
 from .pipes import Inbox, Pipes
 from .sampling import SamplingParams, TokenHistory, logprob_width, pack_logprobs, sample_step, unpack_logprobs
@@ -39,8 +38,6 @@ from .weights import stage_weights
 
 __all__ = ["rank_main"]
 
-HEARTBEAT_S = 0.2   # an idle leader still broadcasts an empty plan this often, so no rank's wait runs out
-HOOK_QUIET_S = 0.1  # idle rounds back off to this while no request exists (a command still wakes at once)
 MAX_FRAME = 1 << 31
 
 
@@ -107,80 +104,108 @@ class _Runner:
             raise ExecutorError(f"rank {self.rank}: {kv.get_num_free_blocks()} free blocks before step "
                                 f"{plan['step']}, the leader has {plan['free_before']}: allocators diverged")
         for op in plan["ops"]:
-            kind, rid = op[0], int(op[1])
-            if kind == "free":
-                kv.free_resources(rid)
-            elif kind == "reuse":  # block reuse: the request starts on the cached blocks of its prompt prefix
-                kv.add_sequence_reusing(rid, [int(t) for t in op[2]], int(op[3]))
-            elif kind == "xfer":
-                reused = int(op[4]) if len(op) > 4 else 0
-                blocks = kv.add_sequence_for_transfer(rid, int(op[2]), op[5] if len(op) > 5 else None, reused)
-                if self.hook is not None:
-                    info = dict(op[3]) if len(op) > 3 else {}
-                    info["reused_tokens"] = reused  # set here, never taken from the client's ctx_info
-                    self.hook.on_generation_alloc(rid, blocks, int(op[2]), info)
-            elif kind == "ready":
-                kv.mark_ready(rid)
-                if self.record_digests:  # the prompt KV just arrived: hash it before decoding appends
-                    self.digests.record(rid, kv)
-            elif kind == "conn_alloc":  # blocks the KV connector loads a stored prompt prefix into
-                kv.add_sequence_for_transfer(rid, int(op[2]), op[3] if len(op) > 3 else None)
-            elif kind == "release":
-                kv.free_resources(rid)
-                kv.unpin(rid)
-            elif kind == "write":
-                self._write_kv(rid)
-            elif kind == "hook_abort":  # the request was aborted: its transfer must stop before blocks go
-                if self.hook is not None and hasattr(self.hook, "on_abort"):
-                    self.hook.on_abort(rid)
-            elif kind == "ctx_done":  # the previous step's context-only prefill, with its first token
-                if self.record_digests:
-                    self.digests.record(rid, kv)
-                if self.hook is not None:
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)  # the KV is in memory before an agent reads it
-                    self.hook.on_context_done(rid, kv.get_batch_cache_indices([rid])[0], kv.num_tokens(rid),
-                                              int(op[2]))
-            else:
-                raise ExecutorError(f"step {plan['step']}: unknown op {kind!r}")
-        batch = plan["batch"]
-        sampled = None
+            apply = self._OPS.get(op[0])
+            if apply is None:
+                raise ExecutorError(f"step {plan['step']}: unknown op {op[0]!r}")
+            apply(self, int(op[1]), op)
         if self.conn is not None and "conn" in plan:
             self.conn.begin_step(plan["conn"])  # bind_connector_meta + start_load_kv
-        if batch:
-            needs = [(int(b[0]), int(b[1]) + len(b[2])) for b in batch]
-            kv.prepare_resources(needs)
-            rows = kv.get_batch_cache_indices([n[0] for n in needs])
-            sb = StepBatch.build([(b[2], int(b[1]), blocks, True) for b, blocks in zip(batch, rows)],
-                                 kv.tokens_per_block, self.device)
-            out = self._forward(sb, [(int(b[0]), list(blocks), n) for b, blocks, (_, n)
-                                     in zip(batch, rows, needs) if b[4]])
-            if not self.model.last:
-                self.comm.send_next_stage(out)
-            elif self.rank == self.sampler_rank:
-                sampled = self._sample(batch, out, [n for _, n in needs])
-            if self.rank == 0 and self.rank != self.sampler_rank:
-                sampled = self._receive_sampled(batch)
-            kv.update_resources(needs, {int(b[0]): b[2] for b in batch})
-            for b in batch:
-                if b[4]:
-                    kv.pin(int(b[0]))
+        sampled = self._run_batch([BatchRow.of(b) for b in plan["batch"]]) if plan["batch"] else None
         if self.conn is not None and "conn" in plan:
             self.conn.end_step()  # wait_for_save
         for op in plan.get("post", ()):
-            if op[0] == "read":
-                self._read_kv(int(op[1]))
-            elif op[0] == "drop":
-                self.inbox.take_kv(int(op[1]), self.timeout)
-            elif op[0] == "digest":
-                self.pipes.send(self.digests.report(int(op[1]), kv).to_wire())
-            elif op[0] == "stats":
-                self.pipes.send({"t": "stats", "rank": self.rank, "free": kv.get_num_free_blocks(),
-                                 "live": kv.request_ids(), "cached": kv.get_num_cached_blocks(),
-                                 "reused": kv.reused_tokens})
-            else:
+            post = self._POST.get(op[0])
+            if post is None:
                 raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
+            post(self, int(op[1]) if len(op) > 1 else -1)
         return sampled
+
+    # --- plan ops (before the forward pass), one method each: (rid, the op as sent) ----------------------
+    def _op_free(self, rid: int, op: list) -> None:
+        self.kv.free_resources(rid)
+
+    def _op_reuse(self, rid: int, op: list) -> None:  # the request starts on the cached blocks of its prefix
+        self.kv.add_sequence_reusing(rid, [int(t) for t in op[2]], int(op[3]))
+
+    def _op_xfer(self, rid: int, op: list) -> None:  # a generation-only request: blocks for its pulled KV
+        reused = int(op[4]) if len(op) > 4 else 0
+        blocks = self.kv.add_sequence_for_transfer(rid, int(op[2]), op[5] if len(op) > 5 else None, reused)
+        if self.hook is not None:
+            info = dict(op[3]) if len(op) > 3 else {}
+            info["reused_tokens"] = reused  # set here, never taken from the client's ctx_info
+            self.hook.on_generation_alloc(rid, blocks, int(op[2]), info)
+
+    def _op_ready(self, rid: int, op: list) -> None:
+        self.kv.mark_ready(rid)
+        if self.record_digests:  # the prompt KV just arrived: hash it before decoding appends
+            self.digests.record(rid, self.kv)
+
+    def _op_conn_alloc(self, rid: int, op: list) -> None:  # blocks the KV connector loads a stored prefix into
+        self.kv.add_sequence_for_transfer(rid, int(op[2]), op[3] if len(op) > 3 else None)
+
+    def _op_release(self, rid: int, op: list) -> None:
+        self.kv.free_resources(rid)
+        self.kv.unpin(rid)
+
+    def _op_write(self, rid: int, op: list) -> None:
+        self._write_kv(rid)
+
+    def _op_hook_abort(self, rid: int, op: list) -> None:  # aborted: its transfer must stop before blocks go
+        if self.hook is not None and hasattr(self.hook, "on_abort"):
+            self.hook.on_abort(rid)
+
+    def _op_ctx_done(self, rid: int, op: list) -> None:  # the previous step's context-only prefill is done
+        kv = self.kv
+        if self.record_digests:
+            self.digests.record(rid, kv)
+        if self.hook is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the KV is in memory before an agent reads it
+            self.hook.on_context_done(rid, kv.get_batch_cache_indices([rid])[0], kv.num_tokens(rid), int(op[2]))
+
+    _OPS = {"free": _op_free, "reuse": _op_reuse, "xfer": _op_xfer, "ready": _op_ready,
+            "conn_alloc": _op_conn_alloc, "release": _op_release, "write": _op_write,
+            "hook_abort": _op_hook_abort, "ctx_done": _op_ctx_done}
+
+    # --- the batch (the forward pass and sampling) ------------------------------------------------------
+    def _run_batch(self, batch: list[BatchRow]) -> tuple[list[int], list] | None:
+        kv, sampled = self.kv, None
+        needs = [(r.rid, r.start + len(r.tokens)) for r in batch]
+        kv.prepare_resources(needs)
+        rows = kv.get_batch_cache_indices([r.rid for r in batch])
+        sb = StepBatch.build([(r.tokens, r.start, blocks, True) for r, blocks in zip(batch, rows)],
+                             kv.tokens_per_block, self.device)
+        out = self._forward(sb, [(r.rid, list(blocks), n) for r, blocks, (_, n) in zip(batch, rows, needs)
+                                 if r.context_only])
+        if not self.model.last:
+            self.comm.send_next_stage(out)
+        elif self.rank == self.sampler_rank:
+            sampled = self._sample(batch, out, [n for _, n in needs])
+        if self.rank == 0 and self.rank != self.sampler_rank:
+            sampled = self._receive_sampled(batch)
+        kv.update_resources(needs, {r.rid: r.tokens for r in batch})
+        for r in batch:
+            if r.context_only:
+                kv.pin(r.rid)
+        return sampled
+
+    # --- post ops (after the step), one method each: (rid or -1) ------------------------------------------
+    def _post_read(self, rid: int) -> None:
+        self._read_kv(rid)
+
+    def _post_drop(self, rid: int) -> None:
+        self.inbox.take_kv(rid, self.timeout)
+
+    def _post_digest(self, rid: int) -> None:
+        self.pipes.send(self.digests.report(rid, self.kv).to_wire())
+
+    def _post_stats(self, rid: int) -> None:
+        kv = self.kv
+        self.pipes.send({"t": "stats", "rank": self.rank, "free": kv.get_num_free_blocks(),
+                         "live": kv.request_ids(), "cached": kv.get_num_cached_blocks(),
+                         "reused": kv.reused_tokens})
+
+    _POST = {"read": _post_read, "drop": _post_drop, "digest": _post_digest, "stats": _post_stats}
 
     def _forward(self, sb: StepBatch, ctx_only: list[tuple[int, list[int], int]]):
         """The stage's forward pass (a later PP stage first receives the previous stage's hidden states).
@@ -207,8 +232,8 @@ class _Runner:
 
     # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) -----------------
     def _sample(self, batch: list, logits: torch.Tensor, positions: list[int]) -> tuple[list[int], list]:
-        params = [SamplingParams.from_wire(b[5]) for b in batch]
-        hist = [TokenHistory.from_wire(b[6]) for b in batch]
+        params = [SamplingParams.from_wire(r.sampling) for r in batch]
+        hist = [TokenHistory.from_wire(r.history) for r in batch]
         toks, lps = sample_step(logits, params, positions, hist)
         if self.rank != 0:
             self.comm.send_tokens_to_leader(torch.tensor(toks, dtype=torch.int64))
@@ -219,7 +244,7 @@ class _Runner:
 
     def _receive_sampled(self, batch: list) -> tuple[list[int], list]:
         toks = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
-        params = [SamplingParams.from_wire(b[5]) for b in batch]
+        params = [SamplingParams.from_wire(r.sampling) for r in batch]
         k = logprob_width(params)
         if not k:
             return toks, [None] * len(batch)
@@ -249,127 +274,11 @@ class _Runner:
         scatter_blocks(kv.pool, kv.get_batch_cache_indices([rid])[0], x)
 
 
-def _leader_loop(run: _Runner, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
-    conn = None
-    if run.conn is not None:
-        from .connector.leader import ConnectorLeader
-
-        conn = ConnectorLeader(cfg, run.kv, run.mcfg.to_dict())
-    eng = Engine(cfg["num_blocks"], cfg["tokens_per_block"], max_batch_tokens=cfg["max_batch_tokens"],
-                 max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position,
-                 vocab_size=run.mcfg.vocab_size, connector=conn, hooked=run.hook is not None,
-                 match_prefix=run.kv.match_prefix if run.kv.block_reuse else None)
-    tally = HookTally(run.layout.world_size)
-    idle_wait = HOOK_IDLE_S if run.hook is not None or conn is not None else 0.02
-    quiet_wait = idle_wait  # grows while the engine holds no request (nothing a hook could report on)
-    last_bcast = time.monotonic()
-    while True:
-        wait = 0.0 if eng.has_work() else quiet_wait
-        cmds = []
-        try:
-            cmds.append(inbox.commands.get(timeout=wait) if wait else inbox.commands.get_nowait())
-            while True:
-                cmds.append(inbox.commands.get_nowait())
-        except queue.Empty:
-            pass
-        post: list[list] = []
-        if any([_apply_command(eng, c, post) for c in cmds]):
-            break
-        idle = not eng.has_work() and not post
-        if idle:
-            for ev in eng.take_events():
-                pipes.send(ev)
-            if run.hook is None and conn is None and (not run.comm.enabled
-                                                      or time.monotonic() - last_bcast < HEARTBEAT_S):
-                continue
-            # an empty plan: keeps the followers' waits alive and gives hooks their poll
-            plan = {"v": 1, "step": eng.step, "stop": False, "ops": [], "batch": [], "post": []}
-        else:
-            plan = eng.next_plan()
-            plan["post"] = plan["post"] + post
-        plan["free_before"] = run.kv.get_num_free_blocks()
-        run.comm.broadcast_plan(codec.pack(plan))
-        last_bcast = time.monotonic()
-        sampled, logprobs = run.execute(plan) or ([], [])
-        if not idle:
-            for ev in eng.step_done(plan, sampled, logprobs):
-                if ev["t"] in ("ctx", "gen_alloc"):
-                    ev["block_ids"] = run.kv.get_batch_cache_indices([ev["rid"]])[0]
-                pipes.send(ev)
-        reports = run.exchange()
-        if reports is not None:
-            agreed = tally.add(reports)
-            # (a request the client aborted meanwhile is gone already: its hooks' reports only settle it)
-            for rid in agreed["abort"]:  # any rank: the request ends now; its blocks wait for "settled"
-                note = tally.take_note(rid)
-                if rid in eng.requests:
-                    eng.abort(rid, note)
-            for rid in agreed["release"]:
-                if rid in eng.requests:
-                    eng.release(rid)
-            for rid in agreed["kv_ready"]:
-                note = tally.take_note(rid)
-                if rid in eng.requests:
-                    eng.kv_ready(rid, note)
-            for rid in agreed["settled"]:  # every rank reported: an aborted request's blocks may go now
-                eng.hook_settled(rid)
-        creps = run.exchange_connector()
-        if creps is not None:
-            eng.connector_done(*conn.on_reports(creps))
-        quiet_wait = min(quiet_wait * 2, HOOK_QUIET_S) if idle and not eng.requests else idle_wait
-    if conn is not None:  # one more plan, so saves of requests that finished just before the stop are posted
-        plan = {"v": 1, "step": eng.step, "stop": False, "ops": [], "batch": [], "post": [],
-                "conn": conn.plan_section([]), "free_before": run.kv.get_num_free_blocks()}
-        run.comm.broadcast_plan(codec.pack(plan))
-        run.execute(plan)
-        run.exchange()
-        run.exchange_connector()
-        conn.close()
-    run.comm.broadcast_plan(codec.pack({"v": 1, "step": eng.step, "stop": True, "ops": [], "batch": [],
-                                        "post": []}))
-
-
-def _apply_command(eng: Engine, c: dict, post: list) -> bool:
-    t = c["t"]
-    if t == "fatal":
-        raise ExecutorError(c["msg"])
-    try:
-        if t == "stop":
-            return True
-        if t == "add":
-            sp = SamplingParams.from_wire(c["sampling"])
-            ft = c.get("first_token")
-            eng.submit(Request(int(c["rid"]), [int(x) for x in c["prompt"]], int(c["max_tokens"]),
-                               str(c["mode"]),
-                               sp, tuple(int(x) for x in c.get("stop_ids", ())),
-                               None if ft is None else int(ft),
-                               dict(c.get("ctx_info") or {}), stream=bool(c.get("stream", False))))
-        elif t == "kv_ready":
-            eng.kv_ready(int(c["rid"]))
-        elif t == "release":
-            eng.release(int(c["rid"]))
-        elif t == "abort":
-            eng.abort(int(c["rid"]))
-        elif t in ("read", "write"):
-            if not eng.io(t, int(c["rid"])) and t == "write":
-                post.append(["drop", int(c["rid"])])  # every rank discards the shard it was sent
-        elif t == "stats":
-            post.append(["stats", 0])
-        elif t == "digest":
-            post.append(["digest", int(c["rid"])])
-        else:
-            eng._error(int(c.get("rid", -1)), f"unknown command {t!r}")
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        eng._error(int(c.get("rid", -1)) if isinstance(c.get("rid"), int) else -1,
-                   f"malformed {t!r} command: {type(e).__name__}: {e}")
-    return False
-
-
 def _follower_loop(run: _Runner) -> None:
     while True:
         plan = run.comm.broadcast_plan(None)
-        if plan.get("v") != 1:
-            raise ExecutorError(f"rank {run.rank}: step plan version {plan.get('v')!r}, expected 1")
+        if plan.get("v") != PLAN_VERSION:
+            raise ExecutorError(f"rank {run.rank}: step plan version {plan.get('v')!r}, expected {PLAN_VERSION}")
         if plan["stop"]:
             return
         run.execute(plan)
@@ -390,7 +299,7 @@ def rank_main(rank: int, blob: bytes, rx, tx) -> None:
         pipes.send({"t": "ready", "rank": rank, "config": run.mcfg.to_dict(), "layout": run.layout.to_wire(),
                     "pid": os.getpid()})
         if rank == 0:
-            _leader_loop(run, pipes, inbox, cfg)
+            leader_loop(run, pipes, inbox, cfg)
         else:
             _follower_loop(run)
         inbox.closed = True
