@@ -21,7 +21,7 @@ import os
 import secrets
 
 from ..errors import ServeConfigError
-from ..transceiver.sockets import is_loopback
+from ..netaddr import is_loopback
 
 log = logging.getLogger("kvbridge.serving.auth")
 

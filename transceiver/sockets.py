@@ -11,12 +11,12 @@ unless the config says `insecure: true`, which is logged as a WARNING when the s
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 
 import zmq
 
+from ..netaddr import is_loopback
 from .config import ConfigError, TransceiverConfig
 from .messages import MAX_FRAME_BYTES
 
@@ -50,16 +50,6 @@ def _base(sock: zmq.Socket) -> zmq.Socket:
     sock.setsockopt(zmq.RCVHWM, 100000)
     sock.setsockopt(zmq.SNDHWM, 100000)
     return sock
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost: addresses no other host can reach."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_bind(cfg: TransceiverConfig) -> None:
