@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -134,3 +135,51 @@ def wait_pool_full(url: str, num_blocks: int, world: int, timeout: float = 60) -
         if got == [num_blocks] * world or time.monotonic() > deadline:
             return got
         time.sleep(0.5)
+
+
+def wait_log(path, pattern: str, proc: subprocess.Popen, timeout: float = 240,
+             after: int = 0) -> re.Match:
+    """The first match of `pattern` in the log at `path` past offset `after` (bounded; fails if serve died)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text(errors="replace")[after:] if path.exists() else ""
+        m = re.search(pattern, text)
+        if m:
+            return m
+        assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{text[-3000:]}"
+        assert time.monotonic() < deadline, f"{pattern!r} not in the log within {timeout}s:\n{text[-3000:]}"
+        time.sleep(0.2)
+
+
+class Serve:
+    """`kvbridge serve` of config `cfg` with the tests' token, in its own process group; the router's and the
+    workers' urls read from what it prints."""
+
+    def __init__(self, tmp_path, cfg: dict) -> None:
+        self.log = tmp_path / "serve.log"
+        with open(self.log, "w") as out:
+            cmd = [sys.executable, "-m", "kvbridge.cli", "serve", config(tmp_path, "c", cfg)]
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=dict(os.environ, **{TOKEN_ENV: TOKEN}))
+        self.router = wait_log(self.log, r"OpenAI API at (\S+)/v1", self.proc).group(1)
+        ready = r"\[(\w+)\] \w+ worker ready at (http://[\d.]+:\d+)"
+        self.urls = dict(re.findall(ready, self.log.read_text()))
+
+    def pid(self, name: str) -> int:
+        return httpx.get(self.urls[name] + "/health", headers=HEADERS, timeout=30).json()["pid"]
+
+    def mark(self) -> int:
+        return len(self.log.read_text(errors="replace"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)

@@ -6,11 +6,6 @@ Real processes: serve, its workers, their ranks and router; real ZeroMQ and HTTP
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -19,9 +14,8 @@ import zmq
 from kvbridge.formatter.layout import KVLayout, KVShape
 from kvbridge.transceiver import messages as m
 
-from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, TOKEN, config, wait_pool_full
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, Serve, wait_log, wait_pool_full
 from .conftest import MAX_TOKENS
-from .test_supervision import wait_log
 
 BLOCKS = 64
 CFG = {
@@ -37,27 +31,11 @@ CFG = {
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "serve", config(tmp, "c", CFG)],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, KVBRIDGE_INTERNAL_TOKEN=TOKEN))
+    s = Serve(tmp, CFG)
     try:
-        router = wait_log(log, r"OpenAI API at (\S+)/v1", proc).group(1)
-        urls = dict(re.findall(r"\[(\w+)\] \w+ worker ready at (http://[\d.]+:\d+)", log.read_text()))
-        yield {"proc": proc, "log": log, "router": router, **urls}
+        yield {"proc": s.proc, "log": s.log, "router": s.router, **s.urls}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(5)
+        s.stop()
 
 
 def _outsider_hello(endpoint: str, wait_s: float = 3.0) -> list[bytes]:

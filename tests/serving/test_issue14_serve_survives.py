@@ -11,10 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -23,9 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, TOKEN, config, wait_pool_full
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, Serve, wait_pool_full
 from .conftest import MAX_TOKENS
-from .test_supervision import wait_log
 
 BLOCKS = 128
 DEADLINE_S = 60
@@ -45,28 +41,12 @@ NAMES = ("ctx0", "ctx1", "gen0")
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "serve", config(tmp, "c", CFG)],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, KVBRIDGE_INTERNAL_TOKEN=TOKEN))
+    s = Serve(tmp, CFG)
     try:
-        router = wait_log(log, r"OpenAI API at (\S+)/v1", proc).group(1)
-        urls = dict(re.findall(r"\[(\w+)\] \w+ worker ready at (http://[\d.]+:\d+)", log.read_text()))
-        assert sorted(urls) == sorted(NAMES), urls
-        yield {"proc": proc, "log": log, "router": router, **urls}
+        assert sorted(s.urls) == sorted(NAMES), s.urls
+        yield {"proc": s.proc, "log": s.log, "router": s.router, **s.urls}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(5)
+        s.stop()
 
 
 def _pid(serve, name: str) -> int:

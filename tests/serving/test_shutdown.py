@@ -9,9 +9,8 @@ import signal
 import subprocess
 import sys
 
-from .cluster import MODEL, PATIENT, config, start_process, wait_healthy
+from .cluster import MODEL, PATIENT, config, start_process, wait_healthy, wait_log
 from .test_serve_lifecycle import _finish, _gone
-from .test_supervision import wait_log
 
 CFG = {
     "model": MODEL,

@@ -5,19 +5,15 @@ takes it back, and every pool ends full. Real processes: serve, its workers and 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
-from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, TOKEN, config, wait_pool_full
+from .cluster import MODEL, PATIENT, PROMPTS, Serve, wait_log, wait_pool_full
 from .conftest import MAX_TOKENS
 
 BLOCKS, GEN_BLOCKS = 256, 2048  # the generation pool holds five 2,000-token requests at once
@@ -34,56 +30,9 @@ CFG = {
 }
 
 
-def wait_log(path, pattern: str, proc: subprocess.Popen, timeout: float = 240,
-             after: int = 0) -> re.Match:
-    """The first match of `pattern` in the log at `path` past offset `after` (bounded; fails if serve died)"""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text(errors="replace")[after:] if path.exists() else ""
-        m = re.search(pattern, text)
-        if m:
-            return m
-        assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{text[-3000:]}"
-        assert time.monotonic() < deadline, f"{pattern!r} not in the log within {timeout}s:\n{text[-3000:]}"
-        time.sleep(0.2)
-
-
-class Serve:
-    """`kvbridge serve` of CFG with the tests' token; urls read from what it prints."""
-
-    def __init__(self, tmp_path) -> None:
-        self.log = tmp_path / "serve.log"
-        with open(self.log, "w") as out:
-            cmd = [sys.executable, "-m", "kvbridge.cli", "serve", config(tmp_path, "c", CFG)]
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=dict(os.environ, KVBRIDGE_INTERNAL_TOKEN=TOKEN))
-        self.router = wait_log(self.log, r"OpenAI API at (\S+)/v1", self.proc).group(1)
-        ready = r"\[(\w+)\] \w+ worker ready at (http://[\d.]+:\d+)"
-        self.urls = dict(re.findall(ready, self.log.read_text()))
-
-    def pid(self, name: str) -> int:
-        return httpx.get(self.urls[name] + "/health", headers=HEADERS, timeout=30).json()["pid"]
-
-    def mark(self) -> int:
-        return len(self.log.read_text(errors="replace"))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(5)
-
-
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    s = Serve(tmp_path_factory.mktemp("serve"))
+    s = Serve(tmp_path_factory.mktemp("serve"), CFG)
     yield s
     s.stop()
 
