@@ -147,21 +147,29 @@ def _settle(parts: list["TransferHandle"], timeout: float = 30.0) -> None:
 
 
 class _ChunkedTransfer(TransferHandle):
-    """One transfer posted as several parts; DONE when all are, FAILED as soon as one fails."""
+    """One transfer posted as several parts; DONE when all are. When one fails the others are cancelled, and
+    the whole is FAILED only once none of them can still move data (a part still running stays PENDING): a
+    caller that reuses the memory after FAILED must never see a late part land in it."""
 
     def __init__(self, parts: list[TransferHandle]) -> None:
         super().__init__(sum(p.num_descriptors for p in parts), sum(p.nbytes for p in parts))
         self._parts = parts
+        self._stopping = False
 
     def state(self) -> XferState:
-        pending = False
+        pending = failed = False
         for p in self._parts:
             st = p.state()
             if st is XferState.FAILED:
+                failed = True
                 self.error = self.error or p.error
-                return XferState.FAILED
             pending |= st is XferState.PENDING
-        return XferState.PENDING if pending else XferState.DONE
+        if failed and pending and not self._stopping:
+            self._stopping = True
+            self._cancel()  # the rest stop (or land) so the whole can settle
+        if pending:
+            return XferState.PENDING
+        return XferState.FAILED if failed else XferState.DONE
 
     def _cancel(self) -> None:
         for p in self._parts:
