@@ -329,23 +329,32 @@ def run(args=None) -> list[dict]:
 
 def sweep(agent, peer: str, dst, remote_addr: int, total: int, pattern0, rng, sizes) -> list[dict]:
     """cuda_ipc kernel variant and launch geometry (bytes per warp item x CTA cap): for tuning defaults."""
-    rows, saved = [], (agent._kernel, agent._chunk, agent._max_blocks)
-    grid = [(k, None, None) for k in ("any", "aligned")]
-    grid += [("any", c, b) for c in (4096, 65536) for b in (132, 528)]
-    for frag in sizes:
-        case = Case(frag, total, pattern0, rng)
-        for kernel, chunk, blocks in grid:
-            agent._kernel, agent._chunk, agent._max_blocks = kernel, chunk, blocks  # benchmark knobs
-            secs, gsecs, _, ok = time_agent(agent, peer, dst, remote_addr, case, 2)
-            row = dict(agent=f"cuda_ipc[{kernel},chunk={chunk},blocks={blocks}]", fragment_bytes=frag,
-                       fragments=case.n, gbps=round(total / secs / 1e9, 1), baseline_gbps=None,
-                       verified=ok, seconds=secs, gpu_gbps=round(total / gsecs / 1e9, 1), sweep=True)
-            rows.append(row)
-            print(f"sweep {frag >> 10:>5} KiB {kernel} chunk={chunk} blocks={blocks}: "
-                  f"gpu {row['gpu_gbps']} GB/s, end-to-end {row['gbps']} GB/s, verified={ok}", flush=True)
-        del case
-    agent._kernel, agent._chunk, agent._max_blocks = saved
+    from kvbridge.agents.cuda_ipc import CopyKernel, CopyTuning
+
+    rows, saved = [], agent.tuning
+    grid = [CopyTuning(k) for k in CopyKernel]
+    grid += [CopyTuning(CopyKernel.ANY, c, b) for c in (4096, 65536) for b in (132, 528)]
+    try:
+        for frag in sizes:
+            case = Case(frag, total, pattern0, rng)
+            for tuning in grid:
+                agent.tuning = tuning
+                rows.append(_sweep_row(agent, peer, dst, remote_addr, total, case, tuning))
+            del case
+    finally:
+        agent.tuning = saved
     return rows
+
+
+def _sweep_row(agent, peer: str, dst, remote_addr: int, total: int, case, tuning) -> dict:
+    kernel, chunk, blocks = tuning.kernel.value, tuning.chunk, tuning.max_blocks
+    secs, gsecs, _, ok = time_agent(agent, peer, dst, remote_addr, case, 2)
+    row = dict(agent=f"cuda_ipc[{kernel},chunk={chunk},blocks={blocks}]", fragment_bytes=case.frag,
+               fragments=case.n, gbps=round(total / secs / 1e9, 1), baseline_gbps=None,
+               verified=ok, seconds=secs, gpu_gbps=round(total / gsecs / 1e9, 1), sweep=True)
+    print(f"sweep {case.frag >> 10:>5} KiB {kernel} chunk={chunk} blocks={blocks}: "
+          f"gpu {row['gpu_gbps']} GB/s, end-to-end {row['gbps']} GB/s, verified={ok}", flush=True)
+    return row
 
 
 def _fmt(row: dict) -> str:
