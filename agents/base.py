@@ -58,7 +58,7 @@ returns at once. From then on the handle may stay PENDING only while data alread
 once nothing can move any more it is FAILED (its `error` says it was cancelled), never DONE. So a caller that
 waits (bounded) for a non-PENDING state after cancel may free or reuse the memory. cancel() on a DONE or
 FAILED handle does nothing and returns False. Callers release a handle once it is no longer PENDING (cancel,
-then a bounded wait, as `handles._settle` does); what releasing a still-PENDING handle does is the
+then a bounded wait, as `handles.settle_all` does); what releasing a still-PENDING handle does is the
 transport's business (ConnectionAgent cancels it), so nothing relies on it.
 
 A peer that dies: transfers to it end FAILED (or raise at post) within the transport's own deadline, never
@@ -81,7 +81,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import AgentError, PeerError, RegistrationError
-from .handles import Registration, TransferHandle, _ChunkedTransfer, _chunk_bounds, _settle
+from .handles import ChunkedTransfer, Registration, TransferHandle, chunk_bounds, settle_all
 from .memory import DescriptorList, MemoryKind, MemoryRegion, RegionTable, XferState
 
 __all__ = [
@@ -219,15 +219,15 @@ class TransferAgent(ABC):
         parts: list[TransferHandle] = []
         a = 0
         try:
-            for b in _chunk_bounds(n, self.post_chunk):
+            for b in chunk_bounds(n, self.post_chunk):
                 lo, ro = local[a:b], remote[a:b]
                 self._regions.check(lo, f"{op} local side (descriptors {a}..{b - 1})")
                 parts.append(self._post(op, peer, lo, ro))
                 a = b
         except BaseException:
-            _settle(parts)  # nothing may still be moving when the caller sees the error
+            settle_all(parts)  # nothing may still be moving when the caller sees the error
             raise
-        return _ChunkedTransfer(parts)
+        return ChunkedTransfer(parts)
 
     # --- teardown -------------------------------------------------------------------------------------
     def close(self) -> None:

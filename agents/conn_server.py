@@ -7,6 +7,9 @@ step. A malformed frame (bad magic, version, counts) ends that connection, never
 a deadline of `transfer_timeout` from the request's arrival; idle connections are polled in short slices
 so that `stop()` ends every thread promptly. Never touches memory while it is being deregistered: requests
 are served inside `agent.serving()`, which deregistration waits for, after `agent.check_served`.
+
+What it needs of its agent is the `ServedAgent` protocol below (ConnectionAgent is one); it never imports
+conn_agent.py, which imports this module.
 """
 
 from __future__ import annotations
@@ -14,26 +17,40 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import AgentError, ConnectionClosed, ConnectionFailed, ProtocolError
 from . import conn_wire as wire
 from .connection import Connection, Listener
+from .memory import DescriptorList
 
-if TYPE_CHECKING:
-    from .conn_agent import ConnectionAgent
+__all__ = ["Server", "ServedAgent", "SLICE"]
 
 log = logging.getLogger(__name__)
 
 SLICE = 0.2  # seconds between checks for stop() while idle
 
 
+class ServedAgent(Protocol):
+    """The agent whose registered memory a Server serves (a ConnectionAgent)."""
+
+    name: str
+    transfer_timeout: float  # seconds one request may take from its arrival
+
+    def serving(self) -> AbstractContextManager[None]:
+        """Held while the serving thread touches registered memory; deregistration waits for it."""
+
+    def check_served(self, descs: DescriptorList, what: str) -> None:
+        """AgentError naming `what` unless `descs` are registered memory of a kind this agent serves."""
+
+
 class Server:
     """Accepts connections on `listener` and serves requests against `agent`'s registered memory."""
 
-    def __init__(self, agent: "ConnectionAgent", listener: Listener) -> None:
+    def __init__(self, agent: ServedAgent, listener: Listener) -> None:
         self._agent = agent
         self._listener = listener
         self._stopping = threading.Event()

@@ -32,6 +32,7 @@ from . import cuda_driver as drv
 from .base import (DescriptorList, MemoryKind, MemoryRegion, RegionTable, TransferAgent, TransferHandle,
                    XferState)
 from .cuda_engine import NOT_READY, Engine, Slot
+from .cuda_kernels import CopyKernel, CopyTuning
 from .envelope import field, open_envelope, seal
 
 log = logging.getLogger(__name__)
@@ -223,9 +224,15 @@ class CudaIpcAgent(TransferAgent):
         name: unique among the peers this agent talks to.
         chunk: bytes per warp work item (None: chosen per transfer); for tuning and tests.
         max_blocks: cap on CTAs per launch (None: full occupancy); for tuning and tests.
+        kernel: the copy kernel variant (CopyKernel.ANY; ALIGNED only where every fragment is 16-byte
+            aligned on both ends, as in benchmarks).
         timing: time each transfer on the GPU (descriptor upload + kernel) into `handle.gpu_seconds`.
     Raises:
-        AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing.
+        AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
+
+    `tuning` (a CopyTuning of kernel, chunk, max_blocks) may be replaced between transfers, e.g. by a
+    benchmark sweeping launch geometries on one connected agent; a transfer uses the tuning current at its
+    post.
     """
 
     agent_kind = "cuda_ipc"
@@ -236,20 +243,29 @@ class CudaIpcAgent(TransferAgent):
     post_chunk = 32768
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
-                 timing: bool = False) -> None:
+                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False) -> None:
+        tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         super().__init__(name)
         self._regions = FastRegionTable()  # same checks as the base class's, faster for one pool
         drv.load()
         if drv.device_count() < 1:
             raise AgentError("the cuda_ipc agent needs a CUDA GPU; the driver reports none visible")
-        if chunk is not None and not 512 <= chunk <= (1 << 30):
-            raise AgentError(f"chunk must be within [512, 1 GiB] bytes, got {chunk}")
-        self._chunk, self._max_blocks, self._timing = chunk, max_blocks, timing
-        self._kernel = "any"  # "aligned" only where every fragment is known 16-byte aligned (benchmarks)
+        self._tuning, self._timing = tuning, timing
         self._host = drv.host_identity()
         self._exports: dict[int, tuple] = {}
         self._remote: dict[str, _Peer] = {}
         self._engines: dict[int, Engine] = {}
+
+    @property
+    def tuning(self) -> CopyTuning:
+        """The copy kernel's launch knobs used by the next transfer posted."""
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, value: CopyTuning) -> None:
+        if not isinstance(value, CopyTuning):
+            raise AgentError(f"tuning must be a CopyTuning, got {type(value).__name__}")
+        self._tuning = value
 
     # --- memory ---------------------------------------------------------------------------------------
     def _register(self, region: MemoryRegion, key: int) -> None:
@@ -367,9 +383,8 @@ class CudaIpcAgent(TransferAgent):
                 w[2 * n] = 0
                 np.cumsum(lens, out=w[2 * n + 1:3 * n + 1])
                 total = int(w[3 * n])
-            # The kernel picks 16-, 8-, 4-, 2- or 1-byte words per piece; "aligned" (16-byte words only) is
-            # for a caller that knows every fragment is 16-byte aligned on both ends (a benchmark knob here).
-            aligned = self._kernel == "aligned"
+            tuning = self._tuning  # one read: a concurrent `tuning = ...` changes the next transfer only
+            aligned = tuning.kernel is CopyKernel.ALIGNED
             cu, _ = drv.load()
             with engine.dev.current():
                 if slot.start is not None:
@@ -377,7 +392,7 @@ class CudaIpcAgent(TransferAgent):
                 drv.check(cu.cuMemcpyHtoDAsync(slot.table.ptr, slot.pinned.ptr, words * 8, engine.stream),
                           "cuMemcpyHtoDAsync (descriptor table)")
                 engine.copier.launch(slot.table.ptr, n, total, aligned, engine.stream, uniform=flen,
-                                     chunk=self._chunk, max_blocks=self._max_blocks)
+                                     chunk=tuning.chunk, max_blocks=tuning.max_blocks)
                 drv.check(cu.cuEventRecord(slot.event, engine.stream), "cuEventRecord")
         except Exception:
             engine.recycle(slot, done=False)

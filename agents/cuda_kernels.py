@@ -19,9 +19,11 @@ tail bytes. Any alignment and any length is correct; 16-byte-aligned KV blocks t
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,6 +33,36 @@ from .cuda_driver import Device, check, load, nvrtc_module
 THREADS = 256  # 8 warps per CTA
 DEFAULT_CHUNK = 16 << 10  # bytes per warp work item (shrunk for small transfers, see `geometry`)
 MIN_CHUNK = 1 << 10
+
+
+class CopyKernel(enum.Enum):
+    """Which kernel variant copies the fragments."""
+
+    ANY = "any"          # 16-, 8-, 4-, 2- or 1-byte words per piece: correct for any alignment (the default)
+    ALIGNED = "aligned"  # 16-byte words only: ONLY where src % 16 == dst % 16 for every fragment (benchmarks)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTuning:
+    """Launch knobs of the fragment copy (the cuda_ipc agent's `tuning`); the defaults suit every transfer.
+
+    Attributes:
+        kernel: the kernel variant (see CopyKernel; ALIGNED is wrong for misaligned fragments).
+        chunk: bytes per warp work item, within [512, 1 GiB]; None: chosen per transfer (`geometry`).
+        max_blocks: cap on CTAs per launch (>= 1); None: full occupancy.
+    """
+
+    kernel: CopyKernel = CopyKernel.ANY
+    chunk: int | None = None
+    max_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kernel, CopyKernel):
+            raise AgentError(f"kernel must be a CopyKernel, got {self.kernel!r}")
+        if self.chunk is not None and (type(self.chunk) is not int or not 512 <= self.chunk <= (1 << 30)):
+            raise AgentError(f"chunk must be an int within [512, 1 GiB] bytes, got {self.chunk!r}")
+        if self.max_blocks is not None and (type(self.max_blocks) is not int or self.max_blocks < 1):
+            raise AgentError(f"max_blocks must be an int >= 1, got {self.max_blocks!r}")
 
 SOURCE = r"""
 typedef long long i64;

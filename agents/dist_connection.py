@@ -126,6 +126,8 @@ class TorchDistConnection(TcpConnection):
     def _make_group(self, store, timeout: timedelta):
         from torch.distributed import ProcessGroupGloo
 
+        # `_Options`, `_timeout` and `_devices` are torch's own API for these options (its distributed_c10d
+        # sets them the same way; there is no public spelling), not another kvbridge class's privates.
         opts = ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [ProcessGroupGloo.create_device(hostname=self._local_host)]
@@ -221,7 +223,7 @@ class NcclConnection(TorchDistConnection):
 
         opts = ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = False
-        opts._timeout = timeout
+        opts._timeout = timeout  # torch's own spelling (as in its distributed_c10d), not a private read
         opts.group_name = f"kvbridge-{self.pair_id}"
         return ProcessGroupNCCL(store, self.rank, 2, opts)
 

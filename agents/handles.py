@@ -1,5 +1,10 @@
 """Handles: a registration and a posted transfer, both released explicitly (a finalizer warns, never crashes),
 and the composite handle of a transfer posted in pipelined chunks.
+
+Owns the handle side of the TransferAgent contract (`base.py` owns the agent side and imports this module,
+never the other way round). The thread rules: `state()` and `cancel()` may be called from any thread, also
+at once (a poll must never block; cancel asks, it does not wait); `wait(t)` and `release()` belong to the
+handle's owner. Never blocks past a caller's timeout.
 """
 
 from __future__ import annotations
@@ -7,15 +12,19 @@ from __future__ import annotations
 import time
 import warnings
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from ..errors import TransferFailed, TransferTimeout
 from .memory import MemoryRegion, XferState
 
-if TYPE_CHECKING:
-    from .base import TransferAgent
+__all__ = ["Registration", "TransferHandle", "FutureTransfer", "ChunkedTransfer", "chunk_bounds", "settle_all"]
 
-__all__ = ["Registration", "TransferHandle", "FutureTransfer"]
+
+class RegistrationOwner(Protocol):
+    """What a Registration knows of the agent that made it (a TransferAgent, named here without importing
+    base.py, which imports this module)."""
+
+    name: str
 
 
 class _Releasable:
@@ -54,7 +63,7 @@ class _Releasable:
 class Registration(_Releasable):
     """A registered memory region; `release()` deregisters it (through the callback its agent gave)."""
 
-    def __init__(self, agent: "TransferAgent", region: MemoryRegion, key: int,
+    def __init__(self, agent: RegistrationOwner, region: MemoryRegion, key: int,
                  on_release: "Callable[[Registration], None]") -> None:
         self.agent = agent
         self.region = region
@@ -129,13 +138,13 @@ class TransferHandle(_Releasable, ABC):
         pass
 
 
-def _chunk_bounds(n: int, chunk: int) -> list[int]:
+def chunk_bounds(n: int, chunk: int) -> list[int]:
     """End offsets of pipelined chunks: a first chunk of chunk/8 (data moves early), then `chunk` each."""
     first = max(1, chunk // 8)
     return [first] + list(range(first + chunk, n, chunk)) + [n] if n > first else [n]
 
 
-def _settle(parts: list["TransferHandle"], timeout: float = 30.0) -> None:
+def settle_all(parts: list["TransferHandle"], timeout: float = 30.0) -> None:
     """Cancel posted parts and wait (bounded) until none is still moving data, then release them."""
     for h in parts:
         h.cancel()
@@ -146,7 +155,7 @@ def _settle(parts: list["TransferHandle"], timeout: float = 30.0) -> None:
         h.release()
 
 
-class _ChunkedTransfer(TransferHandle):
+class ChunkedTransfer(TransferHandle):
     """One transfer posted as several parts; DONE when all are. When one fails the others are cancelled, and
     the whole is FAILED only once none of them can still move data (a part still running stays PENDING): a
     caller that reuses the memory after FAILED must never see a late part land in it."""

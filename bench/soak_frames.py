@@ -250,7 +250,8 @@ def _ext_bytes(code: int, payload: bytes) -> bytes:
 
 
 def _validate(msg: m.Message) -> None:
-    """What a rank checks first on these messages (sender._on_hello, receiver._on_welcome, heartbeats)."""
+    """What a rank checks first on these messages (the sender on a Hello, the receiver on a Welcome, both on
+    heartbeats)."""
     if isinstance(msg, m.Hello):
         check_compatible(LAY, KVLayout.from_wire(msg.gen_layout))
     elif isinstance(msg, m.Welcome):

@@ -259,8 +259,6 @@ def run(args=None) -> list[dict]:
     """
     import torch
 
-    from kvbridge.agents import MemoryRegion, create_agent
-
     total, sizes, agents, reps = _options(args)
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"transfer_cuda needs 2 GPUs; this machine has {torch.cuda.device_count()}")
@@ -279,18 +277,7 @@ def run(args=None) -> list[dict]:
         rows.append(dict(agent="memcpy_peer_1_copy", fragment_bytes=total, fragments=1, gbps=round(base, 1),
                          baseline_gbps=round(base, 1), verified=ceiling_ok, seconds=ceiling))
         opts = {k: getattr(args, k) for k in ("chunk", "max_blocks") if getattr(args, k, None)}
-        connected = {}
-        for kind in agents:
-            meta = peer_proc.metas.get(kind)
-            if not isinstance(meta, bytes):
-                print(f"skipping {kind}: {meta}", file=sys.stderr)
-                continue
-            kw = dict(opts, timing=True) if kind == "cuda_ipc" else {}
-            a = create_agent(kind, f"bench-local-{kind}-{os.getpid()}", **kw)
-            live.append((a, a.register_memory(MemoryRegion.of(dst))))
-            name = a.connect(meta)
-            peer_proc.connect(kind, a.metadata())
-            connected[kind] = (a, name)
+        connected = _connect_agents(agents, opts, dst, peer_proc, live)
         rng = np.random.default_rng(0)
         if getattr(args, "sweep", False) and "cuda_ipc" in connected:
             rows += sweep(*connected["cuda_ipc"], dst, peer_proc.addr, total, pattern0, rng, sizes)
@@ -300,15 +287,7 @@ def run(args=None) -> list[dict]:
                 if frag == total and kind != "cuda_ipc":
                     continue
                 r = reps if kind == "cuda_ipc" else max(1, min(reps, 2 if frag < (128 << 10) else reps))
-                secs, gsecs, post, ok = time_agent(a, name, dst, peer_proc.addr, case, r)
-                row = dict(agent=kind, fragment_bytes=frag, fragments=case.n,
-                           gbps=round(total / secs / 1e9, 1), baseline_gbps=round(base, 1), verified=ok,
-                           seconds=secs, post_ms=round(post * 1e3, 3))
-                if kind == "cuda_ipc":
-                    row["gpu_gbps"] = round(total / gsecs / 1e9, 1) if gsecs else None
-                    psecs, _, _, pok = time_agent(a, name, dst, peer_proc.addr, case, r, pieces=8)
-                    row["pipelined_gbps"] = round(total / psecs / 1e9, 1)
-                    row["verified"] = ok and pok
+                row = _agent_row(kind, a, name, dst, peer_proc.addr, case, r, total, base)
                 rows.append(row)
                 print(_fmt(row), flush=True)
             if frag < total and getattr(args, "memcpy", True):
@@ -327,25 +306,68 @@ def run(args=None) -> list[dict]:
     return rows
 
 
+def _connect_agents(agents, opts: dict, dst, peer_proc: "PeerProcess", live: list) -> dict:
+    """{kind: (local agent, peer name)} for every kind the peer process could make (others are skipped with
+    a note); each agent and its registration of `dst` go into `live` at once (the caller releases them)."""
+    from kvbridge.agents import MemoryRegion, create_agent
+
+    connected = {}
+    for kind in agents:
+        meta = peer_proc.metas.get(kind)
+        if not isinstance(meta, bytes):
+            print(f"skipping {kind}: {meta}", file=sys.stderr)
+            continue
+        kw = dict(opts, timing=True) if kind == "cuda_ipc" else {}
+        a = create_agent(kind, f"bench-local-{kind}-{os.getpid()}", **kw)
+        live.append((a, a.register_memory(MemoryRegion.of(dst))))
+        name = a.connect(meta)
+        peer_proc.connect(kind, a.metadata())
+        connected[kind] = (a, name)
+    return connected
+
+
+def _agent_row(kind: str, a, name: str, dst, remote_addr: int, case, reps: int, total: int,
+               base: float) -> dict:
+    """One agent at one fragment size; cuda_ipc also with its GPU-side time and posted in 8 pieces."""
+    secs, gsecs, post, ok = time_agent(a, name, dst, remote_addr, case, reps)
+    row = dict(agent=kind, fragment_bytes=case.frag, fragments=case.n, gbps=round(total / secs / 1e9, 1),
+               baseline_gbps=round(base, 1), verified=ok, seconds=secs, post_ms=round(post * 1e3, 3))
+    if kind == "cuda_ipc":
+        row["gpu_gbps"] = round(total / gsecs / 1e9, 1) if gsecs else None
+        psecs, _, _, pok = time_agent(a, name, dst, remote_addr, case, reps, pieces=8)
+        row["pipelined_gbps"] = round(total / psecs / 1e9, 1)
+        row["verified"] = ok and pok
+    return row
+
+
 def sweep(agent, peer: str, dst, remote_addr: int, total: int, pattern0, rng, sizes) -> list[dict]:
     """cuda_ipc kernel variant and launch geometry (bytes per warp item x CTA cap): for tuning defaults."""
-    rows, saved = [], (agent._kernel, agent._chunk, agent._max_blocks)
-    grid = [(k, None, None) for k in ("any", "aligned")]
-    grid += [("any", c, b) for c in (4096, 65536) for b in (132, 528)]
-    for frag in sizes:
-        case = Case(frag, total, pattern0, rng)
-        for kernel, chunk, blocks in grid:
-            agent._kernel, agent._chunk, agent._max_blocks = kernel, chunk, blocks  # benchmark knobs
-            secs, gsecs, _, ok = time_agent(agent, peer, dst, remote_addr, case, 2)
-            row = dict(agent=f"cuda_ipc[{kernel},chunk={chunk},blocks={blocks}]", fragment_bytes=frag,
-                       fragments=case.n, gbps=round(total / secs / 1e9, 1), baseline_gbps=None,
-                       verified=ok, seconds=secs, gpu_gbps=round(total / gsecs / 1e9, 1), sweep=True)
-            rows.append(row)
-            print(f"sweep {frag >> 10:>5} KiB {kernel} chunk={chunk} blocks={blocks}: "
-                  f"gpu {row['gpu_gbps']} GB/s, end-to-end {row['gbps']} GB/s, verified={ok}", flush=True)
-        del case
-    agent._kernel, agent._chunk, agent._max_blocks = saved
+    from kvbridge.agents.cuda_ipc import CopyKernel, CopyTuning
+
+    rows, saved = [], agent.tuning
+    grid = [CopyTuning(k) for k in CopyKernel]
+    grid += [CopyTuning(CopyKernel.ANY, c, b) for c in (4096, 65536) for b in (132, 528)]
+    try:
+        for frag in sizes:
+            case = Case(frag, total, pattern0, rng)
+            for tuning in grid:
+                agent.tuning = tuning
+                rows.append(_sweep_row(agent, peer, dst, remote_addr, total, case, tuning))
+            del case
+    finally:
+        agent.tuning = saved
     return rows
+
+
+def _sweep_row(agent, peer: str, dst, remote_addr: int, total: int, case, tuning) -> dict:
+    kernel, chunk, blocks = tuning.kernel.value, tuning.chunk, tuning.max_blocks
+    secs, gsecs, _, ok = time_agent(agent, peer, dst, remote_addr, case, 2)
+    row = dict(agent=f"cuda_ipc[{kernel},chunk={chunk},blocks={blocks}]", fragment_bytes=case.frag,
+               fragments=case.n, gbps=round(total / secs / 1e9, 1), baseline_gbps=None,
+               verified=ok, seconds=secs, gpu_gbps=round(total / gsecs / 1e9, 1), sweep=True)
+    print(f"sweep {case.frag >> 10:>5} KiB {kernel} chunk={chunk} blocks={blocks}: "
+          f"gpu {row['gpu_gbps']} GB/s, end-to-end {row['gbps']} GB/s, verified={ok}", flush=True)
+    return row
 
 
 def _fmt(row: dict) -> str:

@@ -34,7 +34,8 @@ def piece_digests(buffers: list, pool: RankPool, piece: Piece, blocks, num_token
         buffers: the pool's memory, one flat-viewable buffer per registered region (see LocalPool.buffers).
         pool: the rank's RankPool (layout, rank, addressing).
         piece: global layer and head ranges to hash.
-        blocks: the request's block ids in this pool; num_tokens: its token count.
+        blocks: the request's block ids in this pool.
+        num_tokens: the request's token count.
         first_token: hash only tokens [first_token, num_tokens) (what a partial pull read).
     """
     lay, a = pool.layout, pool.addressing

@@ -96,6 +96,9 @@ def pool_image(layout: KVLayout, rank: int, num_blocks: int, requests=(), backgr
     """The bytes a rank's pool must hold (flat uint8).
 
     Args:
+        layout: the executor's KV layout.
+        rank: the rank whose pool this is (its pipeline stage's layers, its tensor-parallel heads).
+        num_blocks: blocks in the pool.
         requests: (block_ids, num_tokens, salt) per request held in the pool: those tokens hold
             `element_codes` of (layer, kv, head, token, dim) salted with the request's salt.
         background_salt: every other byte holds codes salted with this (position-dependent, never zeros).

@@ -3,6 +3,8 @@
 Modules:
     config      the YAML serving config (model, context/generation servers, transceiver, router, executor)
     protocol    OpenAI request parsing, response / stream chunk / error objects, `disaggregated_params`
+    api_error   ApiError, the error object every endpoint returns (protocol re-exports it)
+    validate    generic checks of a client's JSON (strict, bounded depth, int64, text parts)
     text        tokenization, chat templates, incremental detokenization
     backend     a worker's Executor seen from asyncio (bounded waits, aborts when the caller goes)
     worker_app  a worker's FastAPI routes; worker: `kvbridge worker` (one executor + HTTP server)

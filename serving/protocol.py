@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..executor.sampling import MAX_LOGIT_BIAS, TokenLogprob
+from .api_error import ApiError
+from .validate import GREEDY_BELOW, loads_strict, text_content
 
 __all__ = ["ApiError", "GenRequest", "DisaggRequest", "parse_request", "parse_disagg", "response", "chunk",
            "usage_chunk", "sse", "SSE_DONE", "DEADLINE_HEADER", "new_id", "read_json", "logprobs_object"]
@@ -38,34 +40,6 @@ MAX_PROMPT_CHARS = 8 << 20  # a text prompt (or a chat's messages together) long
 _UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None, "functions": None,
                 "tool_choice": None, "function_call": None, "parallel_tool_calls": None, "audio": None,
                 "modalities": None, "prediction": None}
-
-
-class ApiError(Exception):
-    """An error returned to the client as {"error": {"message", "type", "code", "param"}} with `status`."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-        self.retry_after = retry_after  # seconds; sent as Retry-After (429/503 of a busy or empty pool)
-
-    def headers(self) -> dict[str, str]:
-        return {} if self.retry_after is None else {"Retry-After": str(max(1, round(self.retry_after)))}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
-
-    @classmethod
-    def from_body(cls, status: int, body: Any, prefix: str = "") -> "ApiError":
-        """Rebuild an error a worker returned (anything else becomes a server_error naming what came)."""
-        err = body.get("error") if isinstance(body, dict) else None
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return cls(status, prefix + err["message"], str(err.get("type") or "server_error"),
-                       err.get("code") if isinstance(err.get("code"), str) else None,
-                       err.get("param") if isinstance(err.get("param"), str) else None)
-        return cls(502 if status < 400 else status,
-                   f"{prefix}unexpected answer (HTTP {status}): {body!r:.300}", "server_error",
-                   "bad_worker_response")
 
 
 @dataclass
@@ -120,8 +94,6 @@ async def read_json(request, budget=None) -> Any:
     """The JSON body of a Starlette request: 413 when larger than MAX_BODY_BYTES, 400 when not strict JSON
     (NaN, Infinity, nested too deep: validate.loads_strict). `budget(n)`, if given, is told of every `n`
     bytes as they arrive (before the body is whole) and may refuse them by raising ApiError."""
-    from .validate import loads_strict
-
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
         raise ApiError(413, f"the request body ({size} bytes) is larger than {MAX_BODY_BYTES} bytes",
@@ -143,8 +115,6 @@ def new_id(kind: str) -> str:
 
 def parse_request(body: Any, kind: str, default_max_tokens: int) -> GenRequest:
     """Validate a request body; ApiError(400) naming the first bad field."""
-    from .validate import GREEDY_BELOW
-
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for k, ok in _UNSUPPORTED.items():
@@ -206,8 +176,6 @@ def _prompt(body: dict) -> str | list[int]:
 
 def _messages(body: dict) -> list[dict[str, str]]:
     """Chat messages as {role, content} with text content (text parts joined), bounded in total."""
-    from .validate import text_content
-
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: expected a non-empty list of {role, content} objects", param="messages")

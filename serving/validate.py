@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .protocol import ApiError
+from .api_error import ApiError
 
 __all__ = ["MAX_JSON_DEPTH", "INT64_MAX", "loads_strict", "check_depth", "text_content", "GREEDY_BELOW"]
 
