@@ -1,7 +1,7 @@
 """In-flight accounting that cannot leak: one context manager per count, and the per-process admission bound.
 
-Owns two things. `in_flight` (a context manager) counts requests on one worker (the balancer's `least_loaded` reads it, and a
-gauge mirrors it): entered once, left once, whatever path the request takes (success, error, a client gone,
+Owns two things. `in_flight` (a context manager) counts requests on one worker (the balancer's `least_loaded`
+reads it, and a gauge mirrors it): entered once, left once, whatever path the request takes (success, error, a client gone,
 a stream ended). `Admission` bounds what one process holds at once (`max_inflight_requests` requests and
 `max_inflight_body_bytes` of request bodies, counted chunk by chunk as they arrive, before a body is whole):
 beyond either, the request gets 503 with Retry-After instead of memory. Never decides where a request goes.
