@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from kvbridge.errors import ExecutorError
+
 from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, \
     start_announced, stop_process, streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
@@ -231,3 +233,37 @@ def test_bad_requests_get_openai_error_objects_through_the_router(urls):
     assert models["data"][0]["id"] == MODEL
     assert json.loads(httpx.get(urls["router"].removesuffix("/v1") + "/health").text)["status"] == "ok"
     assert free_blocks(urls["ctx"]) == [CTX_BLOCKS] * 2  # a refused request pinned nothing
+
+
+def test_blocks_swapped_on_the_generation_worker_keep_the_tokens_but_fail_the_positional_check(
+        cluster, urls, want, tmp_path):
+    """Fault: a generation worker whose ranks swap a request's first two blocks once its KV arrived
+    (swap_worker.py; the deployment's generation CurveZMQ keys). The answer is still right; the serving check
+    names the first (layer, kv head) moved."""
+    cfg = {**CFG, "context_servers": {"tp": 2, "urls": [urls["ctx"].removeprefix("http://")]},
+           "generation_servers": {"pp": 2, "urls": ["127.0.0.1:0"],
+                                  "transceiver": dict(cluster.cfg.generation[0].transceiver),
+                                  "executor": {"num_blocks": 16, "tokens_per_block": 12}}}
+    path = config(tmp_path, "swap", cfg)
+    gen, gen_url = start_announced(["--config", path, "--role", "generation"], str(tmp_path / "gen.log"),
+                                   module="tests.serving.swap_worker")
+    router = None
+    try:
+        wait_healthy(gen_url, gen)
+        cfg["generation_servers"] = {**cfg["generation_servers"], "urls": [gen_url.removeprefix("http://")]}
+        router, base = start_announced(["router", "--config", config(tmp_path, "swap-router", cfg)],
+                                       str(tmp_path / "router.log"))
+        wait_healthy(base, router)
+        out = _complete(base + "/v1", {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0})
+        kb = out["kvbridge"]
+        assert kb["token_ids"] == want["prompts"][1] and kb["recomputed"] is False, kb  # tokens cannot see it
+        (h,) = handles_of(kb)
+        first = f"positional KV check of handle {h} failed: layer 0 kv head 0 K"
+        with pytest.raises(ExecutorError, match=first) as e:
+            assert_kv_positional(urls["ctx"], gen_url, [h])
+        assert str(e.value).endswith(f"... and {4 * 6 * 2 - 8} more")  # tokens 0..23 moved: all K, V differ
+        assert wait_pool_full(gen_url, 16, 2) == [16, 16]
+    finally:
+        if router is not None:
+            stop_process(router)
+        stop_process(gen)
