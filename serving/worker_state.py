@@ -30,15 +30,16 @@ __all__ = ["WorkerState", "DigestIndex", "release_context", "housekeeping", "int
 
 DIGEST_TIMEOUT_S = 30.0  # the ranks hash a request's KV between two steps: seconds, even for long prompts
 _HANDLE_MAX = (1 << 63) - 1  # handles are positive int64 (transceiver/handles.py)
+ANSWERS_KEPT = 256  # merged digests a worker keeps once asked for (a large model's is tens of kB)
 
 
 class DigestIndex:
-    """handle -> executor request id of this worker's last `limit` disaggregated requests, and each one's
-    answer once asked for (a rank hands a recorded digest over once; the worker keeps the merged one).
+    """handle -> executor request id of this worker's last `limit` disaggregated requests, and the last `kept`
+    answers once asked for (a rank hands a recorded digest over once; the worker keeps the merged one).
     Used on the event loop only; `lock` makes one digest fetch at a time."""
 
-    def __init__(self, limit: int = MAX_RECORDED) -> None:
-        self.limit = limit
+    def __init__(self, limit: int = MAX_RECORDED, kept: int = ANSWERS_KEPT) -> None:
+        self.limit, self.kept = limit, kept
         self._rids: OrderedDict[int, int] = OrderedDict()
         self._answers: dict[int, dict] = {}
         self.lock = asyncio.Lock()
@@ -59,6 +60,8 @@ class DigestIndex:
     def keep(self, handle: int, answer: dict) -> None:
         if handle in self._rids:
             self._answers[handle] = answer
+            while len(self._answers) > self.kept:
+                self._answers.pop(next(iter(self._answers)))
 
 
 @dataclass
