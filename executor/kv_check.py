@@ -10,6 +10,7 @@ to the other is the key itself: heads split across TP ranks, layers across PP st
     rank side   DigestBook.record(rid, kv)   at "ctx_done" (context) and "ready" (generation), when enabled
                 DigestBook.report(rid, kv)   -> RankDigest (to the parent, msgpack over the rank's pipe)
     parent      merge(layout, {rank: RankDigest}) -> KVDigest;  mismatches(ctx, gen) -> [text, ...]
+    serving     to_json(KVDigest) -> dict (a worker's GET /internal/kv_digests);  from_json(dict) -> KVDigest
 
 Owns the digest form and the comparison. Never changes a pool, never runs on the transfer path: it is a
 check for tests, the soak and debugging (ExecutorConfig.kv_digests turns the recording on).
@@ -17,6 +18,7 @@ check for tests, the soak and debugging (ExecutorConfig.kv_digests turns the rec
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -31,10 +33,13 @@ from .kv_cache_manager import KVCacheManager
 from .kv_io import gather_blocks
 
 __all__ = ["KVDigest", "RankDigest", "DigestBook", "shard_digests", "merge", "mismatches",
-           "check_positional", "DIGEST_VERSION"]
+           "check_positional", "to_json", "from_json", "DIGEST_VERSION"]
 
 DIGEST_VERSION = 1  # bump when the canonical bytes or the hash change
 MAX_RECORDED = 4096  # digests a rank keeps (oldest dropped first); a request's digest is taken once
+_MAX_JSON_PAIRS = 1 << 16  # (layer, kv head) pairs a JSON digest may hold (from_json refuses more)
+_HEX_DIGEST = re.compile(r"[0-9a-f]{16}")  # one xxh3-64 digest as xxhash writes it
+_JSON_KEY = re.compile(r"(\d{1,6}),(\d{1,6})")  # "layer,kv_head"
 
 
 Key = tuple[int, int]  # (global layer, global kv head)
@@ -194,3 +199,41 @@ def check_positional(ctx: KVDigest, gen: KVDigest, what: str = "request") -> Non
     bad = mismatches(ctx, gen)
     if bad:
         raise ExecutorError(f"positional KV check of {what} failed: " + "; ".join(bad))
+
+
+def to_json(d: KVDigest) -> dict:
+    """The JSON form of a digest:
+    {"version", "num_tokens", "dtype", "digests": {"layer,head": [K hex, V hex]}}."""
+    return {"version": DIGEST_VERSION, "num_tokens": d.num_tokens, "dtype": d.dtype,
+            "digests": {f"{k[0]},{k[1]}": list(v) for k, v in d.digests.items()}}
+
+
+def from_json(obj: object, what: str = "kv digest") -> KVDigest:
+    """A KVDigest from its JSON form (`to_json`), strictly: exactly those keys, ints that are not bools,
+    16-digit lowercase hex digests, one or two (K, V) per (layer, kv head). Raises ExecutorError naming `what`
+    and the field that was wrong."""
+    if not isinstance(obj, dict) or set(obj) != {"version", "num_tokens", "dtype", "digests"}:
+        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise ExecutorError(f"{what}: expected an object with version, num_tokens, dtype and digests, got "
+                            f"{keys!r:.120}")
+    if obj["version"] != DIGEST_VERSION or type(obj["version"]) is not int:
+        raise ExecutorError(f"{what}: version {obj['version']!r:.40}, expected {DIGEST_VERSION}")
+    n, dtype, table = obj["num_tokens"], obj["dtype"], obj["digests"]
+    if type(n) is not int or n < 0:
+        raise ExecutorError(f"{what}: num_tokens is {n!r:.40}, expected an int >= 0")
+    if not isinstance(dtype, str) or not 0 < len(dtype) <= 32:
+        raise ExecutorError(f"{what}: dtype is {dtype!r:.40}, expected a dtype name")
+    if not isinstance(table, dict) or not 0 < len(table) <= _MAX_JSON_PAIRS:
+        raise ExecutorError(f"{what}: digests must be an object of 1..{_MAX_JSON_PAIRS} \"layer,head\" "
+                            f"entries")
+    out: dict[Key, tuple[str, ...]] = {}
+    for k, v in table.items():
+        m = _JSON_KEY.fullmatch(k)
+        if m is None:
+            raise ExecutorError(f"{what}: digests key {k!r:.40} is not \"layer,kv_head\"")
+        if (not isinstance(v, list) or len(v) not in (1, 2)
+                or not all(isinstance(x, str) and _HEX_DIGEST.fullmatch(x) for x in v)):
+            raise ExecutorError(f"{what}: digests[{k!r}] is {v!r:.80}, expected 1 or 2 hex digests of 16 "
+                                f"digits")
+        out[(int(m.group(1)), int(m.group(2)))] = tuple(v)
+    return KVDigest(n, dtype, MappingProxyType(out))

@@ -10,6 +10,8 @@ Routes:
         /v1/models, /debug/free_blocks (free blocks per rank, pinned context requests)
     POST /internal/release {"disaggregated_params": <what this context worker answered>}   (router only)
         drop a prefilled request's KV now (the generation side refused it); readers in flight finish first
+    GET /internal/kv_digests?handle=H   the positional KV digest of disaggregated request H (`kvbridge.handle`
+        of the generation worker's answer; executor.kv_digests: true, else 409): worker_state.kv_digest_answer
 
 Requests are admitted under the process's bound (max_inflight_requests, max_inflight_body_bytes: beyond it
 503 + Retry-After). Anything a request triggers here fails that request alone, as a JSON error.
@@ -49,7 +51,7 @@ from .metrics import WorkerMetrics, render
 from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, add_common_routes, chunk,
                        logprobs_object, new_id, parse_request, read_json, response, sse, usage_chunk)
 from .stops import TextCutter
-from .worker_state import WorkerState, housekeeping, internal_error, release_context
+from .worker_state import WorkerState, housekeeping, internal_error, kv_digest_answer, release_context
 
 log = logging.getLogger("kvbridge.serving.worker")
 
@@ -102,6 +104,7 @@ class WorkerApp:
         add_common_routes(app, st.cfg.model_name, st.started, render)
         app.get("/debug/free_blocks")(self.free_blocks)
         app.post("/internal/release")(self.release)
+        app.get("/internal/kv_digests")(self.kv_digests)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -137,6 +140,9 @@ class WorkerApp:
         body = await read_json(request)
         d = body.get("disaggregated_params") if isinstance(body, dict) else None
         return JSONResponse({"released": release_context(self.st, d)})
+
+    async def kv_digests(self, handle: str | None = None) -> dict:
+        return await kv_digest_answer(self.st, handle)
 
     @contextlib.contextmanager
     def _in_flight(self, kind: str):
@@ -201,8 +207,9 @@ async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[st
     t0 = time.monotonic()
     res = await be.prefill(prompt, sampling, max(0.1, deadline - t0))
     WorkerMetrics(spec.role).prefix(len(prompt), res.reused_tokens, _kv_bytes_per_token(be.ex.layout))
-    params = disagg_params(be.ex, res.request_id, st.endpoints).to_dict()  # wire handle + secret
-    out = DisaggRequest("generation_only", res.first_token, prompt, params, seed, spec.name,
+    wire = disagg_params(be.ex, res.request_id, st.endpoints)  # wire handle + secret
+    st.record_handle(wire.ctx_request_id, res.request_id)
+    out = DisaggRequest("generation_only", res.first_token, prompt, wire.to_dict(), seed, spec.name,
                         res.first_logprob)
     return {"id": new_id(req.kind), "object": "text_completion", "created": int(time.time()),
             "model": st.cfg.model_name,
@@ -219,7 +226,8 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
     d = req.disagg
     extra: dict[str, Any] = {"generation_worker": spec.name}
     if d is not None:  # generation_only
-        prompt, seed = _generation_only(st, req), (d.seed if d.seed is not None else req.seed or 0)
+        prompt, extra["handle"] = _generation_only(st, req)
+        seed = d.seed if d.seed is not None else req.seed or 0
         extra["context_worker"] = d.context_worker
     else:
         prompt, seed = _prompt_ids(st, req), (secrets.randbits(31) if req.seed is None else req.seed)
@@ -231,9 +239,11 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
         try:
             if aggregated:
                 return be.ex.submit(prompt, max_tokens=req.max_tokens, sampling=sampling, stream=follow)
-            return be.ex.submit(prompt, max_tokens=req.max_tokens, mode="generation_only", sampling=sampling,
-                                first_token=d.first_token, ctx_info={"disagg_params": d.ctx_params},
-                                stream=follow)
+            rid = be.ex.submit(prompt, max_tokens=req.max_tokens, mode="generation_only", sampling=sampling,
+                               first_token=d.first_token, ctx_info={"disagg_params": d.ctx_params},
+                               stream=follow)
+            st.record_handle(extra["handle"], rid)
+            return rid
         except KvBridgeError as e:
             raise be.error(e, "submit") from None
 
@@ -267,14 +277,15 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
                     out.logprobs(toks, got, 0, 0))
 
 
-def _generation_only(st: WorkerState, req: GenRequest) -> list[int]:
-    """Check a generation_only request's disaggregated_params; returns its prompt's token ids."""
+def _generation_only(st: WorkerState, req: GenRequest) -> tuple[list[int], int]:
+    """Check a generation_only request's disaggregated_params; returns its prompt's token ids and its wire
+    handle (not a secret: answered in `kvbridge.handle`, the name of its KV digests)."""
     d = req.disagg
     if st.spec.role != "generation":
         raise ApiError(400, f"{st.spec.name} is a context worker; send generation_only requests to a "
                             f"generation worker", code="wrong_role", param="disaggregated_params")
     try:
-        DisaggParams.from_dict(d.ctx_params)
+        handle = DisaggParams.from_dict(d.ctx_params).ctx_request_id
     except KvBridgeError as e:
         raise ApiError(400, f"disaggregated_params.ctx_params: {e}", code="invalid_disaggregated_params",
                        param="disaggregated_params") from None
@@ -282,7 +293,7 @@ def _generation_only(st: WorkerState, req: GenRequest) -> list[int]:
         raise ApiError(400, "disaggregated_params.first_logprob: missing, and the request asks for "
                             "logprobs (the context worker samples the first token)",
                        param="disaggregated_params")
-    return d.prompt_token_ids
+    return d.prompt_token_ids, handle
 
 
 async def _whole(st: WorkerState, req: GenRequest, got, events):

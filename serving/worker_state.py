@@ -1,6 +1,8 @@
 """A worker's state (config, executor backend, text codec, instance) and the work around requests that is
 not request handling: releasing a refused context request's KV, the housekeeping loop, the error a request
-that failed unexpectedly gets. worker_app.py holds the routes over it.
+that failed unexpectedly gets, and the positional KV digests of its disaggregated requests
+(`executor.kv_digests: true`: `DigestIndex` maps a request's wire handle to its executor request id here,
+`kv_digest_answer` is GET /internal/kv_digests). worker_app.py holds the routes over it.
 """
 
 from __future__ import annotations
@@ -8,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import KvBridgeError
+from ..errors import ExecutorError, KvBridgeError
+from ..executor.kv_check import MAX_RECORDED, to_json
 from ..executor.transceiver_hook import context_request_of
 from ..transceiver import DisaggParams
 from .backend import Backend
@@ -21,7 +25,43 @@ from .text import TextCodec
 
 log = logging.getLogger("kvbridge.serving.worker")
 
-__all__ = ["WorkerState", "release_context", "housekeeping", "internal_error"]
+__all__ = ["WorkerState", "DigestIndex", "release_context", "housekeeping", "internal_error",
+           "kv_digest_answer"]
+
+DIGEST_TIMEOUT_S = 30.0  # the ranks hash a request's KV between two steps: seconds, even for long prompts
+_HANDLE_MAX = (1 << 63) - 1  # handles are positive int64 (transceiver/handles.py)
+ANSWERS_KEPT = 256  # merged digests a worker keeps once asked for (a large model's is tens of kB)
+
+
+class DigestIndex:
+    """handle -> executor request id of this worker's last `limit` disaggregated requests, and the last `kept`
+    answers once asked for (a rank hands a recorded digest over once; the worker keeps the merged one).
+    Used on the event loop only; `lock` makes one digest fetch at a time."""
+
+    def __init__(self, limit: int = MAX_RECORDED, kept: int = ANSWERS_KEPT) -> None:
+        self.limit, self.kept = limit, kept
+        self._rids: OrderedDict[int, int] = OrderedDict()
+        self._answers: dict[int, dict] = {}
+        self.lock = asyncio.Lock()
+
+    def add(self, handle: int, request_id: int) -> None:
+        self._rids[handle] = request_id
+        self._answers.pop(handle, None)
+        self._rids.move_to_end(handle)
+        while len(self._rids) > self.limit:
+            self._answers.pop(self._rids.popitem(last=False)[0], None)
+
+    def request_of(self, handle: int) -> int | None:
+        return self._rids.get(handle)
+
+    def answer(self, handle: int) -> dict | None:
+        return self._answers.get(handle)
+
+    def keep(self, handle: int, answer: dict) -> None:
+        if handle in self._rids:
+            self._answers[handle] = answer
+            while len(self._answers) > self.kept:
+                self._answers.pop(next(iter(self._answers)))
 
 
 @dataclass
@@ -34,6 +74,12 @@ class WorkerState:
     endpoints: tuple[str, ...] = ()
     started: float = field(default_factory=time.time)
     failed: str | None = None
+    digests: DigestIndex = field(default_factory=DigestIndex)
+
+    def record_handle(self, handle: int, request_id: int) -> None:
+        """Remember a disaggregated request's wire handle (only when its executor records KV digests)."""
+        if self.backend.ex.cfg.kv_digests:
+            self.digests.add(handle, request_id)
 
 
 def internal_error(name: str, e: BaseException) -> ApiError:
@@ -73,3 +119,37 @@ async def housekeeping(st: WorkerState, on_fatal) -> None:
             log.error("%s: the executor failed, stopping the worker: %s", st.spec.name, err.splitlines()[0])
             on_fatal()
             return
+
+
+async def kv_digest_answer(st: WorkerState, raw: str | None) -> dict[str, Any]:
+    """GET /internal/kv_digests?handle=H: the merged positional KV digest of this worker's disaggregated
+    request H (the context side's at prefill, the generation side's once its KV arrived), in
+    kv_check.to_json's form under "kv_digest". 409 when digests are off, 404 naming H when it is unknown."""
+    name, be = st.spec.name, st.backend
+    if not be.ex.cfg.kv_digests:
+        raise ApiError(409, f"{name} records no KV digests: set executor.kv_digests: true for its server "
+                            f"group", code="kv_digests_off")
+    ok = raw is not None and raw.isascii() and raw.isdigit() and len(raw) <= 19
+    handle = int(raw) if ok else 0
+    if not 0 < handle <= _HANDLE_MAX:
+        raise ApiError(400, f"handle: {raw!r:.40} is not a request handle (an integer 1..2^63-1)",
+                       param="handle")
+    async with st.digests.lock:
+        got = st.digests.answer(handle)
+        if got is not None:
+            return got
+        rid = st.digests.request_of(handle)
+        if rid is None:
+            raise ApiError(404, f"{name} ({st.spec.role}) has no disaggregated request with handle {handle} "
+                                f"(never seen here, or older than its last {st.digests.limit})",
+                           code="unknown_handle", param="handle")
+        try:
+            d = await be.call(lambda: be.ex.kv_digest(rid, timeout=DIGEST_TIMEOUT_S))
+        except ExecutorError as e:
+            if be.ex.error or str(e).startswith("timed out"):
+                raise be.error(e, f"the KV digest of handle {handle}") from None
+            raise ApiError(404, f"{name}: no KV digest of handle {handle}: {e}", code="kv_digest_missing",
+                           param="handle") from None
+        got = {"handle": handle, "worker": name, "role": st.spec.role, "kv_digest": to_json(d)}
+        st.digests.keep(handle, got)
+        return got

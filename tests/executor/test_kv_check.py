@@ -3,12 +3,14 @@ splits and block sizes agree exactly; moved blocks, one changed element and bad 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from kvbridge.errors import ExecutorError
 from kvbridge.executor.config import ModelConfig, kv_layout_for
-from kvbridge.executor.kv_check import RankDigest, merge, mismatches, shard_digests
+from kvbridge.executor.kv_check import RankDigest, from_json, merge, mismatches, shard_digests, to_json
 from kvbridge.executor.kv_io import scatter_blocks, shard_of
 from kvbridge.formatter.layout import ParallelSplit
 
@@ -83,3 +85,21 @@ def test_merge_names_a_missing_rank_and_a_rank_without_a_digest():
     with pytest.raises(ExecutorError, match="rank 1 recorded no KV digest"):
         merge(lay, {0: RankDigest(1, 0, None, "rank 1 recorded no KV digest of request 1"),
                     1: RankDigest(1, 1, None, "y")})
+
+
+def test_the_json_form_round_trips_and_a_bad_one_is_refused_with_the_field_named():
+    ctx = _digest(_request_kv(), tp=2, pp=1, tpb=4)
+    back = from_json(json.loads(json.dumps(to_json(ctx))))
+    assert back == ctx and back.num_tokens == 29 and back.dtype == "float32"
+    assert mismatches(ctx, back) == []
+    good = to_json(ctx)
+    bad = [({**good, "extra": 1}, "expected an object with"), ({**good, "version": True}, "version True"),
+           ({**good, "num_tokens": -1}, "num_tokens is -1"),
+           ({**good, "num_tokens": False}, "num_tokens is False"),
+           ({**good, "digests": {}}, "digests must be an object"),
+           ({**good, "digests": {"0;1": ["0" * 16] * 2}}, "key '0;1'"),
+           ({**good, "digests": {"0,1": ["0" * 15] * 2}}, r"digests\['0,1'\]"),
+           ({**good, "digests": {"0,1": ["0" * 16] * 3}}, r"digests\['0,1'\]"), ([good], "got 'list'")]
+    for obj, text in bad:
+        with pytest.raises(ExecutorError, match=text):
+            from_json(obj, "the test's digest")

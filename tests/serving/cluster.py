@@ -53,19 +53,23 @@ def launch(d: dict, log_dir: str) -> Cluster:
     return c
 
 
-def start_process(args: list[str], log_path: str) -> subprocess.Popen:
-    """`kvbridge <args>` in its own process group, output to log_path."""
+def start_process(args: list[str], log_path: str, module: str = "kvbridge.cli") -> subprocess.Popen:
+    """`kvbridge <args>` (or `python -m module <args>`, from the repository root) in its own process group,
+    output to log_path."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(log_path, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *args], stdout=out,
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, **{TOKEN_ENV: TOKEN}))
+                                env=dict(os.environ, **{TOKEN_ENV: TOKEN}),
+                                cwd=root if module != "kvbridge.cli" else None)
 
 
-def start_announced(args: list[str], log_path: str, timeout: float = 240) -> tuple[subprocess.Popen, str]:
+def start_announced(args: list[str], log_path: str, timeout: float = 240,
+                    module: str = "kvbridge.cli") -> tuple[subprocess.Popen, str]:
     """`kvbridge worker|router <args> --port-file` whose config gives it port 0: (process, its base URL) once it
     has bound its socket and announced the port (bounded; the process is stopped if it never does)."""
     port_file = log_path + ".port"
-    p = start_process([*args, "--port-file", port_file], log_path)
+    p = start_process([*args, "--port-file", port_file], log_path, module)
     try:
         port = wait_port_file(port_file, timeout, p)
     except BaseException:

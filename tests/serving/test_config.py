@@ -34,6 +34,8 @@ def _base(**kw) -> dict:
     ({"generation_servers": {"device": "gpu"}}, "generation_servers.device: 'gpu' is not cpu, cuda"),
     ({"executor": {"num_blocks": 0}}, "executor.num_blocks: must be >= 1"),
     ({"executor": {"blocks": 5}}, "executor.blocks: unknown key"),
+    ({"generation_servers": {"executor": {"kv_digests": "yes"}}},
+     "generation_servers.executor.kv_digests: expected bool, got 'yes'"),
     ({"transceiver": {"agent": "nixl", "lease": 3}}, "transceiver: unknown transceiver settings ['lease']"),
     ({"transceiver": {"heartbeat_s": 9}}, "transceiver: transceiver.heartbeat_s (9) must be at most half"),
     ({"context_servers": {"transceiver": {"port": 70000}}},
@@ -77,6 +79,12 @@ def test_group_settings_override_the_shared_ones_per_server():
     assert args == {"role": "context", "instance": "ctx-instance", "run_dir": "/tmp/run",
                     "transceiver": c0.transceiver}
     assert cfg.on_transfer_failure == "fail" and cfg.router.policy == "round_robin"
+
+
+def test_kv_digests_reach_the_executor_config_of_the_groups_that_ask():
+    cfg = parse_config(_base(generation_servers={"executor": {"kv_digests": True}}))
+    assert cfg.generation[0].executor_config("seeded:tiny", "g", "/tmp").kv_digests is True
+    assert cfg.context[0].executor_config("seeded:tiny", "c", "/tmp").kv_digests is False  # off by default
 
 
 def test_a_transceiver_bound_to_every_interface_advertises_the_workers_own_host():

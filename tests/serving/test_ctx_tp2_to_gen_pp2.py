@@ -1,5 +1,7 @@
 """A context worker at TP2 and a generation worker at TP1/PP2 (different block sizes) behind the router, over
-real HTTP, the transceiver moving KV between real processes (tcp agent). on_transfer_failure: recompute."""
+real HTTP, the transceiver moving KV between real processes (tcp agent). on_transfer_failure: recompute.
+Every answer that crossed passes the positional KV check (kvcheck.py): the generation worker's KV, gathered
+in token order, equals the context worker's remapped from TP2 / 4-token blocks to PP2 / 12-token blocks."""
 
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ import time
 import httpx
 import pytest
 
+from kvbridge.errors import ExecutorError
+
 from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, \
     start_announced, stop_process, streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
+from .kvcheck import assert_kv_positional, handles_of
 
 CTX_BLOCKS, GEN_BLOCKS = 256, 96
 CFG = {
     "model": MODEL, "on_transfer_failure": "recompute",
-    "executor": {"num_blocks": CTX_BLOCKS, "tokens_per_block": 4, "threads_per_rank": 1, "timeout_s": 120},
+    "executor": {"num_blocks": CTX_BLOCKS, "tokens_per_block": 4, "threads_per_rank": 1, "timeout_s": 120,
+                 "kv_digests": True},
     "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
     "router": {"port": 0, "policy": "least_loaded", "request_timeout_s": 120},
     "context_servers": {"tp": 2},
@@ -45,6 +51,7 @@ def _complete(url: str, body: dict) -> dict:
 
 
 def test_disaggregated_completions_give_exactly_the_aggregated_tokens(urls, want):
+    handles = []
     for prompt, tokens in zip(PROMPTS, want["prompts"]):
         out = _complete(urls["router"], {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
                                          "temperature": 0})
@@ -57,6 +64,8 @@ def test_disaggregated_completions_give_exactly_the_aggregated_tokens(urls, want
         assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": MAX_TOKENS,
                                 "total_tokens": len(prompt) + MAX_TOKENS}
         assert out["choices"][0]["finish_reason"] == "length"
+        handles += handles_of(kb)
+    assert assert_kv_positional(urls["ctx"], urls["gen"], handles) == len(PROMPTS)
 
 
 def test_streaming_sends_the_aggregated_tokens_in_pieces_then_done(urls, want):
@@ -68,6 +77,7 @@ def test_streaming_sends_the_aggregated_tokens_in_pieces_then_done(urls, want):
     assert streamed_tokens(events) == want["prompts"][1]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-2]["kvbridge"]["transfer"]["bytes"] > 0
+    handles = handles_of(events[-2]["kvbridge"])
 
     chat = {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -77,6 +87,9 @@ def test_streaming_sends_the_aggregated_tokens_in_pieces_then_done(urls, want):
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert streamed_tokens(events) == want["chat"]
     assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS and events[-1] == "[DONE]"
+    handles += handles_of(next(e["kvbridge"] for e in events if isinstance(e, dict) and "handle" in
+                               e.get("kvbridge", {})))
+    assert assert_kv_positional(urls["ctx"], urls["gen"], handles) == 2
 
 
 def test_32_concurrent_requests_are_all_answered_and_both_pools_end_full(urls, want):
@@ -90,9 +103,12 @@ def test_32_concurrent_requests_are_all_answered_and_both_pools_end_full(urls, w
         async with httpx.AsyncClient(timeout=180) as client:
             return await asyncio.gather(*(one(client, i) for i in range(32)))
 
+    handles = []
     for i, status, body in asyncio.run(all32()):
         assert status == 200, body
         assert body["kvbridge"]["token_ids"] == want["prompts"][i % len(PROMPTS)][:6]
+        handles += handles_of(body["kvbridge"])
+    assert assert_kv_positional(urls["ctx"], urls["gen"], handles) == 32
     assert wait_pool_full(urls["ctx"], CTX_BLOCKS, 2) == [CTX_BLOCKS] * 2  # released after confirmation
     assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
 
@@ -139,7 +155,7 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
     """Fault: a context worker advertising its transceiver on 127.0.0.2, where nothing listens."""
     bad = {**CFG, "transceiver": {**CFG["transceiver"], "advertise_host": "127.0.0.2", "pickup_timeout_s": 3},
            "context_servers": {"tp": 1, "urls": ["127.0.0.1:0"],
-                               "executor": {"num_blocks": 32, "tokens_per_block": 4}},
+                               "executor": {"num_blocks": 32, "tokens_per_block": 4, "kv_digests": False}},
            "generation_servers": {"pp": 2, "urls": [urls["gen"].removeprefix("http://")]},
            "router": {"port": 0}}
     ctx, bad_ctx = start_announced(["worker", "--config", config(tmp_path, "bad", bad), "--role", "context"],
@@ -155,6 +171,7 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         kb = out["kvbridge"]
         assert kb["recomputed"] is True and "127.0.0.2" in kb["transfer_error"], kb
         assert kb["token_ids"] == want["prompts"][0]
+        _no_digest_of_a_recomputed_request(bad_ctx, urls["gen"], kb["handle"])
         assert wait_pool_full(bad_ctx, 32, 1, timeout=30) == [32]  # never picked up: pickup timeout frees it
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
         metrics = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
@@ -163,6 +180,17 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         if router is not None:
             stop_process(router)
         stop_process(ctx)
+
+
+def _no_digest_of_a_recomputed_request(ctx: str, gen: str, handle: int) -> None:
+    """A context worker without kv_digests answers 409; the generation worker has the handle but no digest
+    (its KV never arrived: the prompt was recomputed, aggregated), and says so."""
+    r = httpx.get(ctx + "/internal/kv_digests", params={"handle": handle}, headers=HEADERS, timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "kv_digests_off", r.text
+    assert "executor.kv_digests: true" in r.json()["error"]["message"]
+    r = httpx.get(gen + "/internal/kv_digests", params={"handle": handle}, headers=HEADERS, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "kv_digest_missing", r.text
+    assert f"no KV digest of handle {handle}" in r.json()["error"]["message"]
 
 
 def _requests_served(metrics: str) -> float:
@@ -205,3 +233,37 @@ def test_bad_requests_get_openai_error_objects_through_the_router(urls):
     assert models["data"][0]["id"] == MODEL
     assert json.loads(httpx.get(urls["router"].removesuffix("/v1") + "/health").text)["status"] == "ok"
     assert free_blocks(urls["ctx"]) == [CTX_BLOCKS] * 2  # a refused request pinned nothing
+
+
+def test_blocks_swapped_on_the_generation_worker_keep_the_tokens_but_fail_the_positional_check(
+        cluster, urls, want, tmp_path):
+    """Fault: a generation worker whose ranks swap a request's first two blocks once its KV arrived
+    (swap_worker.py; the deployment's generation CurveZMQ keys). The answer is still right; the serving check
+    names the first (layer, kv head) moved."""
+    cfg = {**CFG, "context_servers": {"tp": 2, "urls": [urls["ctx"].removeprefix("http://")]},
+           "generation_servers": {"pp": 2, "urls": ["127.0.0.1:0"],
+                                  "transceiver": dict(cluster.cfg.generation[0].transceiver),
+                                  "executor": {"num_blocks": 16, "tokens_per_block": 12}}}
+    path = config(tmp_path, "swap", cfg)
+    gen, gen_url = start_announced(["--config", path, "--role", "generation"], str(tmp_path / "gen.log"),
+                                   module="tests.serving.swap_worker")
+    router = None
+    try:
+        wait_healthy(gen_url, gen)
+        cfg["generation_servers"] = {**cfg["generation_servers"], "urls": [gen_url.removeprefix("http://")]}
+        router, base = start_announced(["router", "--config", config(tmp_path, "swap-router", cfg)],
+                                       str(tmp_path / "router.log"))
+        wait_healthy(base, router)
+        out = _complete(base + "/v1", {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0})
+        kb = out["kvbridge"]
+        assert kb["token_ids"] == want["prompts"][1] and kb["recomputed"] is False, kb  # tokens cannot see it
+        (h,) = handles_of(kb)
+        first = f"positional KV check of handle {h} failed: layer 0 kv head 0 K"
+        with pytest.raises(ExecutorError, match=first) as e:
+            assert_kv_positional(urls["ctx"], gen_url, [h])
+        assert str(e.value).endswith(f"... and {4 * 6 * 2 - 8} more")  # tokens 0..23 moved: all K, V differ
+        assert wait_pool_full(gen_url, 16, 2) == [16, 16]
+    finally:
+        if router is not None:
+            stop_process(router)
+        stop_process(gen)
