@@ -9,8 +9,8 @@ generation-only decode, the restart of the generation executor mid-run, and the 
                kv head, in token order), differs from its context-side KV (executor/kv_check.py): tokens
                cannot see misplaced KV, this can
     leaked     free blocks per rank at the end vs the start, both executors (the generation one after restart)
-Never touches rank internals; the one private read is the context executor's "released" events, taken (and
-so dropped) as they arrive: Executor has no public wait for a release done by its rank hooks.
+Never touches rank internals nor an Executor's private state: the context executor's releases (done by its
+rank hooks) are taken with `Executor.take_released` as they arrive.
 """
 
 from __future__ import annotations
@@ -353,10 +353,6 @@ class RequestSoak:
         return False
 
     def _drain_released(self) -> None:
-        ex = self.ctx
-        with ex._cv:  # private: see the module docstring
-            rids = [k[1] for k in list(ex._st.events) if k[0] == "released"]
-            for r in rids:
-                ex._st.events.pop(("released", r), None)
+        rids = self.ctx.take_released()
         with self._rel_lock:
             self._released.update(rids)
