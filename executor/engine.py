@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..errors import ExecutorError
+from ..transceiver.stats import TransferStats
 from .sampling import SamplingParams, TokenHistory
 
 __all__ = ["Engine", "Request", "MODES", "PLAN_VERSION", "BatchRow", "empty_plan"]
@@ -100,7 +101,7 @@ class Request:
     num_cached: int = 0
     reserved: int = 0                       # blocks reserved to completion
     finish_reason: str | None = None
-    transfer: str = ""                      # generation-only: the transfer's stats note from the rank hooks
+    transfer: TransferStats | None = None   # generation-only: the transfer's stats from the rank hooks
     stream: bool = False                    # report each new token ("tok" events) before "done"
     loaded: int = 0                         # prompt tokens loaded by the KV connector (not computed)
     reused: int = 0                         # prompt tokens served from the local prefix cache (block reuse)
@@ -193,7 +194,7 @@ class Engine:
         self.requests[req.request_id] = req
         self.waiting.append(req.request_id)
 
-    def kv_ready(self, request_id: int, note: str = "") -> None:
+    def kv_ready(self, request_id: int, stats: TransferStats | None = None) -> None:
         r = self._get(request_id, "kv_ready")
         if r is None:
             return
@@ -202,7 +203,7 @@ class Engine:
             return
         self._ops.append(["ready", request_id])
         r.state, r.num_cached, r.output = "running", len(r.prompt), [int(r.first_token)]
-        r.transfer = note
+        r.transfer = stats
         self._check_finished(r)
         self._stream(r)
 
@@ -359,8 +360,8 @@ class Engine:
             self._finish(r, ["free", r.request_id])
             self._drop(r, reason)
             ev = {"t": "done", "rid": r.request_id, "tokens": list(r.output), "reason": reason}
-            if r.transfer:
-                ev["transfer"] = r.transfer
+            if r.transfer is not None:
+                ev["transfer"] = r.transfer.to_wire()
             if r.loaded:
                 ev["loaded"] = r.loaded
             if r.reused:

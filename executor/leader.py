@@ -100,15 +100,17 @@ def _act_on_agreement(eng: Engine, tally: HookTally, reports: list[dict]) -> Non
     # (a request the client aborted meanwhile is gone already: its hooks' reports only settle it)
     for rid in agreed["abort"]:  # its blocks wait for "settled"
         note = tally.take_note(rid)
+        tally.take_stats(rid)  # some rank's pull may have finished: the request ends all the same
         if rid in eng.requests:
             eng.abort(rid, note)
     for rid in agreed["release"]:
         if rid in eng.requests:
             eng.release(rid)
     for rid in agreed["kv_ready"]:
-        note = tally.take_note(rid)
+        tally.take_note(rid)
+        stats = tally.take_stats(rid)
         if rid in eng.requests:
-            eng.kv_ready(rid, note)
+            eng.kv_ready(rid, stats)
     for rid in agreed["settled"]:  # every rank reported: an aborted request's blocks may go now
         eng.hook_settled(rid)
 

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import codec
-from ..errors import ExecutorError, KVCacheExhausted
+from ..errors import ExecutorError, KVCacheExhausted, ProtocolError
 from ..formatter.layout import KVLayout
+from ..transceiver.stats import TransferStats
 from .config import ModelConfig
 from .connector.factory import connector_wire
 from .kv_cache_manager import TORCH_DTYPES
@@ -206,7 +207,7 @@ class Executor:
             self._st.partial_lp.pop(request_id, None)
             self._st.events.pop(("gen_alloc", request_id), None)
         return Completion(request_id, list(ev["tokens"]), ev["reason"], str(ev.get("error", "")),
-                          str(ev.get("transfer", "")), int(ev.get("loaded", 0)), int(ev.get("reused", 0)),
+                          _stats(ev.get("transfer")), int(ev.get("loaded", 0)), int(ev.get("reused", 0)),
                           tuple(TokenLogprob.from_wire(e) for e in ev.get("lps", ())))
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 16,
@@ -429,3 +430,12 @@ class Executor:
         if ev["t"] != key[0]:
             raise ExecutorError(f"request {rid} ended ({ev.get('reason')}) while waiting for {what}")
         return ev
+
+
+def _stats(wire) -> TransferStats | None:
+    if wire is None:
+        return None
+    try:
+        return TransferStats.from_wire(wire)
+    except ProtocolError as e:
+        raise ExecutorError(f"done event: {e}") from None

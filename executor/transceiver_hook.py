@@ -24,7 +24,6 @@ each rank publishes executor request `rid` under the wire id key.handle(rid) wit
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import time
@@ -37,6 +36,7 @@ from ..errors import ExecutorError
 from ..transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
 from ..transceiver.config import ConfigError
 from ..transceiver.handles import RequestKey
+from ..transceiver.stats import of as transfer_stats
 from .hooks import RankContext
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class TransceiverHook:
         self.tr.cancel_request(self._key.handle(request_id) if self._key is not None else request_id)
 
     def poll(self) -> dict[str, list]:
-        out: dict[str, list] = {"kv_ready": [], "release": [], "abort": [], "notes": []}
+        out: dict[str, list] = {"kv_ready": [], "release": [], "abort": [], "notes": [], "stats": []}
         for rid, why in self._failed:
             out["abort"].append(rid)
             out["notes"].append([rid, why])
@@ -184,9 +184,7 @@ class TransceiverHook:
             for r in self.tr.check_gen_transfer_status():
                 if r.ok:
                     out["kv_ready"].append(r.request_id)
-                    out["notes"].append([r.request_id, json.dumps(
-                        {"bytes": r.nbytes, "fragments": r.fragments, "agents": list(r.agents),
-                         "ms": {k: round(v, 3) for k, v in r.timings_ms.items()}})])
+                    out["stats"].append([r.request_id, transfer_stats(r)])
                 else:
                     out["abort"].append(r.request_id)
                     out["notes"].append([r.request_id, f"KV transfer failed ({r.error_type}): {r.error}"])
