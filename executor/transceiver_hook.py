@@ -5,13 +5,13 @@ Start an executor with
     rank_hook_args={"role": "context"|"generation", "instance": "<executor id>", "transceiver": {...config...},
                     "run_dir": "<folder for endpoint files>"}
 and every rank builds a CacheTransceiver over its pool (registered once). An aborted request reaches every
-rank's hook (on_abort): the transfer is cancelled and its blocks are freed only after it settled everywhere. Context ranks write their control
-endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
+rank's hook (on_abort): the transfer is cancelled and its blocks are freed only after it settled everywhere.
+Context ranks write their control endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
 when its prefill is done (with ExecutorConfig.stream_layers: when its blocks are allocated, marking layers
 ready as the forward pass writes them, executor/streaming.py) and report "release" once their readers
 confirmed (or the lease ran out).
-Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready",
-or "abort" with the transfer's error; with block reuse they read only the tokens after
+Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready"
+with the pull's TransferStats (transceiver/stats.py), or "abort" with the transfer's error; with block reuse they read only the tokens after
 ctx_info["reused_tokens"] (set by the executor: its blocks already hold that prefix). The executor frees or
 starts a request only when every rank agrees.
 
