@@ -133,7 +133,7 @@ class Engine:
         self.conn = connector  # the KV connector's leader side (connector/leader.py), or None
         self._held: dict[int, tuple[Any, int]] = {}  # rid -> (op, blocks): run when the connector is done
         # Rank hooks (the transceiver) may still move a request's KV when it is aborted: the abort reaches
-        # every rank's hook ("hook_abort"), and the blocks are released only when every hook reported the
+        # every rank's hook (a HookAbort op), and the blocks are released only when every hook reported the
         # request settled (release / abort / kv_ready), never earlier.
         self.hooked = hooked
         self._hook_held: dict[int, tuple[Any, int]] = {}
@@ -232,7 +232,7 @@ class Engine:
     def io(self, kind: str, request_id: int) -> bool:
         """Queue a KV read ("read": after the next step) or write ("write": before it) of a live request.
 
-        Returns False (and reports a req_error) when the request holds no blocks.
+        Returns False (and reports a ReqError) when the request holds no blocks.
         """
         r = self._get(request_id, kind)
         if r is None:

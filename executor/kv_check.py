@@ -7,7 +7,7 @@ the digests are keyed by GLOBAL (layer, kv_head), so the context executor's dige
 executor's digest compare directly whatever their TP/PP split or tokens_per_block (the remap from one layout
 to the other is the key itself: heads split across TP ranks, layers across PP stages, blocks of any size).
 
-    rank side   DigestBook.record(rid, kv)   at "ctx_done" (context) and "ready" (generation), when enabled
+    rank side   DigestBook.record(rid, kv)   at CtxDone (context) and Ready (generation) ops, when enabled
                 DigestBook.report(rid, kv)   -> RankDigest (to the parent over the rank's pipe: a strict-codec
                                                 message, strict.py; KVDigest.to_wire / from_wire)
     parent      merge(layout, {rank: RankDigest}) -> KVDigest;  mismatches(ctx, gen) -> [text, ...]

@@ -25,7 +25,7 @@ def test_hooks_move_kv_between_executors_and_every_rank_must_agree(tmp_path):
                                                                                  tp=2)) as gen:
         res = ctx.prefill(PROMPT)
         # every ctx rank reported "release": the leader released the request by itself
-        ctx._wait_event(("released", res.request_id), 30, "the hook-driven release")
+        ctx.wait_released(res.request_id, 30)
         rid = gen.submit(PROMPT, max_tokens=8, mode="generation_only", first_token=res.first_token,
                          ctx_info={"ctx_rid": res.request_id, "first_token": res.first_token})
         assert gen.wait(rid).tokens == want  # kv_ready came from the hooks of both gen ranks
