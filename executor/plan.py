@@ -140,6 +140,25 @@ OPS = Table("step plan op", {K.REUSE: Reuse, K.XFER: Xfer, K.CONN_ALLOC: ConnAll
 POST_OPS = Table("step plan post op", {K.READ: Read, K.DROP: Drop, K.DIGEST: Digest, K.STATS: Stats})
 
 
+class _Sampling:
+    """BatchRow.sampling's codec: SamplingParams' own, decoded once per distinct wire form (a running request's
+    params come again every step; the key is their exact msgpack bytes, so 1, 1.0 and True never share one)."""
+
+    _seen: dict[bytes, SamplingParams] = {}
+    LIMIT = 4096
+
+    @classmethod
+    def from_wire(cls, v: Any) -> SamplingParams:
+        key = codec.pack(v)
+        got = cls._seen.get(key)
+        if got is None:
+            got = SamplingParams.from_wire(v)
+            if len(cls._seen) >= cls.LIMIT:
+                cls._seen.clear()
+            cls._seen[key] = got
+        return got
+
+
 @dataclass(frozen=True, slots=True)
 class BatchRow(Wire):
     """One sequence of a step's batch."""
@@ -149,7 +168,7 @@ class BatchRow(Wire):
     tokens: list = wf(list)          # the tokens this step computes
     sample: bool = wf(bool)          # this row's last position is sampled
     context_only: bool = wf(bool)    # a context-only prefill: its blocks are pinned after this step
-    sampling: SamplingParams = wf(SamplingParams)
+    sampling: SamplingParams = wf(_Sampling)
     history: TokenHistory | None = wf(TokenHistory, None, none=True)  # penalties / min_tokens need it
 
 
