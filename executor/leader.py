@@ -12,13 +12,13 @@ import time
 from dataclasses import replace
 
 from ..errors import ExecutorError
-from .engine import Engine, Request
-from .plan import StepPlan
 from . import events as E
 from . import pipe_messages as pm
 from . import plan as P
+from .engine import Engine, Request
 from .hooks import HOOK_IDLE_S, HookTally
 from .pipes import Inbox, Pipes
+from .plan import StepPlan
 
 __all__ = ["leader_loop"]
 
