@@ -174,8 +174,8 @@ class HookTally:
                 if rid not in self._note_rank or prio < self._note_rank[rid]:
                     self._note_rank[rid] = prio
                     self.notes[rid] = text if rank == 0 else f"rank {rank}: {text}"
-            for rid, wire in rep.get("stats", []):
-                if rid not in self.stats or rank < self.stats[rid][0]:
+            for rid, wire in rep.get("stats", []):  # (an aborted request's later stats are never taken)
+                if rid not in self.aborted and (rid not in self.stats or rank < self.stats[rid][0]):
                     self.stats[rid] = (rank, TransferStats.from_wire(wire))
             for kind in REPORT_KINDS:
                 for rid in rep[kind]:
