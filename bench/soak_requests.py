@@ -9,8 +9,8 @@ generation-only decode, the restart of the generation executor mid-run, and the 
                kv head, in token order), differs from its context-side KV (executor/kv_check.py): tokens
                cannot see misplaced KV, this can
     leaked     free blocks per rank at the end vs the start, both executors (the generation one after restart)
-Never touches rank internals or an executor's private state: the context executor's "released" events are
-taken (and so dropped) as they arrive through its public `take_released()`.
+Never touches rank internals nor an Executor's private state: the context executor's releases (done by its
+rank hooks) are taken with `Executor.take_released` as they arrive.
 """
 
 from __future__ import annotations

@@ -1,32 +1,33 @@
 """The leader's scheduler: continuous batching over aggregated, context-only and generation-only requests.
 
-Runs in rank 0 only. Each step it turns its request table into a STEP PLAN (plain msgpack data) that every
-rank executes identically (worker.py), then takes the sampled tokens back and moves requests on. It never
+Runs in rank 0 only. Each step it turns its request table into a STEP PLAN (plan.py: StepPlan, its ops and
+BatchRows) that every rank executes identically (worker.py), then takes the sampled tokens back and moves
+requests on. It never
 touches tensors; block ids it reports are read from rank 0's KV cache manager, which every rank mirrors.
 
 Who calls what, when (the transceiver's view; `Executor` in runtime.py is the in-process handle to it):
 
     context side (mode "context_only")
         submit(prompt, mode="context_only") -> request_id
-        -> event "ctx": (request_id, block_ids, num_tokens, first_token) once the prefill ran, and in the next
+        -> event Ctx (events.py): (request_id, block_ids, num_tokens, first_token) once the prefill ran, and in the next
            step every rank's hook gets on_context_done (hooks.py). The blocks stay PINNED on every rank:
            nothing frees or reuses them while the transceiver reads them.
         release(request_id)     after EVERY rank's transfer of the request finished (or failed): unpins
                                 and frees the blocks on every rank. Exactly once per context request.
     generation side (mode "generation_only")
         submit(prompt, mode="generation_only", first_token=t, ctx_info={...}) -> request_id
-        -> event "gen_alloc": (request_id, block_ids) -- receive the prompt's KV into these blocks (the same
+        -> event GenAlloc: (request_id, block_ids) -- receive the prompt's KV into these blocks (the same
            ids on every rank, each rank holding its own heads/layers).
         kv_ready(request_id)    after every rank's KV arrived: the request starts decoding from t.
         abort(request_id)       the transfer failed: the blocks are freed, the request ends ("aborted").
     both
-        -> event "done": (request_id, tokens, finish_reason) when an aggregated or generation-only
+        -> event Done: (request_id, tokens, reason) when an aggregated or generation-only
            request finishes; its blocks are freed in the next step.
-        -> event "tok": (request_id, n, token) for a request submitted with stream=True, each time it has a
-           new token and is still running (n = its tokens so far; the last one comes in "done").
-        Logprobs (SamplingParams.logprobs >= 0): "ctx" carries the first token's entry ("lp"), "tok" its
-        token's ("lp"), "done" every entry sampled HERE ("lps": a generation-only request's first token
-        was sampled by the context side and has none here).
+        -> event Tok: (request_id, n, token) for a request submitted with stream=True, each time it has a
+           new token and is still running (n = its tokens so far; the last one comes in Done).
+        Logprobs (SamplingParams.logprobs >= 0): Ctx carries the first token's entry (lp), Tok its
+        token's (lp), Done every entry sampled HERE (lps: a generation-only request's first token was
+        sampled by the context side and has none here).
 
 Sampling: each batch entry carries the request's SamplingParams and, when its penalties or min_tokens need
 them, its TokenHistory (prompt, tokens so far, ids banned this step) -- the sampler keeps no state, so the
@@ -37,7 +38,7 @@ allocated and waits ("loading") until every rank loaded it, then prefills the re
 request's blocks stay held while the connector saves them.
 
 With block reuse (`match_prefix`, rank 0's KVCacheManager.match_prefix), an admitted request whose prompt
-prefix is cached in full blocks starts on those blocks: a "reuse" op (placed FIRST in the plan, before any op
+prefix is cached in full blocks starts on those blocks: a Reuse op (placed FIRST in the plan, before any op
 that allocates and so could evict, so every rank finds what the leader saw) and a prefill of the rest only;
 a generation-only request gets the same op and its transfer reads only the blocks after the reused ones
 (the hook finds `reused_tokens` in ctx_info). The leader's reservations stay per request (shared blocks are
@@ -52,37 +53,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import ExecutorError
+from ..transceiver.stats import TransferStats
+from . import events as E
+from . import plan as P
+from .plan import BatchRow, StepPlan
 from .sampling import SamplingParams, TokenHistory
 
-__all__ = ["Engine", "Request", "MODES", "PLAN_VERSION", "BatchRow", "empty_plan"]
+__all__ = ["Engine", "Request", "MODES"]
 
 MODES = ("aggregated", "context_only", "generation_only")
-PLAN_VERSION = 1  # bump when a plan's keys, an op's fields or a batch row's fields change
-
-
-class BatchRow(NamedTuple):
-    """One sequence of a step plan's batch (a list on the wire, in this order; read it through this type)."""
-
-    rid: int
-    start: int               # tokens already in its KV (prefix reuse or earlier steps)
-    tokens: list             # the tokens this step computes
-    sample: bool             # this row's last position is sampled
-    context_only: bool       # a context-only prefill: its blocks are pinned after this step
-    sampling: dict           # SamplingParams wire form
-    history: list | None     # TokenHistory wire form (penalties, min_tokens), or None
-
-    @classmethod
-    def of(cls, row: list) -> "BatchRow":
-        return cls(int(row[0]), int(row[1]), row[2], bool(row[3]), bool(row[4]), row[5],
-                   row[6] if len(row) > 6 else None)
-
-
-def empty_plan(step: int, stop: bool = False, **extra: Any) -> dict[str, Any]:
-    """A plan with nothing to run: keeps followers' waits alive, gives hooks their poll, or stops the ranks."""
-    return {"v": PLAN_VERSION, "step": step, "stop": stop, "ops": [], "batch": [], "post": [], **extra}
 
 
 @dataclass
@@ -100,14 +82,14 @@ class Request:
     num_cached: int = 0
     reserved: int = 0                       # blocks reserved to completion
     finish_reason: str | None = None
-    transfer: str = ""                      # generation-only: the transfer's stats note from the rank hooks
-    stream: bool = False                    # report each new token ("tok" events) before "done"
+    transfer: TransferStats | None = None   # generation-only: the transfer's stats from the rank hooks
+    stream: bool = False                    # report each new token (Tok events) before Done
     loaded: int = 0                         # prompt tokens loaded by the KV connector (not computed)
     reused: int = 0                         # prompt tokens served from the local prefix cache (block reuse)
-    logprobs: list = field(default_factory=list)  # wire TokenLogprob of each token sampled HERE (if asked)
+    logprobs: list = field(default_factory=list)  # TokenLogprob of each token sampled HERE (if asked)
 
-    def sample_history(self) -> list | None:
-        """The step plan's TokenHistory (wire) for this request's next token, or None when it needs none."""
+    def sample_history(self) -> TokenHistory | None:
+        """The step plan's TokenHistory for this request's next token, or None when it needs none."""
         sp, n = self.sampling, len(self.output)
         if not sp.needs_history(n):
             return None
@@ -115,7 +97,12 @@ class Request:
         prompt = self.prompt if sp.repetition_penalty != 1 else ()
         counted = sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
         out = self.output if counted else ()
-        return TokenHistory(tuple(prompt), tuple(out), tuple(banned)).to_wire()
+        return TokenHistory(tuple(prompt), tuple(out), tuple(banned))
+
+    def row(self, start: int, tokens: list) -> BatchRow:
+        """This request's batch row computing `tokens` from position `start`, its last position sampled."""
+        return BatchRow(self.request_id, start, tokens, True, self.mode == "context_only", self.sampling,
+                        self.sample_history())
 
 
 class Engine:
@@ -140,22 +127,22 @@ class Engine:
         self.waiting: deque[int] = deque()
         self.reserved = 0
         self.step = 0
-        self._ops: list[list] = []           # ops for the next plan, in order
-        self._post_ops: list[list] = []      # ops run after the step's forward (reads)
-        self._events: list[dict] = []
+        self._ops: list = []                 # ops for the next plan, in order (plan.py)
+        self._post_ops: list = []            # ops run after the step's forward (reads)
+        self._events: list = []  # events.py, in order
         self.conn = connector  # the KV connector's leader side (connector/leader.py), or None
-        self._held: dict[int, tuple[list, int]] = {}  # rid -> (op, blocks): run when the connector is done
+        self._held: dict[int, tuple[Any, int]] = {}  # rid -> (op, blocks): run when the connector is done
         # Rank hooks (the transceiver) may still move a request's KV when it is aborted: the abort reaches
-        # every rank's hook ("hook_abort"), and the blocks are released only when every hook reported the
+        # every rank's hook (a HookAbort op), and the blocks are released only when every hook reported the
         # request settled (release / abort / kv_ready), never earlier.
         self.hooked = hooked
-        self._hook_held: dict[int, tuple[list, int]] = {}
+        self._hook_held: dict[int, tuple[Any, int]] = {}
         self.match_prefix = match_prefix  # (tokens, max_tokens) -> cached leading tokens; None: no reuse
-        self._reuse_ops: list[list] = []  # "reuse" ops of the next plan: they run before every other op
+        self._reuse_ops: list[P.Reuse] = []  # "reuse" ops of the next plan: they run before every other op
 
     # --- driver API (commands from the Executor handle) ------------------------------------------------
     def submit(self, req: Request) -> None:
-        """Queue a request (its id chosen by the caller, unique). Refusals come back as 'refused' events."""
+        """Queue a request (its id chosen by the caller, unique). Refusals come back as Refused events."""
         if req.request_id in self.requests:
             self._refuse(req.request_id, f"request id {req.request_id} is already in use")
             return
@@ -193,16 +180,16 @@ class Engine:
         self.requests[req.request_id] = req
         self.waiting.append(req.request_id)
 
-    def kv_ready(self, request_id: int, note: str = "") -> None:
+    def kv_ready(self, request_id: int, stats: TransferStats | None = None) -> None:
         r = self._get(request_id, "kv_ready")
         if r is None:
             return
         if r.state != "awaiting_kv":
-            self._error(request_id, f"kv_ready for request {request_id}, which is {r.state}, not awaiting KV")
+            self.error(request_id, f"kv_ready for request {request_id}, which is {r.state}, not awaiting KV")
             return
-        self._ops.append(["ready", request_id])
+        self._ops.append(P.Ready(request_id))
         r.state, r.num_cached, r.output = "running", len(r.prompt), [int(r.first_token)]
-        r.transfer = note
+        r.transfer = stats
         self._check_finished(r)
         self._stream(r)
 
@@ -211,12 +198,12 @@ class Engine:
         if r is None:
             return
         if r.state != "ctx_done":
-            self._error(request_id, f"release of request {request_id}, which is {r.state}; only a finished "
+            self.error(request_id, f"release of request {request_id}, which is {r.state}; only a finished "
                                     f"context-only request is released")
             return
-        self._finish(r, ["release", request_id])
+        self._finish(r, P.Release(request_id))
         self._drop(r, "released")
-        self._events.append({"t": "released", "rid": request_id})
+        self._events.append(E.Released(request_id))
 
     def abort(self, request_id: int, error: str = "") -> None:
         r = self._get(request_id, "abort")
@@ -226,36 +213,37 @@ class Engine:
             self.waiting.remove(request_id)
             self.requests.pop(request_id)
         elif r.state in ("ctx_done", "awaiting_kv") and self.hooked:  # a transfer may be moving its KV now
-            self._ops.append(["hook_abort", request_id])
-            self._hook_held[request_id] = (["release" if r.state == "ctx_done" else "free", request_id], r.reserved)
+            self._ops.append(P.HookAbort(request_id))
+            then = P.Release(request_id) if r.state == "ctx_done" else P.Free(request_id)
+            self._hook_held[request_id] = (then, r.reserved)
             self._drop(r, "aborted")
             self.reserved += r.reserved  # the blocks stay taken until every rank's hook settled
         elif r.state == "ctx_done":
-            self._ops.append(["release", request_id])
+            self._ops.append(P.Release(request_id))
             self._drop(r, "aborted")
         elif r.state == "loading":  # the connector may still write into its blocks: free them once it ended
-            self._hold(r, ["free", request_id])
+            self._hold(r, P.Free(request_id))
             self._drop(r, "aborted")
         else:
-            self._ops.append(["free", request_id])
+            self._ops.append(P.Free(request_id))
             self._drop(r, "aborted")
-        ev = {"t": "done", "rid": request_id, "tokens": list(r.output), "reason": "aborted"}
-        if error:
-            ev["error"] = error
-        self._events.append(ev)
+        self._events.append(E.Done(request_id, list(r.output), "aborted", error))
 
     def io(self, kind: str, request_id: int) -> bool:
         """Queue a KV read ("read": after the next step) or write ("write": before it) of a live request.
 
-        Returns False (and reports a req_error) when the request holds no blocks.
+        Returns False (and reports a ReqError) when the request holds no blocks.
         """
         r = self._get(request_id, kind)
         if r is None:
             return False
         if r.state in ("waiting", "finished"):
-            self._error(request_id, f"{kind} of request {request_id}, which holds no blocks ({r.state})")
+            self.error(request_id, f"{kind} of request {request_id}, which holds no blocks ({r.state})")
             return False
-        (self._post_ops if kind == "read" else self._ops).append([kind, request_id])
+        if kind == "read":
+            self._post_ops.append(P.Read(request_id))
+        else:
+            self._ops.append(P.Write(request_id))
         return True
 
     # --- the step -----------------------------------------------------------------------------------------
@@ -264,18 +252,16 @@ class Engine:
                     or any(r.state in ("running", "loaded") for r in self.requests.values())
                     or (self.conn is not None and self.conn.has_work()))
 
-    def next_plan(self) -> dict[str, Any]:
+    def next_plan(self) -> StepPlan:
         """The next step's plan: ops, then the batch (admitted prefills, one decode per running request)."""
-        batch: list[list] = []
+        batch: list[BatchRow] = []
         budget = self.max_batch_tokens
         for r in self.requests.values():
             if r.state == "running" and len(batch) < self.max_batch_seqs:
-                batch.append([r.request_id, r.num_cached, [r.output[-1]], True, False, r.sampling.to_wire(),
-                              r.sample_history()])
+                batch.append(r.row(r.num_cached, [r.output[-1]]))
             elif r.state == "loaded" and len(batch) < self.max_batch_seqs:  # its prefix is loaded: the rest
                 budget -= len(r.prompt) - r.num_cached
-                batch.append([r.request_id, r.num_cached, list(r.prompt[r.num_cached:]), True,
-                              r.mode == "context_only", r.sampling.to_wire(), r.sample_history()])
+                batch.append(r.row(r.num_cached, list(r.prompt[r.num_cached:])))
                 r.state = "prefill"
         while self.waiting and len(batch) < self.max_batch_seqs:
             r = self.requests[self.waiting[0]]
@@ -287,42 +273,35 @@ class Engine:
                 r.reused = self._reuse(r)
                 n = self.conn.admit(r) if self.conn is not None and not r.reused else 0
                 if n:  # the connector loads the first n prompt tokens into its blocks first
-                    self._ops.append(["conn_alloc", r.request_id, len(r.prompt)]
-                                     + ([r.prompt[:n]] if self.match_prefix is not None else []))
+                    self._ops.append(P.ConnAlloc(r.request_id, len(r.prompt),
+                                                 list(r.prompt[:n]) if self.match_prefix is not None else None))
                     r.state, r.num_cached, r.loaded = "loading", n, n
                 else:
                     budget -= len(r.prompt) - r.reused
-                    batch.append([r.request_id, r.reused, list(r.prompt[r.reused:]), True,
-                                  r.mode == "context_only", r.sampling.to_wire(), r.sample_history()])
+                    batch.append(r.row(r.reused, list(r.prompt[r.reused:])))
                     r.state = "prefill"
             else:  # (reuse needs the rank hooks: they read only the blocks after the reused ones)
                 r.reused = self._reuse(r) if self.hooked else 0
-                op = ["xfer", r.request_id, len(r.prompt), r.ctx_info]
-                if self.match_prefix is not None:
-                    op += [r.reused, list(r.prompt)]
-                self._ops.append(op)
+                self._ops.append(P.Xfer(r.request_id, len(r.prompt), r.ctx_info, r.reused,
+                                        list(r.prompt) if self.match_prefix is not None else None))
                 r.state = "awaiting_kv"
-                self._events.append({"t": "gen_alloc", "rid": r.request_id})
+                self._events.append(E.GenAlloc(r.request_id))
             self.waiting.popleft()
             self.reserved += r.reserved
         self.step += 1
-        plan = {"v": PLAN_VERSION, "step": self.step, "stop": False, "ops": self._reuse_ops + self._ops,
-                "batch": batch, "post": self._post_ops}
-        if self.conn is not None:
-            plan["conn"] = self.conn.plan_section(batch)
+        plan = StepPlan(self.step, False, tuple(self._reuse_ops + self._ops), tuple(batch), tuple(self._post_ops),
+                        conn=self.conn.plan_section(batch) if self.conn is not None else None)
         self._ops, self._post_ops, self._reuse_ops = [], [], []
         return plan
 
-    def step_done(self, plan: dict[str, Any], sampled: list[int], logprobs: list | None = None) -> list[dict]:
-        """Take the step's sampled tokens (one per batch entry, in order) and their logprob entries (wire
-        TokenLogprob or None per entry), and return the events to report."""
-        if len(sampled) != len(plan["batch"]):
-            raise ExecutorError(f"step {plan['step']}: {len(sampled)} sampled tokens for "
-                                f"{len(plan['batch'])} "
+    def step_done(self, plan: StepPlan, sampled: list[int], logprobs: list | None = None) -> list:
+        """Take the step's sampled tokens (one per batch entry, in order) and their logprob entries
+        (TokenLogprob or None per entry), and return the events to report (events.py)."""
+        if len(sampled) != len(plan.batch):
+            raise ExecutorError(f"step {plan.step}: {len(sampled)} sampled tokens for {len(plan.batch)} "
                                 f"sequences")
         logprobs = logprobs or [None] * len(sampled)
-        for b, tok, lp in zip(plan["batch"], sampled, logprobs):
-            row = BatchRow.of(b)
+        for row, tok, lp in zip(plan.batch, sampled, logprobs):
             rid, start, toks = row.rid, row.start, row.tokens
             r = self.requests[rid]
             r.num_cached = start + len(toks)
@@ -331,15 +310,8 @@ class Engine:
                 r.logprobs.append(lp)
             if r.state == "prefill" and r.mode == "context_only":
                 r.state = "ctx_done"
-                self._ops.append(["ctx_done", rid, int(tok)])  # tells every rank's hook, first token included
-                ev = {"t": "ctx", "rid": rid, "first_token": int(tok), "num_tokens": r.num_cached}
-                if lp is not None:
-                    ev["lp"] = lp
-                if r.loaded:
-                    ev["loaded"] = r.loaded
-                if r.reused:
-                    ev["reused"] = r.reused
-                self._events.append(ev)
+                self._ops.append(P.CtxDone(rid, int(tok)))  # tells every rank's hook, first token included
+                self._events.append(E.Ctx(rid, int(tok), r.num_cached, lp=lp, loaded=r.loaded, reused=r.reused))
                 continue
             r.state = "running"
             self._check_finished(r)
@@ -356,36 +328,28 @@ class Engine:
         elif len(r.output) >= r.max_tokens:
             reason = "length"
         if reason:
-            self._finish(r, ["free", r.request_id])
+            self._finish(r, P.Free(r.request_id))
             self._drop(r, reason)
-            ev = {"t": "done", "rid": r.request_id, "tokens": list(r.output), "reason": reason}
-            if r.transfer:
-                ev["transfer"] = r.transfer
-            if r.loaded:
-                ev["loaded"] = r.loaded
-            if r.reused:
-                ev["reused"] = r.reused
-            if r.logprobs:
-                ev["lps"] = list(r.logprobs)
-            self._events.append(ev)
+            self._events.append(E.Done(r.request_id, list(r.output), reason, "", r.transfer, r.loaded, r.reused,
+                                       tuple(r.logprobs)))
 
     def _stream(self, r: Request) -> None:
         """A streaming request still running: report its newest token (n = tokens so far)."""
         if r.stream and r.state == "running":
-            ev = {"t": "tok", "rid": r.request_id, "n": len(r.output), "tok": r.output[-1]}
+            lp = None
             if r.logprobs and len(r.logprobs) == len(r.output) - (r.mode == "generation_only"):
-                ev["lp"] = r.logprobs[-1]  # the newest token was sampled here, with logprobs
-            self._events.append(ev)
+                lp = r.logprobs[-1]  # the newest token was sampled here, with logprobs
+            self._events.append(E.Tok(r.request_id, len(r.output), r.output[-1], lp))
 
     # --- the KV connector (connector/leader.py) -------------------------------------------------------------
-    def _finish(self, r: Request, op: list) -> None:
+    def _finish(self, r: Request, op: Any) -> None:
         """Free a finished request's blocks in the next step, or once the connector has saved them."""
         if self.conn is not None and self.conn.request_finished(r):
             self._hold(r, op)
         else:
             self._ops.append(op)
 
-    def _hold(self, r: Request, op: list) -> None:
+    def _hold(self, r: Request, op: Any) -> None:
         self._held[r.request_id] = (op, r.reserved)
         self.reserved += r.reserved  # _drop gives the reservation back: the blocks stay taken until `op`
 
@@ -411,7 +375,7 @@ class Engine:
                 continue
             if err:  # some rank could not load: compute the whole prompt (every rank's load has ended)
                 r.num_cached = r.loaded = 0
-            self._ops.append(["ready", rid])
+            self._ops.append(P.Ready(rid))
             r.state = "loaded"
 
     def _drop(self, r: Request, reason: str) -> None:
@@ -426,7 +390,7 @@ class Engine:
             return 0
         n = int(self.match_prefix(r.prompt, len(r.prompt) - 1))
         if n:
-            self._reuse_ops.append(["reuse", r.request_id, list(r.prompt), n])
+            self._reuse_ops.append(P.Reuse(r.request_id, list(r.prompt), n))
         return n
 
     def _blocks(self, tokens: int) -> int:
@@ -435,16 +399,18 @@ class Engine:
     def _get(self, request_id: int, what: str) -> Request | None:
         r = self.requests.get(request_id)
         if r is None:
-            self._error(request_id,
+            self.error(request_id,
                         f"{what}: unknown request {request_id} (never submitted, finished, or released)")
         return r
 
     def _refuse(self, rid: int, msg: str) -> None:
-        self._events.append({"t": "refused", "rid": rid, "msg": msg})
+        self._events.append(E.Refused(rid, msg))
 
-    def _error(self, rid: int, msg: str) -> None:
-        self._events.append({"t": "req_error", "rid": rid, "msg": msg})
+    def error(self, rid: int, msg: str) -> None:
+        """Report that a call about request `rid` was not allowed (a ReqError event; the request, if any,
+        goes on)."""
+        self._events.append(E.ReqError(rid, msg))
 
-    def take_events(self) -> list[dict]:
+    def take_events(self) -> list:
         ev, self._events = self._events, []
         return ev

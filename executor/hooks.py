@@ -24,8 +24,10 @@ step loop, in lockstep with the other ranks (all hooks run on the rank's main th
         "kv_ready"  a generation-only request's KV arrived here;
         "release"   this rank is done sending a context-only request's blocks;
         "abort"     a transfer failed here (a generation request is aborted, a context one released).
-        "notes"     optional [[request_id, text], ...]: why a request was aborted, or its transfer stats
-                    (short text; the leader passes it on in the request's "done" event).
+        "notes"     optional [[request_id, text], ...]: why a request was aborted (short text; the leader
+                    passes it on in the request's Done event).
+        "stats"     optional [[request_id, TransferStats], ...] (transceiver/stats.py): what a generation
+                    request's pull moved here (the lowest rank's reaches Completion.transfer).
         The leader acts once EVERY rank reported kv_ready / release for a request (any abort acts at once),
         so no rank decodes from, or frees, blocks another rank still uses.
     close()
@@ -43,8 +45,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import ExecutorError
+from ..errors import ExecutorError, ProtocolError
 from ..formatter.layout import KVLayout
+from ..transceiver.stats import TransferStats
 from .config import ModelConfig
 from .kv_cache_manager import KVCacheManager
 
@@ -96,8 +99,11 @@ def load_hook(spec: str, ctx: RankContext) -> RankHook:
     return factory(ctx)
 
 
-def validate_report(rep: Any, rank: int) -> dict[str, list[int]]:
+def validate_report(rep: Any, rank: int) -> dict[str, list]:
+    """A hook's poll() (or a rank's gathered report) checked and made plain data: "stats" entries become
+    [request_id, TransferStats wire]. Raises ExecutorError naming what was wrong."""
     notes = rep.pop("notes", []) if isinstance(rep, dict) else []
+    stats = _plain_stats(rep.pop("stats", []) if isinstance(rep, dict) else [], rank)
     if not isinstance(notes, (list, tuple)) or not all(
             isinstance(w, (list, tuple)) and len(w) == 2 and type(w[0]) is int and isinstance(w[1], str)
             for w in notes):
@@ -114,6 +120,22 @@ def validate_report(rep: Any, rank: int) -> dict[str, list[int]]:
                                 f"got {ids!r:.200}")
         out[k] = [int(i) for i in ids]
     out["notes"] = [[int(w[0]), str(w[1])[:2000]] for w in notes]
+    out["stats"] = stats
+    return out
+
+
+def _plain_stats(stats: Any, rank: int) -> list:
+    if not isinstance(stats, (list, tuple)) or not all(
+            isinstance(w, (list, tuple)) and len(w) == 2 and type(w[0]) is int for w in stats):
+        raise ExecutorError(f"rank {rank}: hook poll()['stats'] must be [[request_id, TransferStats], ...], "
+                            f"got {stats!r:.200}")
+    out = []
+    for rid, st in stats:
+        try:
+            st = st if isinstance(st, TransferStats) else TransferStats.from_wire(st)
+        except ProtocolError as e:
+            raise ExecutorError(f"rank {rank}: hook poll()['stats'] of request {rid}: {e}") from None
+        out.append([rid, st.to_wire()])
     return out
 
 
@@ -138,8 +160,9 @@ class HookTally:
         self.seen: dict[tuple[str, int], set[int]] = {}
         self.reported: dict[int, set[int]] = {}  # rid -> ranks that reported anything terminal
         self.aborted: set[int] = set()
-        self.notes: dict[int, str] = {}  # abort reasons / transfer stats, kept until `take_note`
+        self.notes: dict[int, str] = {}  # abort reasons, kept until `take_note`
         self._note_rank: dict[int, tuple[int, int]] = {}
+        self.stats: dict[int, tuple[int, TransferStats]] = {}  # rid -> (rank, its stats), until `take_stats`
 
     def add(self, reports: list[dict[str, list[int]]]) -> dict[str, list[int]]:
         """Fold in one round of reports; returns the requests now agreed on (and "settled")."""
@@ -151,6 +174,9 @@ class HookTally:
                 if rid not in self._note_rank or prio < self._note_rank[rid]:
                     self._note_rank[rid] = prio
                     self.notes[rid] = text if rank == 0 else f"rank {rank}: {text}"
+            for rid, wire in rep.get("stats", []):  # (an aborted request's later stats are never taken)
+                if rid not in self.aborted and (rid not in self.stats or rank < self.stats[rid][0]):
+                    self.stats[rid] = (rank, TransferStats.from_wire(wire))
             for kind in REPORT_KINDS:
                 for rid in rep[kind]:
                     self.reported.setdefault(rid, set()).add(rank)
@@ -175,3 +201,8 @@ class HookTally:
         """The note reported for `rid` (lowest rank's), forgotten once taken."""
         self._note_rank.pop(rid, None)
         return self.notes.pop(rid, "")
+
+    def take_stats(self, rid: int) -> TransferStats | None:
+        """The transfer stats reported for `rid` (lowest rank's), forgotten once taken."""
+        got = self.stats.pop(rid, None)
+        return None if got is None else got[1]

@@ -7,8 +7,9 @@ the digests are keyed by GLOBAL (layer, kv_head), so the context executor's dige
 executor's digest compare directly whatever their TP/PP split or tokens_per_block (the remap from one layout
 to the other is the key itself: heads split across TP ranks, layers across PP stages, blocks of any size).
 
-    rank side   DigestBook.record(rid, kv)   at "ctx_done" (context) and "ready" (generation), when enabled
-                DigestBook.report(rid, kv)   -> RankDigest (to the parent, msgpack over the rank's pipe)
+    rank side   DigestBook.record(rid, kv)   at CtxDone (context) and Ready (generation) ops, when enabled
+                DigestBook.report(rid, kv)   -> RankDigest (to the parent over the rank's pipe: a strict-codec
+                                                message, strict.py; KVDigest.to_wire / from_wire)
     parent      merge(layout, {rank: RankDigest}) -> KVDigest;  mismatches(ctx, gen) -> [text, ...]
     serving     to_json(KVDigest) -> dict (a worker's GET /internal/kv_digests);  from_json(dict) -> KVDigest
 
@@ -22,7 +23,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import xxhash
@@ -31,6 +32,7 @@ from ..errors import ExecutorError
 from ..formatter.layout import KVLayout
 from .kv_cache_manager import KVCacheManager
 from .kv_io import gather_blocks
+from .strict import Wire, need, wf
 
 __all__ = ["KVDigest", "RankDigest", "DigestBook", "shard_digests", "merge", "mismatches",
            "check_positional", "to_json", "from_json", "DIGEST_VERSION"]
@@ -60,49 +62,38 @@ class KVDigest:
     dtype: str
     digests: Mapping[Key, tuple[str, ...]]
 
-
-@dataclass(frozen=True)
-class RankDigest:
-    """One rank's answer to a digest request (the message on the rank -> parent pipe)."""
-
-    request_id: int
-    rank: int
-    digest: KVDigest | None
-    missing: str = ""  # why there is no digest (never recorded, already taken, ...)
-
-    def to_wire(self) -> dict:
-        msg = {"t": "kv_digest", "v": DIGEST_VERSION, "rid": self.request_id, "rank": self.rank,
-               "missing": self.missing}
-        if self.digest is not None:
-            d = self.digest
-            msg.update(num_tokens=d.num_tokens, dtype=d.dtype,
-                       keys=[[k[0], k[1]] for k in d.digests], values=[list(v) for v in d.digests.values()])
-        return msg
+    def to_wire(self) -> list:
+        return [DIGEST_VERSION, self.num_tokens, self.dtype, [[k[0], k[1]] for k in self.digests],
+                [list(v) for v in self.digests.values()]]
 
     @classmethod
-    def from_wire(cls, msg: dict) -> "RankDigest":
-        """Decode (strictly) a rank's kv_digest frame; raises ExecutorError naming the bad field."""
-        def need(name: str, typ):
-            v = msg.get(name)
-            if not isinstance(v, typ) or isinstance(v, bool):
-                raise ExecutorError(f"kv_digest frame: field {name!r} is {v!r:.80}, expected {typ.__name__}")
-            return v
-
-        if msg.get("v") != DIGEST_VERSION:
-            raise ExecutorError(f"kv_digest frame: version {msg.get('v')!r}, expected {DIGEST_VERSION}")
-        rid, rank, missing = need("rid", int), need("rank", int), need("missing", str)
-        if missing:
-            return cls(rid, rank, None, missing)
-        keys, values = need("keys", list), need("values", list)
+    def from_wire(cls, d: Any) -> "KVDigest":
+        """Decode strictly; ExecutorError naming the version or the bad field."""
+        if not isinstance(d, list) or len(d) != 5:
+            raise ExecutorError(f"KV digest: expected [version, num_tokens, dtype, keys, values], got {d!r:.80}")
+        if type(d[0]) is not int or d[0] != DIGEST_VERSION:
+            raise ExecutorError(f"KV digest: version {d[0]!r}, expected {DIGEST_VERSION}")
+        n, dtype = need(d[1], int, "KV digest field 'num_tokens'"), need(d[2], str, "KV digest field 'dtype'")
+        keys, values = need(d[3], list, "KV digest field 'keys'"), need(d[4], list, "KV digest field 'values'")
         if len(keys) != len(values):
-            raise ExecutorError(f"kv_digest frame: {len(keys)} keys but {len(values)} values")
+            raise ExecutorError(f"KV digest: {len(keys)} keys but {len(values)} values")
         table: dict[Key, tuple[str, ...]] = {}
         for k, v in zip(keys, values):
             if (not isinstance(k, list) or len(k) != 2 or not all(type(i) is int for i in k)
                     or not isinstance(v, list) or not all(isinstance(s, str) for s in v)):
-                raise ExecutorError(f"kv_digest frame: bad entry {k!r:.40} -> {v!r:.80}")
+                raise ExecutorError(f"KV digest: bad entry {k!r:.40} -> {v!r:.80}")
             table[(k[0], k[1])] = tuple(v)
-        return cls(rid, rank, KVDigest(need("num_tokens", int), need("dtype", str), MappingProxyType(table)))
+        return cls(n, dtype, MappingProxyType(table))
+
+
+@dataclass(frozen=True, slots=True)
+class RankDigest(Wire):
+    """One rank's answer to a digest request (a message on the rank -> parent pipe, pipe_messages.py)."""
+
+    request_id: int = wf(int)
+    rank: int = wf(int)
+    digest: KVDigest | None = wf(KVDigest, none=True)
+    missing: str = wf(str, "")  # why there is no digest (never recorded, already taken, ...)
 
 
 def shard_digests(layout: KVLayout, rank: int, pool: torch.Tensor, block_ids: list[int],

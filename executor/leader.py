@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import replace
 
-from .. import codec
 from ..errors import ExecutorError
-from .engine import Engine, Request, empty_plan
+from . import events as E
+from . import pipe_messages as pm
+from . import plan as P
+from .engine import Engine, Request
 from .hooks import HOOK_IDLE_S, HookTally
 from .pipes import Inbox, Pipes
-from .sampling import SamplingParams
+from .plan import StepPlan
 
 __all__ = ["leader_loop"]
 
@@ -41,7 +44,7 @@ def leader_loop(run, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
     last_bcast = time.monotonic()
     while True:
         wait = 0.0 if eng.has_work() else quiet_wait
-        post: list[list] = []
+        post: list = []  # post ops (plan.py) the commands asked for
         if any([_apply_command(eng, c, post) for c in _take_commands(inbox, wait)]):
             break
         idle = not eng.has_work() and not post
@@ -52,19 +55,16 @@ def leader_loop(run, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
                                                       or time.monotonic() - last_bcast < HEARTBEAT_S):
                 continue
             # an empty plan: keeps the followers' waits alive and gives hooks their poll
-            plan = empty_plan(eng.step)
+            plan = StepPlan.empty(eng.step, free_before=run.kv.get_num_free_blocks())
         else:
-            plan = eng.next_plan()
-            plan["post"] = plan["post"] + post
-        plan["free_before"] = run.kv.get_num_free_blocks()
-        run.comm.broadcast_plan(codec.pack(plan))
+            plan = replace(eng.next_plan(), free_before=run.kv.get_num_free_blocks())
+            if post:
+                plan = replace(plan, post=plan.post + tuple(post))
+        run.comm.broadcast_plan(plan.encode())
         last_bcast = time.monotonic()
         sampled, logprobs = run.execute(plan) or ([], [])
         if not idle:
-            for ev in eng.step_done(plan, sampled, logprobs):
-                if ev["t"] in ("ctx", "gen_alloc"):
-                    ev["block_ids"] = run.kv.get_batch_cache_indices([ev["rid"]])[0]
-                pipes.send(ev)
+            _report(eng.step_done(plan, sampled, logprobs), run, pipes)
         reports = run.exchange()
         if reports is not None:
             _act_on_agreement(eng, tally, reports)
@@ -73,16 +73,24 @@ def leader_loop(run, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
             eng.connector_done(*conn.on_reports(creps))
         quiet_wait = min(quiet_wait * 2, HOOK_QUIET_S) if idle and not eng.requests else idle_wait
     if conn is not None:  # one more plan, so saves of requests that finished just before the stop are posted
-        plan = empty_plan(eng.step, conn=conn.plan_section([]), free_before=run.kv.get_num_free_blocks())
-        run.comm.broadcast_plan(codec.pack(plan))
+        plan = StepPlan.empty(eng.step, conn=conn.plan_section([]), free_before=run.kv.get_num_free_blocks())
+        run.comm.broadcast_plan(plan.encode())
         run.execute(plan)
         run.exchange()
         run.exchange_connector()
         conn.close()
-    run.comm.broadcast_plan(codec.pack(empty_plan(eng.step, stop=True)))
+    run.comm.broadcast_plan(StepPlan.empty(eng.step, stop=True).encode())
 
 
-def _take_commands(inbox: Inbox, wait: float) -> list[dict]:
+def _report(events: list, run, pipes: Pipes) -> None:
+    """A step's events to the parent; Ctx and GenAlloc get the request's block ids (rank 0's, every rank's)."""
+    for ev in events:
+        if isinstance(ev, (E.Ctx, E.GenAlloc)):
+            ev = replace(ev, block_ids=list(run.kv.get_batch_cache_indices([ev.rid])[0]))
+        pipes.send(ev)
+
+
+def _take_commands(inbox: Inbox, wait: float) -> list:
     """The parent's commands waiting now (waiting up to `wait` for the first one)."""
     cmds = []
     try:
@@ -100,50 +108,53 @@ def _act_on_agreement(eng: Engine, tally: HookTally, reports: list[dict]) -> Non
     # (a request the client aborted meanwhile is gone already: its hooks' reports only settle it)
     for rid in agreed["abort"]:  # its blocks wait for "settled"
         note = tally.take_note(rid)
+        tally.take_stats(rid)  # some rank's pull may have finished: the request ends all the same
         if rid in eng.requests:
             eng.abort(rid, note)
     for rid in agreed["release"]:
         if rid in eng.requests:
             eng.release(rid)
     for rid in agreed["kv_ready"]:
-        note = tally.take_note(rid)
+        tally.take_note(rid)
+        stats = tally.take_stats(rid)
         if rid in eng.requests:
-            eng.kv_ready(rid, note)
+            eng.kv_ready(rid, stats)
     for rid in agreed["settled"]:  # every rank reported: an aborted request's blocks may go now
         eng.hook_settled(rid)
 
 
-def _apply_command(eng: Engine, c: dict, post: list) -> bool:
-    t = c["t"]
-    if t == "fatal":
-        raise ExecutorError(c["msg"])
-    try:
-        if t == "stop":
-            return True
-        if t == "add":
-            sp = SamplingParams.from_wire(c["sampling"])
-            ft = c.get("first_token")
-            eng.submit(Request(int(c["rid"]), [int(x) for x in c["prompt"]], int(c["max_tokens"]),
-                               str(c["mode"]),
-                               sp, tuple(int(x) for x in c.get("stop_ids", ())),
-                               None if ft is None else int(ft),
-                               dict(c.get("ctx_info") or {}), stream=bool(c.get("stream", False))))
-        elif t == "kv_ready":
-            eng.kv_ready(int(c["rid"]))
-        elif t == "release":
-            eng.release(int(c["rid"]))
-        elif t == "abort":
-            eng.abort(int(c["rid"]))
-        elif t in ("read", "write"):
-            if not eng.io(t, int(c["rid"])) and t == "write":
-                post.append(["drop", int(c["rid"])])  # every rank discards the shard it was sent
-        elif t == "stats":
-            post.append(["stats", 0])
-        elif t == "digest":
-            post.append(["digest", int(c["rid"])])
-        else:
-            eng._error(int(c.get("rid", -1)), f"unknown command {t!r}")
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        eng._error(int(c.get("rid", -1)) if isinstance(c.get("rid"), int) else -1,
-                   f"malformed {t!r} command: {type(e).__name__}: {e}")
+def _apply_command(eng: Engine, c, post: list) -> bool:
+    """Apply one parent command (pipe_messages.py) to the engine; True for Stop. A KV read/write, digest or
+    block count becomes a post op of the next plan (`post`). Fatal (the parent's pipe failed) raises."""
+    if isinstance(c, pm.Fatal):
+        raise ExecutorError(c.msg)
+    if isinstance(c, pm.Stop):
+        return True
+    apply = _COMMANDS.get(type(c))
+    if apply is None:  # (decoding admits only commands: a message the inbox has no use for)
+        eng.error(getattr(c, "rid", -1), f"the leader has no use for a {type(c).__name__} message")
+    else:
+        apply(eng, c, post)
     return False
+
+
+def _add(eng: Engine, c: pm.Add, post: list) -> None:
+    eng.submit(Request(c.rid, [int(x) for x in c.prompt], c.max_tokens, c.mode, c.sampling,
+                       tuple(int(x) for x in c.stop_ids), c.first_token, dict(c.ctx_info), stream=c.stream))
+
+
+def _write(eng: Engine, c: pm.WriteKv, post: list) -> None:
+    if not eng.io("write", c.rid):
+        post.append(P.Drop(c.rid))  # every rank discards the shard it was sent
+
+
+_COMMANDS = {
+    pm.Add: _add,
+    pm.KvReady: lambda eng, c, post: eng.kv_ready(c.rid),
+    pm.Release: lambda eng, c, post: eng.release(c.rid),
+    pm.Abort: lambda eng, c, post: eng.abort(c.rid),
+    pm.ReadKv: lambda eng, c, post: eng.io("read", c.rid),
+    pm.WriteKv: _write,
+    pm.QueryStats: lambda eng, c, post: post.append(P.Stats()),
+    pm.QueryDigest: lambda eng, c, post: post.append(P.Digest(c.rid)),
+}

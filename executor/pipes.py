@@ -1,8 +1,9 @@
 """The parent <-> rank process pipes: framed msgpack messages (never pickle) and the rank's inbox thread.
 
-`Pipes` is one pair of one-way multiprocessing connections; `Inbox` drains the parent->rank side on its own
-thread so the parent never blocks: commands go to a queue, KV payloads are kept by request id until the
-rank's step takes them (bounded waits).
+`Pipes` is one pair of one-way multiprocessing connections carrying pipe_messages.py's typed messages (it
+encodes and decodes them there, strictly); `Inbox` drains the parent->rank side on its own thread so the
+parent never blocks: commands go to a queue, KV payloads are kept by request id until the rank's step takes
+them (bounded waits). Owns the transport only; never acts on a message.
 """
 
 from __future__ import annotations
@@ -11,34 +12,43 @@ import queue
 import threading
 import time
 
+from typing import Any, Callable
+
 from .. import codec
 from ..errors import ExecutorError
+from .pipe_messages import Fatal, KvShard, Stop, encode
 
 __all__ = ["Pipes", "Inbox"]
 
 
 class Pipes:
-    """Framed msgpack messages over a pair of one-way multiprocessing connections (send_bytes/recv_bytes)."""
+    """Typed messages over a pair of one-way multiprocessing connections (send_bytes/recv_bytes).
 
-    def __init__(self, rx, tx) -> None:
-        self.rx, self.tx = rx, tx
+    Args:
+        rx, tx: the connections.
+        decode: pipe_messages.decode_command (a rank's side) or decode_reply (the parent's side).
+    """
+
+    def __init__(self, rx, tx, decode: Callable[[Any], tuple[Any, bool]]) -> None:
+        self.rx, self.tx, self.decode = rx, tx, decode
         self._lock = threading.Lock()
 
-    def send(self, msg: dict, payload: bytes | None = None) -> None:
+    def send(self, msg: Any, payload: bytes | None = None) -> None:
+        frame = codec.pack(encode(msg, payload is not None))
         with self._lock:
-            self.tx.send_bytes(codec.pack(msg))
+            self.tx.send_bytes(frame)
             if payload is not None:
                 self.tx.send_bytes(payload)
 
-    def recv(self, timeout: float) -> tuple[dict, bytes | None] | None:
-        """One message (and its payload when the header says `has_payload`), or None on timeout."""
+    def recv(self, timeout: float) -> tuple[Any, bytes | None] | None:
+        """One message (and its payload when its frame says one follows), or None on timeout.
+
+        Raises ExecutorError (or ProtocolError) naming what was wrong with a bad frame."""
         if not self.rx.poll(timeout):
             return None
-        msg = codec.unpack(self.rx.recv_bytes(), what="executor frame")
-        if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-            raise ExecutorError(f"executor frame without a type: {msg!r:.200}")
+        msg, has_payload = self.decode(codec.unpack(self.rx.recv_bytes(), what="executor frame"))
         payload = None
-        if msg.get("has_payload"):
+        if has_payload:
             if not self.rx.poll(60):
                 raise ExecutorError("executor frame: payload did not follow its header within 60s")
             payload = self.rx.recv_bytes()
@@ -52,7 +62,7 @@ class Inbox(threading.Thread):
         super().__init__(daemon=True, name="kvbridge-inbox")
         self.pipes = pipes
         self.commands: queue.Queue = queue.Queue()
-        self.kv: dict[int, tuple[dict, bytes]] = {}
+        self.kv: dict[int, tuple[KvShard, bytes]] = {}
         self.cv = threading.Condition()
         self.closed = False
 
@@ -63,18 +73,18 @@ class Inbox(threading.Thread):
                 if got is None:
                     continue
                 msg, payload = got
-                if msg["t"] == "kv":
+                if isinstance(msg, KvShard):
                     with self.cv:
-                        self.kv[int(msg["rid"])] = (msg, payload or b"")
+                        self.kv[msg.rid] = (msg, payload or b"")
                         self.cv.notify_all()
                 else:
                     self.commands.put(msg)
         except (EOFError, OSError):
-            self.commands.put({"t": "stop", "why": "parent closed the pipe"})
+            self.commands.put(Stop("parent closed the pipe"))
         except Exception as e:  # noqa: BLE001 - a bad frame from the parent: the leader stops with the reason
-            self.commands.put({"t": "fatal", "msg": f"bad frame from the parent: {type(e).__name__}: {e}"})
+            self.commands.put(Fatal(f"bad frame from the parent: {type(e).__name__}: {e}"))
 
-    def take_kv(self, rid: int, timeout: float) -> tuple[dict, bytes]:
+    def take_kv(self, rid: int, timeout: float) -> tuple[KvShard, bytes]:
         deadline = time.monotonic() + timeout
         with self.cv:
             while rid not in self.kv:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..transceiver.stats import TransferStats
 from .connector.base import KvConnectorConfig
 from .sampling import TokenLogprob
 
@@ -89,7 +90,7 @@ class Completion:
     tokens: list[int]
     finish_reason: str
     error: str = ""  # why an aborted request was aborted (e.g. the KV transfer's error), when known
-    transfer: str = ""  # generation-only: the KV transfer's stats (JSON text from rank 0's hook)
+    transfer: TransferStats | None = None  # generation-only: the KV transfer's stats (rank 0's pull)
     loaded_tokens: int = 0  # prompt tokens whose KV the KV connector loaded instead of computing them
     reused_tokens: int = 0  # prompt tokens served from this executor's prefix cache (block reuse)
     logprobs: tuple[TokenLogprob, ...] = ()  # of each token sampled by this executor, when asked for

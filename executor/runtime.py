@@ -41,6 +41,8 @@ from .kv_io import assemble, shard_of
 from .launch import free_port, spawn_ranks, stop_processes
 from .sampling import SamplingParams, TokenLogprob
 from .results import Completion, ContextResult, ExecutorConfig, GenerationHandle
+from . import events as E
+from . import pipe_messages as pm
 from .pipes import Pipes
 from .worker import rank_main
 
@@ -49,13 +51,13 @@ __all__ = ["ExecutorConfig", "Executor", "ContextResult", "GenerationHandle", "C
 
 @dataclass
 class _State:
-    events: dict = field(default_factory=dict)       # (kind, rid) -> event
+    events: dict = field(default_factory=dict)       # (event class, rid) -> event (events.py)
     kv: dict = field(default_factory=dict)           # (rid, rank) -> tensor
     partial: dict = field(default_factory=dict)      # rid -> tokens so far of a streaming request
-    partial_lp: dict = field(default_factory=dict)   # rid -> logprob entries (wire) so far of one
-    stats: dict = field(default_factory=dict)        # rank -> event
+    partial_lp: dict = field(default_factory=dict)   # rid -> TokenLogprob entries so far of one
+    stats: dict = field(default_factory=dict)        # rank -> RankStats
     digests: dict = field(default_factory=dict)      # (rid, rank) -> RankDigest
-    ready: dict = field(default_factory=dict)        # rank -> event
+    ready: dict = field(default_factory=dict)        # rank -> RankReady
     fatal: str | None = None
 
 
@@ -89,7 +91,7 @@ class Executor:
             "enable_block_reuse": bool(cfg.enable_block_reuse), "stream_layers": int(cfg.stream_layers),
         })
         ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
-        ex._pipes = [Pipes(rx, tx) for rx, tx in zip(from_rank, to_rank)]
+        ex._pipes = [Pipes(rx, tx, pm.decode_reply) for rx, tx in zip(from_rank, to_rank)]
         ex._readers = [threading.Thread(target=ex._read_loop, args=(r,), daemon=True, name=f"kvbridge-rx{r}")
                        for r in range(world)]
         for t in ex._readers:
@@ -100,8 +102,8 @@ class Executor:
             ex.close()
             raise
         first = ex._st.ready[0]
-        ex.model_config = ModelConfig.from_dict(first["config"])
-        ex.layout = KVLayout.from_wire(first["layout"])
+        ex.model_config = ModelConfig.from_dict(first.config)
+        ex.layout = KVLayout.from_wire(first.layout)
         return ex
 
     def close(self, timeout: float = 10.0) -> None:
@@ -110,7 +112,7 @@ class Executor:
             return
         self._closing = True
         try:
-            self._pipes[0].send({"t": "stop"})
+            self._pipes[0].send(pm.Stop())
         except (OSError, ValueError):
             pass
         stop_processes(self._procs, timeout)
@@ -138,15 +140,14 @@ class Executor:
         rid = next(self._ids) if request_id is None else int(request_id)
         stops = self.model_config.eos_token_ids if stop_ids is None else tuple(stop_ids)  # also what
         # min_tokens bans (a context-only request never stops on them, but bans them for its first token)
-        self._send({"t": "add", "rid": rid, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
-                    "mode": mode, "sampling": (sampling or SamplingParams()).to_wire(),
-                    "stop_ids": [int(t) for t in stops], "first_token": first_token,
-                    "ctx_info": ctx_info or {}, "stream": bool(stream)})
+        self._send(pm.Add(rid, [int(t) for t in prompt], int(max_tokens), str(mode), sampling or SamplingParams(),
+                          [int(t) for t in stops], None if first_token is None else int(first_token),
+                          dict(ctx_info or {}), bool(stream)))
         return rid
 
     def wait(self, request_id: int, timeout: float | None = None) -> Completion:
         """Wait for an aggregated or generation-only request to finish."""
-        ev = self._wait_event(("done", request_id), timeout, f"request {request_id} to finish")
+        ev = self._wait_event((E.Done, request_id), timeout, f"request {request_id} to finish")
         return self._completion(request_id, ev)
 
     def wait_tokens(self, request_id: int, have: int, timeout: float) -> tuple[list[int], Completion | None]:
@@ -169,7 +170,7 @@ class Executor:
                     ) -> tuple[list[int], list[TokenLogprob], Completion | None]:
         """`wait_tokens`, with the logprob entries of the tokens so far (those sampled here, when asked for;
         taken with the tokens, so they always match them)."""
-        keys = (("done", request_id), ("refused", request_id), ("req_error", request_id))
+        keys = ((E.Done, request_id), (E.Refused, request_id), (E.ReqError, request_id))
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
@@ -179,15 +180,11 @@ class Executor:
                 toks = self._st.partial.get(request_id, ())
                 left = deadline - time.monotonic()
                 if len(toks) > have or left <= 0:
-                    lps = [TokenLogprob.from_wire(e) for e in self._st.partial_lp.get(request_id, ())]
-                    return list(toks), lps, None
+                    return list(toks), list(self._st.partial_lp.get(request_id, ())), None
                 if self._st.fatal:
                     raise ExecutorError(f"while waiting for request {request_id}: {self._st.fatal}")
                 self._cv.wait(min(left, 0.5))
-        if ev["t"] == "refused":
-            raise KVCacheExhausted(ev["msg"]) if "blocks" in ev["msg"] else ExecutorError(ev["msg"])
-        if ev["t"] == "req_error":
-            raise ExecutorError(ev["msg"])
+        _raise_refusal(ev)
         c = self._completion(request_id, ev)
         return c.tokens, list(c.logprobs), c
 
@@ -195,19 +192,18 @@ class Executor:
         """Context-only requests released since the last call (by the rank hooks). A server calls it now and
         then so the release events do not pile up; do not call it while a `release` call waits."""
         with self._cv:
-            ids = [rid for (t, rid) in self._st.events if t == "released"]
+            ids = [rid for (t, rid) in self._st.events if t is E.Released]
             for rid in ids:
-                del self._st.events[("released", rid)]
+                del self._st.events[(E.Released, rid)]
         return ids
 
-    def _completion(self, request_id: int, ev: dict) -> Completion:
+    def _completion(self, request_id: int, ev: E.Done) -> Completion:
         with self._cv:  # a finished request leaves nothing behind
             self._st.partial.pop(request_id, None)
             self._st.partial_lp.pop(request_id, None)
-            self._st.events.pop(("gen_alloc", request_id), None)
-        return Completion(request_id, list(ev["tokens"]), ev["reason"], str(ev.get("error", "")),
-                          str(ev.get("transfer", "")), int(ev.get("loaded", 0)), int(ev.get("reused", 0)),
-                          tuple(TokenLogprob.from_wire(e) for e in ev.get("lps", ())))
+            self._st.events.pop((E.GenAlloc, request_id), None)
+        return Completion(request_id, list(ev.tokens), ev.reason, ev.error, ev.transfer, ev.loaded, ev.reused,
+                          tuple(ev.lps))
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 16,
                  sampling: SamplingParams | None = None,
@@ -232,20 +228,18 @@ class Executor:
         """Wait for the prefill of a context-only request submitted with `submit(..., mode="context_only")`
         (with stream_layers its KV is readable layer by layer before this returns)."""
         rid = request_id
-        ev = self._wait_event(("ctx", rid), timeout, f"the prefill of request {rid}")
-        lp = TokenLogprob.from_wire(ev["lp"]) if ev.get("lp") is not None else None
-        return ContextResult(rid, tuple(ev["block_ids"]), int(ev["num_tokens"]), int(ev["first_token"]),
-                             int(ev.get("reused", 0)), lp)
+        ev = self._wait_event((E.Ctx, rid), timeout, f"the prefill of request {rid}")
+        return ContextResult(rid, tuple(ev.block_ids), ev.num_tokens, ev.first_token, ev.reused, ev.lp)
 
     def release(self, request_id: int, timeout: float | None = None) -> None:
         """Unpin and free a context-only request's blocks on every rank (after its transfers finished)."""
-        self._send({"t": "release", "rid": int(request_id)})
-        self._wait_event(("released", request_id), timeout, f"the release of request {request_id}")
+        self._send(pm.Release(int(request_id)))
+        self._wait_event((E.Released, request_id), timeout, f"the release of request {request_id}")
 
     def wait_released(self, request_id: int, timeout: float | None = None) -> None:
         """Wait until the rank hooks released context-only request `request_id` (its transfers ended, or it
         was aborted and every rank settled it); do not mix with `take_released`."""
-        self._wait_event(("released", request_id), timeout, f"the release of request {request_id}")
+        self._wait_event((E.Released, request_id), timeout, f"the release of request {request_id}")
 
     def add_generation(self, prompt: list[int], first_token: int, *, max_tokens: int = 16,
                        sampling: SamplingParams | None = None, stop_ids: tuple[int, ...] | None = None,
@@ -255,16 +249,16 @@ class Executor:
         rid = self.submit(prompt, max_tokens=max_tokens, mode="generation_only", sampling=sampling,
                           stop_ids=stop_ids, first_token=int(first_token), ctx_info=ctx_info,
                           request_id=request_id)
-        ev = self._wait_event(("gen_alloc", rid), timeout, f"the blocks of request {rid}")
-        return GenerationHandle(rid, tuple(ev["block_ids"]))
+        ev = self._wait_event((E.GenAlloc, rid), timeout, f"the blocks of request {rid}")
+        return GenerationHandle(rid, tuple(ev.block_ids))
 
     def kv_ready(self, request_id: int) -> None:
         """The prompt KV of a generation-only request is in place on every rank: start decoding."""
-        self._send({"t": "kv_ready", "rid": int(request_id)})
+        self._send(pm.KvReady(int(request_id)))
 
     def abort(self, request_id: int) -> None:
         """End a request now (a failed transfer, a client gone); its blocks are freed."""
-        self._send({"t": "abort", "rid": int(request_id)})
+        self._send(pm.Abort(int(request_id)))
 
     # --- KV in and out -------------------------------------------------------------------------------------
     def read_kv(self, request_id: int, timeout: float | None = None) -> torch.Tensor:
@@ -273,17 +267,17 @@ class Executor:
         Replicated kv heads (TP above the kv head count) are checked equal on every rank holding them.
         """
         lay = self.layout
-        self._send({"t": "read", "rid": int(request_id)})
+        self._send(pm.ReadKv(int(request_id)))
         world = lay.world_size
 
         def pred(st: _State):
-            if ("req_error", request_id) in st.events:
-                return st.events.pop(("req_error", request_id))
+            if (E.ReqError, request_id) in st.events:
+                return st.events.pop((E.ReqError, request_id))
             return all((request_id, r) in st.kv for r in range(world)) or None
 
         got = self._wait_for(pred, timeout or self.cfg.timeout_s, f"the KV of request {request_id}")
-        if isinstance(got, dict):
-            raise ExecutorError(got["msg"])
+        if isinstance(got, E.ReqError):
+            raise ExecutorError(got.msg)
         with self._cv:
             shards = {r: self._st.kv.pop((request_id, r)) for r in range(world)}
         try:
@@ -300,17 +294,16 @@ class Executor:
         kv = kv.to(dt).cpu()
         for r in range(lay.world_size):
             x = shard_of(lay, r, kv)
-            self._pipes[r].send({"t": "kv", "rid": int(request_id), "shape": list(x.shape),
-                                 "dtype": lay.shape.dtype,
-                                 "has_payload": True}, x.view(torch.uint8).numpy().tobytes())
-        self._send({"t": "write", "rid": int(request_id)})
+            self._pipes[r].send(pm.KvShard(int(request_id), list(x.shape), lay.shape.dtype),
+                                x.view(torch.uint8).numpy().tobytes())
+        self._send(pm.WriteKv(int(request_id)))
 
     def kv_digest(self, request_id: int, timeout: float | None = None) -> KVDigest:
         """The request's positional KV digest, merged from every rank (kv_check.py): the one recorded when its
         prefill was done (context-only) or its KV was ready (generation-only), taken once; else, for a live
         request, its KV now. Raises ExecutorError when a rank has none (e.g. kv_digests off)."""
         world = self.layout.world_size
-        self._send({"t": "digest", "rid": int(request_id)})
+        self._send(pm.QueryDigest(int(request_id)))
         self._wait_for(lambda st: all((request_id, r) in st.digests for r in range(world)) or None,
                        timeout or self.cfg.timeout_s, f"the KV digest of request {request_id}")
         with self._cv:
@@ -321,14 +314,14 @@ class Executor:
         """Free blocks on every rank, in rank order (taken between two steps)."""
         with self._cv:
             self._st.stats.clear()
-        self._send({"t": "stats"})
+        self._send(pm.QueryStats())
         world = self.layout.world_size
         self._wait_for(lambda st: len(st.stats) == world or None, timeout or self.cfg.timeout_s,
                        "block counts")
-        return [int(self._st.stats[r]["free"]) for r in range(world)]
+        return [self._st.stats[r].free for r in range(world)]
 
     # --- internals ---------------------------------------------------------------------------------------
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg) -> None:
         self._check()
         try:
             self._pipes[0].send(msg)
@@ -354,7 +347,7 @@ class Executor:
                 with self._cv:
                     self._dispatch(rank, msg, payload)
                     self._cv.notify_all()
-                if msg["t"] in ("exit", "error"):
+                if isinstance(msg, (pm.RankExit, pm.RankError)):
                     return
         except (EOFError, OSError):
             with self._cv:
@@ -369,32 +362,13 @@ class Executor:
                 self._st.fatal = f"rank {rank} sent a bad frame: {e}"
                 self._cv.notify_all()
 
-    def _dispatch(self, rank: int, msg: dict, payload: bytes | None) -> None:
-        t = msg["t"]
-        if t == "ready":
-            self._st.ready[rank] = msg
-        elif t == "error":
-            if self._st.fatal is None:
-                self._st.fatal = f"rank {rank} failed: {msg.get('msg')}\n{msg.get('tb', '')}"
-        elif t == "kv":
-            dt = TORCH_DTYPES[msg["dtype"]]
-            x = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8).view(dt).reshape(msg["shape"])
-            self._st.kv[(int(msg["rid"]), rank)] = x
-        elif t == "stats":
-            self._st.stats[rank] = msg
-        elif t == "kv_digest":
-            d = RankDigest.from_wire(msg)
-            self._st.digests[(d.request_id, rank)] = d
-        elif t == "tok":
-            toks = self._st.partial.setdefault(int(msg["rid"]), [])
-            if int(msg["n"]) == len(toks) + 1:
-                toks.append(int(msg["tok"]))
-                if msg.get("lp") is not None:
-                    self._st.partial_lp.setdefault(int(msg["rid"]), []).append(msg["lp"])
-        elif t == "exit":
-            pass
-        else:
-            self._st.events[(t, int(msg["rid"]))] = msg
+    def _dispatch(self, rank: int, msg, payload: bytes | None) -> None:
+        """File one rank's message (pipe_messages.py) in the state the waits look at (under self._cv)."""
+        on = _ON_REPLY.get(type(msg))
+        if on is not None:
+            on(self._st, rank, msg, payload)
+        else:  # the leader's other events, waited on by (kind, request id)
+            self._st.events[(type(msg), msg.rid)] = msg
 
     def _wait_for(self, pred, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -410,22 +384,56 @@ class Executor:
                     raise ExecutorError(f"timed out after {timeout:.0f}s waiting for {what}")
                 self._cv.wait(min(left, 0.5))
 
-    def _wait_event(self, key: tuple[str, int], timeout: float | None, what: str) -> dict:
+    def _wait_event(self, key: tuple[type, int], timeout: float | None, what: str):
         rid = key[1]
 
         def pred(st: _State):
-            for k in (key, ("refused", rid), ("req_error", rid)):
+            for k in (key, (E.Refused, rid), (E.ReqError, rid)):
                 if k in st.events:
                     return st.events.pop(k)
-            if key[0] != "done" and ("done", rid) in st.events:  # aborted while waiting
-                return st.events.pop(("done", rid))
+            if key[0] is not E.Done and (E.Done, rid) in st.events:  # aborted while waiting
+                return st.events.pop((E.Done, rid))
             return None
 
         ev = self._wait_for(pred, timeout or self.cfg.timeout_s, what)
-        if ev["t"] == "refused":
-            raise KVCacheExhausted(ev["msg"]) if "blocks" in ev["msg"] else ExecutorError(ev["msg"])
-        if ev["t"] == "req_error":
-            raise ExecutorError(ev["msg"])
-        if ev["t"] != key[0]:
-            raise ExecutorError(f"request {rid} ended ({ev.get('reason')}) while waiting for {what}")
+        _raise_refusal(ev)
+        if type(ev) is not key[0]:
+            raise ExecutorError(f"request {rid} ended ({ev.reason}) while waiting for {what}")
         return ev
+
+
+
+def _raise_refusal(ev) -> None:
+    if isinstance(ev, E.Refused):
+        raise KVCacheExhausted(ev.msg) if "blocks" in ev.msg else ExecutorError(ev.msg)
+    if isinstance(ev, E.ReqError):
+        raise ExecutorError(ev.msg)
+
+
+def _on_error(st: _State, rank: int, msg: pm.RankError, payload) -> None:
+    if st.fatal is None:
+        st.fatal = f"rank {rank} failed: {msg.msg}\n{msg.tb}"
+
+
+def _on_kv(st: _State, rank: int, msg: pm.KvShard, payload) -> None:
+    x = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8).view(TORCH_DTYPES[msg.dtype])
+    st.kv[(msg.rid, rank)] = x.reshape(msg.shape)
+
+
+def _on_tok(st: _State, rank: int, msg: E.Tok, payload) -> None:
+    toks = st.partial.setdefault(msg.rid, [])
+    if msg.n == len(toks) + 1:
+        toks.append(msg.tok)
+        if msg.lp is not None:
+            st.partial_lp.setdefault(msg.rid, []).append(msg.lp)
+
+
+_ON_REPLY = {
+    pm.RankReady: lambda st, rank, msg, payload: st.ready.__setitem__(rank, msg),
+    pm.RankError: _on_error,
+    pm.KvShard: _on_kv,
+    pm.RankStats: lambda st, rank, msg, payload: st.stats.__setitem__(rank, msg),
+    RankDigest: lambda st, rank, msg, payload: st.digests.__setitem__((msg.request_id, rank), msg),
+    E.Tok: _on_tok,
+    pm.RankExit: lambda st, rank, msg, payload: None,
+}

@@ -5,13 +5,13 @@ Start an executor with
     rank_hook_args={"role": "context"|"generation", "instance": "<executor id>", "transceiver": {...config...},
                     "run_dir": "<folder for endpoint files>"}
 and every rank builds a CacheTransceiver over its pool (registered once). An aborted request reaches every
-rank's hook (on_abort): the transfer is cancelled and its blocks are freed only after it settled everywhere. Context ranks write their control
-endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
+rank's hook (on_abort): the transfer is cancelled and its blocks are freed only after it settled everywhere.
+Context ranks write their control endpoint to run_dir/endpoint-<rank> (read with `context_endpoints`); they publish each context-only request
 when its prefill is done (with ExecutorConfig.stream_layers: when its blocks are allocated, marking layers
 ready as the forward pass writes them, executor/streaming.py) and report "release" once their readers
 confirmed (or the lease ran out).
-Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready",
-or "abort" with the transfer's error; with block reuse they read only the tokens after
+Generation ranks pull each generation-only request named by ctx_info["disagg_params"] and report "kv_ready"
+with the pull's TransferStats (transceiver/stats.py), or "abort" with the transfer's error; with block reuse they read only the tokens after
 ctx_info["reused_tokens"] (set by the executor: its blocks already hold that prefix). The executor frees or
 starts a request only when every rank agrees.
 
@@ -24,7 +24,6 @@ each rank publishes executor request `rid` under the wire id key.handle(rid) wit
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import time
@@ -37,6 +36,7 @@ from ..errors import ExecutorError
 from ..transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
 from ..transceiver.config import ConfigError
 from ..transceiver.handles import RequestKey
+from ..transceiver.stats import of as transfer_stats
 from .hooks import RankContext
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class TransceiverHook:
         self.tr.cancel_request(self._key.handle(request_id) if self._key is not None else request_id)
 
     def poll(self) -> dict[str, list]:
-        out: dict[str, list] = {"kv_ready": [], "release": [], "abort": [], "notes": []}
+        out: dict[str, list] = {"kv_ready": [], "release": [], "abort": [], "notes": [], "stats": []}
         for rid, why in self._failed:
             out["abort"].append(rid)
             out["notes"].append([rid, why])
@@ -184,9 +184,7 @@ class TransceiverHook:
             for r in self.tr.check_gen_transfer_status():
                 if r.ok:
                     out["kv_ready"].append(r.request_id)
-                    out["notes"].append([r.request_id, json.dumps(
-                        {"bytes": r.nbytes, "fragments": r.fragments, "agents": list(r.agents),
-                         "ms": {k: round(v, 3) for k, v in r.timings_ms.items()}})])
+                    out["stats"].append([r.request_id, transfer_stats(r)])
                 else:
                     out["abort"].append(r.request_id)
                     out["notes"].append([r.request_id, f"KV transfer failed ({r.error_type}): {r.error}"])

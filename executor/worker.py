@@ -1,9 +1,11 @@
 """One rank process: loads its shard, builds its pool, and runs step plans in lockstep with the other ranks.
 
 Rank 0 is the leader: it reads commands from the parent (`Executor`), plans each step with the `Engine`,
-broadcasts the plan (msgpack bytes in a tensor), runs it like every other rank, and reports events. Other
+broadcasts the plan (plan.py's StepPlan as msgpack bytes in a tensor), runs it like every other rank, and
+reports events (leader.py). Other
 ranks only run plans. Every rank talks to the parent over its own pair of pipes with msgpack frames (never
-pickle): KV shards for `read_kv`/`write_kv`, KV digests (`kv_check.py`), its readiness, and its fatal error (then it exits non-zero).
+pickle): KV shards for `read_kv`/`write_kv`, KV digests (`kv_check.py`), its readiness, and its fatal error
+(then it exits non-zero).
 
 Never frees a block except as a plan says, so every rank's allocator stays identical to the leader's; the
 plan carries the leader's free-block count before its ops and each rank checks it.
@@ -23,7 +25,9 @@ from ..errors import ExecutorError
 from ..formatter.layout import ParallelSplit
 from .comm import Comm
 from .config import kv_layout_for
-from .engine import PLAN_VERSION, BatchRow
+from . import pipe_messages as pm
+from . import plan as P
+from .plan import BatchRow, StepPlan
 from .hooks import RankContext, exchange_reports, load_hook, validate_report
 from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
 from .kv_check import DigestBook
@@ -31,7 +35,7 @@ from .kv_io import gather_blocks, scatter_blocks
 from .leader import leader_loop
 from .model import StageModel, StepBatch
 from .pipes import Inbox, Pipes
-from .sampling import SamplingParams, TokenHistory, logprob_width, pack_logprobs, sample_step, unpack_logprobs
+from .sampling import logprob_width, pack_logprobs, sample_step, unpack_logprobs
 from .sources import load_source
 from .streaming import LayerStreamer, supports_streaming
 from .weights import stage_weights
@@ -97,78 +101,72 @@ class _Runner:
         return None if self.conn is None else self.conn.exchange(self.comm)
 
     # --- one plan -------------------------------------------------------------------------------------
-    def execute(self, plan: dict) -> tuple[list[int], list] | None:
-        """Run one plan; on rank 0 returns (sampled tokens, wire logprob entries or None), one per entry."""
+    def execute(self, plan: StepPlan) -> tuple[list[int], list] | None:
+        """Run one plan; on rank 0 returns (sampled tokens, TokenLogprob entries or None), one per row."""
         kv = self.kv
-        if plan.get("free_before", kv.get_num_free_blocks()) != kv.get_num_free_blocks():
+        if plan.free_before >= 0 and plan.free_before != kv.get_num_free_blocks():
             raise ExecutorError(f"rank {self.rank}: {kv.get_num_free_blocks()} free blocks before step "
-                                f"{plan['step']}, the leader has {plan['free_before']}: allocators diverged")
-        for op in plan["ops"]:
-            apply = self._OPS.get(op[0])
-            if apply is None:
-                raise ExecutorError(f"step {plan['step']}: unknown op {op[0]!r}")
-            apply(self, int(op[1]), op)
-        if self.conn is not None and "conn" in plan:
-            self.conn.begin_step(plan["conn"])  # bind_connector_meta + start_load_kv
-        sampled = self._run_batch([BatchRow.of(b) for b in plan["batch"]]) if plan["batch"] else None
-        if self.conn is not None and "conn" in plan:
+                                f"{plan.step}, the leader has {plan.free_before}: allocators diverged")
+        for op in plan.ops:
+            self._OPS[type(op)](self, op)  # (the plan decoded only known kinds: plan.OPS)
+        if self.conn is not None and plan.conn is not None:
+            self.conn.begin_step(plan.conn)  # bind_connector_meta + start_load_kv
+        sampled = self._run_batch(plan.batch) if plan.batch else None
+        if self.conn is not None and plan.conn is not None:
             self.conn.end_step()  # wait_for_save
-        for op in plan.get("post", ()):
-            post = self._POST.get(op[0])
-            if post is None:
-                raise ExecutorError(f"step {plan['step']}: unknown post op {op[0]!r}")
-            post(self, int(op[1]) if len(op) > 1 else -1)
+        for op in plan.post:
+            self._POST[type(op)](self, op)
         return sampled
 
-    # --- plan ops (before the forward pass), one method each: (rid, the op as sent) ----------------------
-    def _op_free(self, rid: int, op: list) -> None:
-        self.kv.free_resources(rid)
+    # --- plan ops (before the forward pass), one method each ---------------------------------------------
+    def _op_free(self, op: P.Free) -> None:
+        self.kv.free_resources(op.rid)
 
-    def _op_reuse(self, rid: int, op: list) -> None:  # the request starts on the cached blocks of its prefix
-        self.kv.add_sequence_reusing(rid, [int(t) for t in op[2]], int(op[3]))
+    def _op_reuse(self, op: P.Reuse) -> None:  # the request starts on the cached blocks of its prefix
+        self.kv.add_sequence_reusing(op.rid, [int(t) for t in op.prompt], op.n)
 
-    def _op_xfer(self, rid: int, op: list) -> None:  # a generation-only request: blocks for its pulled KV
-        reused = int(op[4]) if len(op) > 4 else 0
-        blocks = self.kv.add_sequence_for_transfer(rid, int(op[2]), op[5] if len(op) > 5 else None, reused)
+    def _op_xfer(self, op: P.Xfer) -> None:  # a generation-only request: blocks for its pulled KV
+        blocks = self.kv.add_sequence_for_transfer(op.rid, op.prompt_len, op.prompt, op.reused)
         if self.hook is not None:
-            info = dict(op[3]) if len(op) > 3 else {}
-            info["reused_tokens"] = reused  # set here, never taken from the client's ctx_info
-            self.hook.on_generation_alloc(rid, blocks, int(op[2]), info)
+            info = dict(op.ctx_info)
+            info["reused_tokens"] = op.reused  # set here, never taken from the client's ctx_info
+            self.hook.on_generation_alloc(op.rid, blocks, op.prompt_len, info)
 
-    def _op_ready(self, rid: int, op: list) -> None:
-        self.kv.mark_ready(rid)
+    def _op_ready(self, op: P.Ready) -> None:
+        self.kv.mark_ready(op.rid)
         if self.record_digests:  # the prompt KV just arrived: hash it before decoding appends
-            self.digests.record(rid, self.kv)
+            self.digests.record(op.rid, self.kv)
 
-    def _op_conn_alloc(self, rid: int, op: list) -> None:  # blocks the KV connector loads a stored prefix into
-        self.kv.add_sequence_for_transfer(rid, int(op[2]), op[3] if len(op) > 3 else None)
+    def _op_conn_alloc(self, op: P.ConnAlloc) -> None:  # blocks the KV connector loads a stored prefix into
+        self.kv.add_sequence_for_transfer(op.rid, op.prompt_len, op.prefix)
 
-    def _op_release(self, rid: int, op: list) -> None:
-        self.kv.free_resources(rid)
-        self.kv.unpin(rid)
+    def _op_release(self, op: P.Release) -> None:
+        self.kv.free_resources(op.rid)
+        self.kv.unpin(op.rid)
 
-    def _op_write(self, rid: int, op: list) -> None:
-        self._write_kv(rid)
+    def _op_write(self, op: P.Write) -> None:
+        self._write_kv(op.rid)
 
-    def _op_hook_abort(self, rid: int, op: list) -> None:  # aborted: its transfer must stop before blocks go
+    def _op_hook_abort(self, op: P.HookAbort) -> None:  # aborted: its transfer must stop before blocks go
         if self.hook is not None and hasattr(self.hook, "on_abort"):
-            self.hook.on_abort(rid)
+            self.hook.on_abort(op.rid)
 
-    def _op_ctx_done(self, rid: int, op: list) -> None:  # the previous step's context-only prefill is done
-        kv = self.kv
+    def _op_ctx_done(self, op: P.CtxDone) -> None:  # the previous step's context-only prefill is done
+        kv, rid = self.kv, op.rid
         if self.record_digests:
             self.digests.record(rid, kv)
         if self.hook is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the KV is in memory before an agent reads it
-            self.hook.on_context_done(rid, kv.get_batch_cache_indices([rid])[0], kv.num_tokens(rid), int(op[2]))
+            self.hook.on_context_done(rid, kv.get_batch_cache_indices([rid])[0], kv.num_tokens(rid),
+                                      op.first_token)
 
-    _OPS = {"free": _op_free, "reuse": _op_reuse, "xfer": _op_xfer, "ready": _op_ready,
-            "conn_alloc": _op_conn_alloc, "release": _op_release, "write": _op_write,
-            "hook_abort": _op_hook_abort, "ctx_done": _op_ctx_done}
+    _OPS = {P.Free: _op_free, P.Reuse: _op_reuse, P.Xfer: _op_xfer, P.Ready: _op_ready,
+            P.ConnAlloc: _op_conn_alloc, P.Release: _op_release, P.Write: _op_write,
+            P.HookAbort: _op_hook_abort, P.CtxDone: _op_ctx_done}
 
     # --- the batch (the forward pass and sampling) ------------------------------------------------------
-    def _run_batch(self, batch: list[BatchRow]) -> tuple[list[int], list] | None:
+    def _run_batch(self, batch: tuple[BatchRow, ...]) -> tuple[list[int], list] | None:
         kv, sampled = self.kv, None
         needs = [(r.rid, r.start + len(r.tokens)) for r in batch]
         kv.prepare_resources(needs)
@@ -189,23 +187,22 @@ class _Runner:
                 kv.pin(r.rid)
         return sampled
 
-    # --- post ops (after the step), one method each: (rid or -1) ------------------------------------------
-    def _post_read(self, rid: int) -> None:
-        self._read_kv(rid)
+    # --- post ops (after the step), one method each --------------------------------------------------------
+    def _post_read(self, op: P.Read) -> None:
+        self._read_kv(op.rid)
 
-    def _post_drop(self, rid: int) -> None:
-        self.inbox.take_kv(rid, self.timeout)
+    def _post_drop(self, op: P.Drop) -> None:
+        self.inbox.take_kv(op.rid, self.timeout)
 
-    def _post_digest(self, rid: int) -> None:
-        self.pipes.send(self.digests.report(rid, self.kv).to_wire())
+    def _post_digest(self, op: P.Digest) -> None:
+        self.pipes.send(self.digests.report(op.rid, self.kv))
 
-    def _post_stats(self, rid: int) -> None:
+    def _post_stats(self, op: P.Stats) -> None:
         kv = self.kv
-        self.pipes.send({"t": "stats", "rank": self.rank, "free": kv.get_num_free_blocks(),
-                         "live": kv.request_ids(), "cached": kv.get_num_cached_blocks(),
-                         "reused": kv.reused_tokens})
+        self.pipes.send(pm.RankStats(self.rank, kv.get_num_free_blocks(), list(kv.request_ids()),
+                                     kv.get_num_cached_blocks(), kv.reused_tokens))
 
-    _POST = {"read": _post_read, "drop": _post_drop, "digest": _post_digest, "stats": _post_stats}
+    _POST = {P.Read: _post_read, P.Drop: _post_drop, P.Digest: _post_digest, P.Stats: _post_stats}
 
     def _forward(self, sb: StepBatch, ctx_only: list[tuple[int, list[int], int]]):
         """The stage's forward pass (a later PP stage first receives the previous stage's hidden states).
@@ -232,32 +229,30 @@ class _Runner:
 
     # --- sampling (on the last stage's first TP rank; the leader gets tokens and logprobs) -----------------
     def _sample(self, batch: list, logits: torch.Tensor, positions: list[int]) -> tuple[list[int], list]:
-        params = [SamplingParams.from_wire(r.sampling) for r in batch]
-        hist = [TokenHistory.from_wire(r.history) for r in batch]
+        params = [r.sampling for r in batch]
+        hist = [r.history for r in batch]
         toks, lps = sample_step(logits, params, positions, hist)
         if self.rank != 0:
             self.comm.send_tokens_to_leader(torch.tensor(toks, dtype=torch.int64))
             k = logprob_width(params)
             if k:
                 self.comm.send_tokens_to_leader(pack_logprobs(lps, k))
-        return toks, [None if e is None else e.to_wire() for e in lps]
+        return toks, lps
 
     def _receive_sampled(self, batch: list) -> tuple[list[int], list]:
         toks = self.comm.recv_tokens_from(self.sampler_rank, len(batch)).tolist()
-        params = [SamplingParams.from_wire(r.sampling) for r in batch]
+        params = [r.sampling for r in batch]
         k = logprob_width(params)
         if not k:
             return toks, [None] * len(batch)
         flat = self.comm.recv_tokens_from(self.sampler_rank, len(batch) * (1 + 2 * k))
-        lps = unpack_logprobs(flat, params, k, self.mcfg.vocab_size)
-        return toks, [None if e is None else e.to_wire() for e in lps]
+        return toks, unpack_logprobs(flat, params, k, self.mcfg.vocab_size)
 
     # --- KV in and out (tests and tools; the transceiver moves KV with its agents) -------------------------
     def _read_kv(self, rid: int) -> None:
         kv = self.kv
         x = gather_blocks(kv.pool, kv.get_batch_cache_indices([rid])[0], kv.num_tokens(rid)).cpu()
-        self.pipes.send({"t": "kv", "rid": rid, "rank": self.rank, "shape": list(x.shape),
-                         "dtype": self.layout.shape.dtype, "has_payload": True},
+        self.pipes.send(pm.KvShard(rid, list(x.shape), self.layout.shape.dtype, self.rank),
                         x.view(torch.uint8).numpy().tobytes())
 
     def _write_kv(self, rid: int) -> None:
@@ -266,20 +261,17 @@ class _Runner:
         n = kv.num_tokens(rid)
         p = kv.pool.shape
         want = [p[1], p[2], p[3], n, p[5]]
-        if msg.get("shape") != want or msg.get("dtype") != self.layout.shape.dtype:
-            raise ExecutorError(f"write_kv of request {rid} on rank {self.rank}: got shape "
-                                f"{msg.get('shape')} "
-                                f"{msg.get('dtype')}, the rank holds {want} {self.layout.shape.dtype}")
+        if msg.shape != want or msg.dtype != self.layout.shape.dtype:
+            raise ExecutorError(f"write_kv of request {rid} on rank {self.rank}: got shape {msg.shape} "
+                                f"{msg.dtype}, the rank holds {want} {self.layout.shape.dtype}")
         x = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(kv.pool.dtype).reshape(want)
         scatter_blocks(kv.pool, kv.get_batch_cache_indices([rid])[0], x)
 
 
 def _follower_loop(run: _Runner) -> None:
     while True:
-        plan = run.comm.broadcast_plan(None)
-        if plan.get("v") != PLAN_VERSION:
-            raise ExecutorError(f"rank {run.rank}: step plan version {plan.get('v')!r}, expected {PLAN_VERSION}")
-        if plan["stop"]:
+        plan = StepPlan.from_wire(run.comm.broadcast_plan(None))
+        if plan.stop:
             return
         run.execute(plan)
         run.exchange()
@@ -288,7 +280,7 @@ def _follower_loop(run: _Runner) -> None:
 
 def rank_main(rank: int, blob: bytes, rx, tx) -> None:
     """Entry point of a rank process (spawned by runtime.Executor). `blob` is the msgpack executor config."""
-    pipes = Pipes(rx, tx)
+    pipes = Pipes(rx, tx, pm.decode_command)
     run = None
     try:
         cfg: dict[str, Any] = codec.unpack(blob, what="executor config")
@@ -296,18 +288,16 @@ def rank_main(rank: int, blob: bytes, rx, tx) -> None:
         inbox = Inbox(pipes)
         inbox.start()
         run = _Runner(cfg, rank, pipes, inbox)
-        pipes.send({"t": "ready", "rank": rank, "config": run.mcfg.to_dict(), "layout": run.layout.to_wire(),
-                    "pid": os.getpid()})
+        pipes.send(pm.RankReady(rank, run.mcfg.to_dict(), run.layout.to_wire(), os.getpid()))
         if rank == 0:
             leader_loop(run, pipes, inbox, cfg)
         else:
             _follower_loop(run)
         inbox.closed = True
-        pipes.send({"t": "exit", "rank": rank})
+        pipes.send(pm.RankExit(rank))
     except BaseException as e:  # noqa: BLE001 - report every failure to the parent, then exit non-zero
         try:
-            pipes.send({"t": "error", "rank": rank, "msg": f"{type(e).__name__}: {e}",
-                        "tb": traceback.format_exc()})
+            pipes.send(pm.RankError(rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         except Exception:  # noqa: BLE001
             pass
         sys.exit(1)

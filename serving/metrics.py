@@ -12,7 +12,8 @@ Worker metrics (label role = context | generation):
     kvbridge_serving_request_seconds{role, phase}          prefill (context), generate (generation), total
     kvbridge_serving_in_flight{role}                       requests being served now
     kvbridge_serving_recomputes_total                      transfers that failed and were recomputed locally
-    kvbridge_serving_transfer_seconds                      each request's KV transfer (Completion.transfer)
+    kvbridge_serving_transfer_seconds                      each request's KV transfer (Completion.transfer's
+                                                           timings_ms["total"])
     kvbridge_serving_prefix_tokens_total{role, kind}       prompt tokens (kind=prompt) and those served from
                                                            the prefix cache (kind=reused): hit rate = ratio
     kvbridge_serving_prefix_bytes_saved_total{role}        KV bytes of reused tokens: not computed (context)
@@ -28,6 +29,10 @@ import functools
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..transceiver.stats import TransferStats
 
 __all__ = ["use_multiprocess_dir", "render", "WorkerMetrics", "RouterMetrics"]
 
@@ -111,6 +116,12 @@ class WorkerMetrics:
         self.seconds.labels(self.role, "total").observe(total_s)
         if phase and phase_s is not None:
             self.seconds.labels(self.role, phase).observe(phase_s)
+
+    def transfer_done(self, stats: TransferStats) -> None:
+        """A generation request's KV transfer (Completion.transfer): its total time, when it has one."""
+        total = stats.timings_ms.get("total")
+        if total is not None:
+            self.transfer.observe(total / 1e3)
 
     def prefix(self, prompt_tokens: int, reused_tokens: int, bytes_per_token: int) -> None:
         """A request's prompt and how much of it the prefix cache served (block reuse)."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -385,12 +384,9 @@ async def _stream(out: _Output, got, events, extra: dict[str, Any], metrics: Wor
 
 def _finish_extra(extra: dict[str, Any], toks: list[int], done, metrics: WorkerMetrics) -> None:
     extra["token_ids"] = list(toks)
-    if done is not None and done.transfer:
-        try:
-            extra["transfer"] = json.loads(done.transfer)
-            metrics.transfer.observe(float(extra["transfer"]["ms"]["total"]) / 1e3)
-        except (ValueError, KeyError, TypeError):
-            extra["transfer"] = {"raw": done.transfer}
+    if done is not None and done.transfer is not None:
+        extra["transfer"] = done.transfer.as_json()
+        metrics.transfer_done(done.transfer)
 
 
 def _kv_bytes_per_token(layout) -> int:

@@ -4,10 +4,10 @@ The engine (engine.py) calls, per request and per plan:
 
     admit(request)            admission of an aggregated / context-only request: get_num_new_matched_tokens.
                               A hit (> 0 tokens, whole blocks, short of the last prompt token) makes the engine
-                              allocate the request's blocks in this plan ("conn_alloc") and wait for the load.
+                              allocate the request's blocks in this plan (a ConnAlloc op) and wait for the load.
     plan_section(batch)       at the end of every plan it builds: update_state_after_alloc for the requests
                               allocated by the previous plan (their block ids are known now), then
-                              build_connector_meta; returns the plan's "conn" section (wire.py).
+                              build_connector_meta; returns the plan's `conn` section (wire.py).
     request_finished(request) an aggregated request finished / a context-only one was released: True keeps
                               its blocks (the engine defers the free) until every rank reported it saved.
     on_reports(reports)       after every step: the ranks' get_finished results, all-gathered; returns the
@@ -22,6 +22,7 @@ import logging
 
 from ...errors import ExecutorError
 from ..kv_cache_manager import KVCacheManager
+from ..plan import BatchRow
 from .base import ConnectorMetadata, ConnectorRequest, KvConnectorScheduler, RequestData, SchedulerOutput
 from .factory import check_spec, load_class, make_context
 from .wire import Tally, section
@@ -89,7 +90,7 @@ class ConnectorLeader:
         self._saving.append(r.request_id)
         return True
 
-    def plan_section(self, batch: list[list]) -> dict:
+    def plan_section(self, batch: list[BatchRow]) -> dict:
         """The plan's connector section (call once per plan, after its batch is chosen)."""
         for v, load_async in self._allocated:
             rid = v.request_id
@@ -107,10 +108,11 @@ class ConnectorLeader:
         self._sync_sent, self._sync_next = self._sync_next, []
         return sec
 
-    def _output(self, batch: list[list]) -> SchedulerOutput:
+    def _output(self, batch: list[BatchRow]) -> SchedulerOutput:
         out = SchedulerOutput()
         self._reported = {rid: n for rid, n in self._reported.items() if rid in self.kv}  # drop ended ones
-        for rid, start, toks, *_ in batch:
+        for row in batch:
+            rid, start, toks = row.rid, row.start, row.tokens
             blocks = self.kv.get_batch_cache_indices([rid])[0] if rid in self.kv else []
             seen = self._reported.get(rid)
             data = RequestData(rid, list(toks), blocks[seen or 0:], start, len(toks))

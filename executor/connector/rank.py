@@ -2,7 +2,7 @@
 
 Built by the rank (worker.py) once its pool and model exist; the model calls the layer hooks. Per plan:
 
-    begin_step(plan["conn"])   bind_connector_meta(decoded metadata), start_load_kv     after the plan's ops
+    begin_step(plan.conn)      bind_connector_meta(decoded metadata), start_load_kv     after the plan's ops
     wait_for_layer_load(i) / save_kv_layer(i)                                          around local layer i
     end_step()                 wait_for_save, then the metadata is cleared                after the forward
     exchange(comm)             get_finished(newly saving, newly loading) + get_load_errors, all-gathered

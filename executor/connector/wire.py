@@ -1,7 +1,7 @@
 """The connector's messages between the leader and the ranks: a plan section down, rank reports up.
 
 Down, inside every step plan the engine builds (msgpack, never pickle):
-    plan["conn"] = {"v": 1, "meta": <the scheduler's ConnectorMetadata.to_wire() or None>,
+    StepPlan.conn = {"v": 1, "meta": <the scheduler's ConnectorMetadata.to_wire() or None>,
                     "saving": [request ids that started saving], "loading": [ids that started loading]}
 Up, after every step (also idle ones), all-gathered on the control group as msgpack bytes in tensors:
     {"saved": [ids], "loaded": [ids], "errors": [[id, reason], ...]}

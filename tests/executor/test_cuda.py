@@ -71,7 +71,7 @@ def test_cuda_hooks_move_tp2_kv_between_executors(tmp_path):
         want = agg.generate(PROMPTS[1:], max_tokens=10)[0]
     with Executor.start(hooked("ctx")) as ctx, Executor.start(hooked("gen")) as gen:
         res = ctx.prefill(PROMPTS[1])
-        ctx._wait_event(("released", res.request_id), 60, "the hook-driven release")
+        ctx.wait_released(res.request_id, 60)
         rid = gen.submit(PROMPTS[1], max_tokens=10, mode="generation_only", first_token=res.first_token,
                          ctx_info={"ctx_rid": res.request_id, "first_token": res.first_token})
         assert gen.wait(rid).tokens == want

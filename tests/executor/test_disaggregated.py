@@ -7,7 +7,6 @@ swap on the generation side (swap_hook.py) shows the check fails while the token
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -51,7 +50,7 @@ def test_disaggregated_decoding_gives_exactly_the_aggregated_tokens(tmp_path, ct
             c_dig, g_dig = ctx.kv_digest(c_id), gen.kv_digest(g_id)
             assert c_dig.num_tokens == len(prompt) and len(c_dig.digests) == 4 * 6  # tiny3: 4 layers, 6 kv heads
             check_positional(c_dig, g_dig, f"prompt of {len(prompt)} tokens")
-        stats = json.loads(got[1].transfer)
+        stats = got[1].transfer.as_json()
         assert stats["bytes"] > 0 and stats["fragments"] > 0 and stats["agents"] == ["nixl"]
         assert ctx.free_blocks(timeout=30) == [64] * ctx.cfg.tp * ctx.cfg.pp  # released after confirmation
         assert gen.free_blocks() == [64] * gen.cfg.tp * gen.cfg.pp

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import pytest
 
 from kvbridge.errors import ExecutorError
-from kvbridge.executor.hooks import HookTally
+from kvbridge.executor.hooks import HookTally, validate_report
+from kvbridge.transceiver.stats import TransferStats
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 
 PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
@@ -25,7 +28,7 @@ def test_hooks_move_kv_between_executors_and_every_rank_must_agree(tmp_path):
                                                                                  tp=2)) as gen:
         res = ctx.prefill(PROMPT)
         # every ctx rank reported "release": the leader released the request by itself
-        ctx._wait_event(("released", res.request_id), 30, "the hook-driven release")
+        ctx.wait_released(res.request_id, 30)
         rid = gen.submit(PROMPT, max_tokens=8, mode="generation_only", first_token=res.first_token,
                          ctx_info={"ctx_rid": res.request_id, "first_token": res.first_token})
         assert gen.wait(rid).tokens == want  # kv_ready came from the hooks of both gen ranks
@@ -53,6 +56,23 @@ def test_an_abort_reason_wins_over_another_ranks_transfer_stats():
     t.add([{**none, "kv_ready": [7], "notes": [[7, '{"bytes": 1}']]},
            {**none, "abort": [7], "notes": [[7, "KV transfer failed (PeerGone): silent"]]}])
     assert t.take_note(7) == "rank 1: KV transfer failed (PeerGone): silent"
+
+
+def test_transfer_stats_travel_typed_and_the_lowest_ranks_reach_the_request():
+    t = HookTally(2)
+    none = {"kv_ready": [], "release": [], "abort": []}
+    s0, s1 = TransferStats(64, 2, ("nixl",), MappingProxyType({"total": 1.5})), TransferStats(32, 1, ("nixl",))
+    reports = [validate_report({**none, "kv_ready": [7, 8], "stats": [[7, s0]]}, 0),
+               validate_report({**none, "kv_ready": [7], "stats": [[7, s1]]}, 1)]
+    assert [r["stats"] for r in reports] == [[[7, s0.to_wire()]], [[7, s1.to_wire()]]]  # plain data to gather
+    assert t.add(reports)["kv_ready"] == [7] and t.take_stats(7) == s0 and t.take_stats(7) is None
+    t3 = HookTally(3)
+    assert t3.add([none, none, {**none, "abort": [8]}])["abort"] == [8]
+    t3.add([{**none, "kv_ready": [8], "stats": [[8, s1.to_wire()]]}, none, none])  # after the abort: dropped
+    assert t3.take_stats(8) is None and not t3.stats
+    with pytest.raises(ExecutorError, match=r"rank 1: hook poll\(\)\['stats'\] of request 9: transfer stats: "
+                                            r"field 'nbytes'"):
+        validate_report({**none, "stats": [[9, {**s1.to_wire(), "nbytes": -1}]]}, 1)
 
 
 def test_a_hook_that_cannot_load_fails_start_with_its_reason():

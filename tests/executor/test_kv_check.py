@@ -62,18 +62,21 @@ def test_swapped_blocks_or_one_changed_element_fail_the_check():
         ctx, type(short)(28, short.dtype, short.digests))[0]
 
 
-@pytest.mark.parametrize("field, value, text", [
-    ("v", 99, "version 99"),
-    ("rid", True, "field 'rid' is True"),
-    ("keys", [[0, "x"]], "bad entry"),
-    ("values", [], "1 keys but 0 values"),
+@pytest.mark.parametrize("path, value, text", [
+    ((2, 0), 99, "KV digest: version 99"),                   # [rid, rank, [v, n, dtype, keys, values], missing]
+    ((0,), True, "RankDigest.request_id is True, expected int"),
+    ((2, 3), [[0, "x"]], "bad entry"),
+    ((2, 4), [], "1 keys but 0 values"),
 ])
-def test_a_bad_digest_frame_is_refused_with_the_field_named(field, value, text):
+def test_a_bad_digest_frame_is_refused_with_the_field_named(path, value, text):
     lay = kv_layout_for(CFG, ParallelSplit(1, 1), "float32", 4)
     pool = torch.ones(lay.pool_shape(0, 2))
     msg = RankDigest(1, 0, shard_digests(lay, 0, pool, [0], 1)).to_wire()
-    msg["keys"], msg["values"] = msg["keys"][:1], msg["values"][:1]
-    msg[field] = value
+    msg[2][3], msg[2][4] = msg[2][3][:1], msg[2][4][:1]
+    inner = msg
+    for i in path[:-1]:
+        inner = inner[i]
+    inner[path[-1]] = value
     with pytest.raises(ExecutorError, match=text):
         RankDigest.from_wire(msg)
 

@@ -100,17 +100,17 @@ def test_the_engine_bans_stop_ids_until_min_tokens_and_ignore_eos_never_stops_on
     eng.submit(Request(2, [1, 2], 3, sampling=SamplingParams(ignore_eos=True), stop_ids=(9,)))
     eng.submit(Request(3, [1, 2], 3, sampling=SamplingParams(logit_bias=((16, 1.0),))))
     plan = eng.next_plan()
-    assert [b[6] for b in plan["batch"]] == [[[], [], [9]], None]
+    assert [b.history for b in plan.batch] == [TokenHistory((), (), (9,)), None]
     events = eng.step_done(plan, [9, 9])
-    assert events[0]["t"] == "refused" and "16" in events[0]["msg"]
+    assert type(events[0]).__name__ == "Refused" and "16" in events[0].msg
     plan = eng.next_plan()
-    assert plan["batch"][0][6] == [[], [], [9]]  # one token so far: still banned
+    assert plan.batch[0].history == TokenHistory((), (), (9,))  # one token so far: still banned
     # (a real sampler could not pick 9 here; forced, the request has its 2 tokens and may stop)
-    assert [(e["rid"], e["reason"]) for e in eng.step_done(plan, [9, 9])] == [(1, "stop")]
+    assert [(e.rid, e.reason) for e in eng.step_done(plan, [9, 9])] == [(1, "stop")]
     plan = eng.next_plan()
-    assert plan["batch"][0][6] is None  # ignore_eos: nothing to ban
+    assert plan.batch[0].history is None  # ignore_eos: nothing to ban
     done = eng.step_done(plan, [9])
-    assert [(e["rid"], e["reason"], e["tokens"]) for e in done] == [(2, "length", [9] * 3)]
+    assert [(e.rid, e.reason, e.tokens) for e in done] == [(2, "length", [9] * 3)]
 
 
 def test_packed_logprobs_travel_exactly_with_each_rows_own_width():

@@ -69,7 +69,7 @@ def test_disaggregated_tokens_equal_aggregated_across_gpus(tmp_path, ctx_kw, gen
     with _start(tmp_path, "context", "ctx", **ctx_kw) as ctx, _start(tmp_path, "generation", "gen", **gen_kw) as gen:
         got = _disagg(ctx, gen, tmp_path / "ctx", PROMPTS, 12)
         assert [c.tokens for c in got] == want, [(c.finish_reason, c.error) for c in got]
-        agents = {a for c in got for a in json.loads(c.transfer)["agents"]}
+        agents = {a for c in got for a in c.transfer.as_json()["agents"]}
         assert agents == {"cuda_ipc"}, agents
         assert gen.free_blocks() == [128] * gen.layout.world_size
         assert ctx.free_blocks(timeout=30) == [128] * ctx.layout.world_size
@@ -90,7 +90,7 @@ def test_an_8k_token_prompt_of_a_70b_shaped_layer_moves_fast(tmp_path):
         assert warm.finish_reason != "aborted", warm.error
         (c,) = _disagg(ctx, gen, tmp_path / "ctx", [prompt], 4, check_kv=False)
         assert c.tokens == want, c.error
-        st = json.loads(c.transfer)
+        st = c.transfer.as_json()
         row = {"case": "8k prompt, 70B-shaped layer (8 layers, 8 kv heads, head_dim 128, bf16), ctx TP1 GPU1 -> "
                        "gen TP1 GPU0", "bytes": st["bytes"], "fragments": st["fragments"], "agents": st["agents"],
                "read_ms": st["ms"].get("read"), "total_ms": st["ms"].get("total"),

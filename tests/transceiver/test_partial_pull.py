@@ -4,7 +4,6 @@ tokens of aggregated decoding."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -121,16 +120,16 @@ def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens
         per_token = gen.layout.block_bytes(0) // 4
         res1, c1 = _disagg(ctx, gen, endpoints, P1)
         assert c1.tokens == want1 and c1.reused_tokens == 0
-        assert json.loads(c1.transfer)["bytes"] == per_token * len(P1)
+        assert c1.transfer.as_json()["bytes"] == per_token * len(P1)
         res2, c2 = _disagg(ctx, gen, endpoints, p2)
         assert c2.tokens == want2
         assert res2.reused_tokens == 8  # the context side's cached 8-token block of P1
         # the generation side cached P1 + the 9 tokens it decoded: 22 tokens, 5 full blocks of 4
         assert c2.reused_tokens == 20
-        stats = json.loads(c2.transfer)
+        stats = c2.transfer.as_json()
         assert stats["bytes"] == per_token * (len(p2) - 20)
         if xcfg is STAGED:  # one packed read per context rank
-            assert stats["fragments"] == 2 and json.loads(c1.transfer)["fragments"] == 2
+            assert stats["fragments"] == 2 and c1.transfer.as_json()["fragments"] == 2
         assert ctx.free_blocks(timeout=30) == [48, 48]
         assert gen.free_blocks() == [48]
 
