@@ -35,7 +35,7 @@ __all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult"]
 
 
 class PullState(str, Enum):
-    """Where one pull is; the receiver's step for each state moves it on (receiver.py, `_STEPS`)."""
+    """Where one pull is; the receiver's step for each state moves it on (receiver.py, its `_steps` table)."""
 
     HANDSHAKE = "handshake"  # sessions with every context rank, a Fetch to each, reads posted as ids arrive
     READ = "read"            # every leg fetched: post what becomes readable, wait for the reads

@@ -2,7 +2,7 @@
 
 Owns the per-request pulls (pull.py: the Pull and Leg state machines) and one DEALER socket per context rank
 (ctx_peer.py: the peer state machine); one I/O thread owns both, the engine talks to it through a command
-queue of typed commands. Each tick moves every pull through `_STEPS`, a table state -> step method; frames are
+queue of typed commands. Each tick moves every pull through `_steps`, a table state -> step method; frames are
 dispatched by message type through tables. The work off the I/O thread (unpack, hash) and the staged-path
 decision are collaborators (receiver_work.py). Never frees or reuses local blocks itself: it reports a
 terminal ReceiveResult and the executor frees or keeps the blocks. Every wait is bounded by the request's
