@@ -65,6 +65,8 @@ class StagingPolicy:
         """Ask for the staged path when both sides have an arena, the piece's direct plan is many small
         fragments, and this rank's arena has room for the piece (the slot is taken now, into `leg.slot`)."""
         arena, cfg, pool = self._pool.arena, self._config, self._pool
+        if leg.slot is not None:  # a Fetch sent again (the context rank lost our session): keep its slot
+            return True
         if arena is None or not peer.welcome.staging_bytes or not cfg.staging_threshold_bytes:
             return False
         from ..formatter.staging import staging_nbytes
