@@ -146,6 +146,8 @@ class Receiver(IOThread):
         for s, peer in socks.items():
             if s in ready:
                 for _ in range(256):
+                    if peer.sock is not s:  # reset by the frame before ("no session"): the socket is closed
+                        break
                     try:
                         frame = s.recv(zmq.NOBLOCK)
                     except zmq.Again:
