@@ -50,6 +50,8 @@ _ERROR_TYPES = {
 
 @dataclass(frozen=True)
 class _Submit:
+    """Engine -> I/O thread: start a pull (`submit`)."""
+
     request_id: int
     params: DisaggParams
     blocks: np.ndarray
@@ -60,6 +62,8 @@ class _Submit:
 
 @dataclass(frozen=True)
 class _Cancel:
+    """Engine -> I/O thread: abort a pull (`cancel`)."""
+
     request_id: int
 
 

@@ -53,6 +53,8 @@ _TOMBSTONES = 10000
 
 @dataclass(frozen=True)
 class _Publish:
+    """Engine -> I/O thread: pin a request's blocks (`publish`)."""
+
     rid: int
     blocks: np.ndarray
     num_tokens: int
@@ -62,12 +64,16 @@ class _Publish:
 
 @dataclass(frozen=True)
 class _Layers:
+    """Engine -> I/O thread: more layers are final (`mark_layers_ready`)."""
+
     rid: int
     layers_ready: int
 
 
 @dataclass(frozen=True)
 class _Cancel:
+    """Engine -> I/O thread: stop serving a request (`cancel`)."""
+
     rid: int
 
 
