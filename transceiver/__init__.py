@@ -1,5 +1,7 @@
 """The control plane: versioned msgpack messages over ZeroMQ, the context-side Sender, the generation-side
-Receiver, and CacheTransceiver, the per-rank facade with TensorRT-LLM's method names."""
+Receiver, and CacheTransceiver, the per-rank facade with TensorRT-LLM's method names. Each side is an I/O
+thread driving explicit state machines (an enum and one `advance` per machine, fsm.py). Never frees KV blocks:
+it reports, and the executor frees."""
 
 from .agreement import Agreement
 from .cache_transceiver import CacheTransceiver

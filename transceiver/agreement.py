@@ -17,7 +17,7 @@ class Agreement:
 
     Each rank adds its locally finished results; `agree(all_gather)` exchanges the finished ids (all_gather
     takes this rank's list of ids and returns every rank's list) and returns the results finished on EVERY
-    rank, with ok only if ok everywhere (the local result is returned; `failed_elsewhere` marks the rest).
+    rank, each as (the local result, ok on every rank): a request another rank failed comes back with False.
     """
 
     def __init__(self) -> None:

@@ -1,10 +1,13 @@
-"""Handshake helpers: what a generation rank makes of a context rank's Welcome, and verification digests.
+"""Handshake helpers: what a context rank makes of a Hello, what a generation rank makes of a Welcome, and
+the context side's verification digests.
 
-`accept_welcome` validates everything the Welcome carries (layout, pool bases, memory kind) and picks the
-transfer agent for the peer pair: the first kind, in this rank's preference order, that the context rank
-offers and that connects (an intra-node agent refuses a peer on another host, so "auto" falls back to NIXL).
-`context_digests` hashes what a context rank holds of one generation rank's pieces (verification mode). Both raise
-KvBridgeError subclasses naming what was wrong; neither touches sockets.
+`check_hello` validates a generation rank's Hello against this context rank's layout (compatible layout, a
+rank inside it, the same mapping version). `accept_welcome` validates everything the Welcome carries (layout,
+pool bases, memory kind) and picks the transfer agent for the peer pair: the first kind, in this rank's
+preference order, that the context rank offers and that connects (an intra-node agent refuses a peer on
+another host, so "auto" falls back to NIXL). `context_digests` hashes what a context rank holds of one
+generation rank's pieces (verification mode; the generation side hashes with formatter.digest.piece_digests).
+All raise KvBridgeError subclasses naming what was wrong; none touches a socket or keeps state.
 """
 
 from __future__ import annotations
@@ -12,16 +15,30 @@ from __future__ import annotations
 import logging
 
 from ..agents import MemoryKind
-from ..errors import KvBridgeError, PeerError, ProtocolError
+from ..errors import KvBridgeError, LayoutMismatchError, PeerError, ProtocolError
 from ..formatter.layout import KVLayout
-from ..formatter.mapping import check_compatible, mapping_for
+from ..formatter.mapping import MAPPING_VERSION, check_compatible, mapping_for
 from ..formatter.planner import RankPool
 from . import messages as m
 from .pool import LocalPool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["accept_welcome", "context_digests"]
+__all__ = ["accept_welcome", "check_hello", "context_digests"]
+
+
+def check_hello(layout: KVLayout, msg: m.Hello) -> KVLayout:
+    """The generation layout a Hello announces, checked against this context rank's `layout`; raises
+    LayoutMismatchError (layouts or mapping versions differ) or ProtocolError (a rank outside its layout)."""
+    gen_layout = KVLayout.from_wire(msg.gen_layout)
+    check_compatible(layout, gen_layout)
+    if not 0 <= msg.gen_rank < gen_layout.world_size:
+        raise ProtocolError(f"hello: gen_rank {msg.gen_rank} outside its layout's {gen_layout.world_size}")
+    if msg.mapping_version != MAPPING_VERSION:
+        raise LayoutMismatchError(f"context and generation map ranks differently (mapping version: "
+                                  f"context {MAPPING_VERSION}, generation {msg.mapping_version}); "
+                                  f"run the same kvbridge version on both sides")
+    return gen_layout
 
 
 def accept_welcome(pool: LocalPool, w: m.Welcome, endpoint: str) -> tuple[RankPool, str, str]:

@@ -1,9 +1,12 @@
 """The skeleton the Sender and the Receiver share: one I/O thread that owns every socket and every piece of
 state, fed by a command queue that any thread may use, woken through an inproc socket pair.
 
-Subclasses implement `_loop_once()` (one bounded wait plus the work it found) and `_do_command(cmd)`, and may
+Subclasses (Sender, Receiver: this base class IS their loop, so it stays a base class; the work they do
+off the loop is held by composition) implement `_loop_once()` (one bounded wait plus the work it found) and
+`_do_command(cmd)`, where `cmd` is one of their own frozen command dataclasses, dispatched by type; they may
 run slow work (packing, unpacking, hashing) on `self._worker` so the I/O thread keeps answering heartbeats.
-Nothing here blocks without a bound: the loop waits at most one poll, close() joins with a timeout.
+Nothing here blocks without a bound: the loop waits at most one poll, close() joins with a timeout. Never
+touches a subclass's state: it only hands commands over and runs the loop.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ class IOThread:
     _what = "transceiver"
 
     def _start_io(self, zctx: zmq.Context, name: str) -> None:
+        """Open the command queue, the wake pair and the worker, then start the I/O thread."""
+        self._open_io(zctx, name)
+        self._thread.start()
+
+    def _open_io(self, zctx: zmq.Context, name: str) -> None:
+        """Everything `_start_io` does but starting the thread (`self._thread.start()`): for a subclass whose
+        collaborators need the worker before the loop may run."""
         self._zctx = zctx
         self._wake_rx = zctx.socket(zmq.PAIR)
         self._wake_rx.bind(f"inproc://wake-{id(self)}")
@@ -40,7 +50,6 @@ class IOThread:
         self._stop = threading.Event()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-work")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     def poll_finished(self) -> list:
         """Results finished since the last call (never blocks)."""
@@ -61,7 +70,7 @@ class IOThread:
         self._wake_tx.close(0)
         return True
 
-    def _command(self, *cmd) -> None:
+    def _command(self, cmd: object) -> None:
         if self._stop.is_set():
             raise KvBridgeError(f"{self._what} is closed")
         self._cmds.put(cmd)
@@ -94,5 +103,5 @@ class IOThread:
     def _loop_once(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _do_command(self, cmd) -> None:  # pragma: no cover - overridden
+    def _do_command(self, cmd: object) -> None:  # pragma: no cover - overridden
         raise NotImplementedError

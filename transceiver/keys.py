@@ -3,7 +3,8 @@
 Writes DIR/NAME.key (public) and DIR/NAME.key_secret (secret, mode 0600). Give every context rank the
 server's secret file (transceiver.curve_secret_key_file) and a folder holding the public files of the
 generation ranks allowed in (transceiver.curve_authorized_keys_dir); give every generation rank its own
-secret file and the server's public file (transceiver.curve_server_public_key_file).
+secret file and the server's public file (transceiver.curve_server_public_key_file). Owns only the
+writing of one pair; never reads an existing key and never sends a key anywhere.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Disaggregation parameters: what a context executor hands back so a generation executor can pull the KV.
 
 Travels from the context worker to the router to the generation worker (JSON over HTTP), so `from_dict`
-validates every field and raises ProtocolError naming the bad one.
+validates every field and raises ProtocolError naming the bad one. Owns only this value and its JSON form;
+never opens a connection and never prints the secret (it stays out of repr).
 """
 
 from __future__ import annotations

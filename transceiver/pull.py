@@ -1,12 +1,21 @@
 """One generation-side pull: the state of a request being read from its context ranks (one leg per rank).
 
-Pure state and planning; the receiver's I/O thread drives it and owns the sockets. A pull is terminal once
-it reports a ReceiveResult; before that, failure always passes through draining: reads in flight are
-cancelled and waited for (bounded), so no transfer can still write into blocks the executor then reuses.
+Owns two state machines, each changed only by its `advance` (tables below, rule in fsm.py):
+
+    Pull:  HANDSHAKE --every leg fetched--> READ --reads settled--> CONFIRM --every DoneAck--> DONE
+           HANDSHAKE | READ | CONFIRM --fail()--> DRAIN --reads settled (or quarantine over)--> DONE
+    Leg:   NEW --Fetch sent--> FETCH_SENT --Blocks--> FETCHED --Done sent--> DONE_SENT --DoneAck--> ACKED
+               (FETCH_SENT --"no session"--> NEW once: the Fetch is sent again after a new handshake)
+
+Pure state and planning; the receiver's I/O thread drives it (receiver.py) and owns the sockets. A pull is
+terminal once it reports a ReceiveResult; before that, failure always passes through DRAIN: reads in flight
+are cancelled and waited for (bounded), so no transfer can still write into blocks the executor then reuses.
+Never sends, never frees local blocks.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from enum import Enum
 from dataclasses import dataclass, field
@@ -17,12 +26,16 @@ import numpy as np
 from ..agents import DescriptorList, TransferHandle, XferState
 from ..formatter.mapping import Piece
 from ..formatter.planner import Fragments, RankPool, plan_piece
+from . import messages as m
+from .fsm import move
 
-__all__ = ["ReceiveResult", "Leg", "Pull"]
+log = logging.getLogger("kvbridge.transceiver.receiver")
+
+__all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult"]
 
 
 class PullState(str, Enum):
-    """Where one pull is; the receiver's `_step_*` method of each state moves it on (receiver.py)."""
+    """Where one pull is; the receiver's step for each state moves it on (receiver.py, its `_steps` table)."""
 
     HANDSHAKE = "handshake"  # sessions with every context rank, a Fetch to each, reads posted as ids arrive
     READ = "read"            # every leg fetched: post what becomes readable, wait for the reads
@@ -32,6 +45,37 @@ class PullState(str, Enum):
 
     __str__ = str.__str__
     __format__ = str.__format__
+
+
+PULL_MOVES: dict[PullState, frozenset[PullState]] = {
+    PullState.HANDSHAKE: frozenset({PullState.READ, PullState.DRAIN}),
+    PullState.READ: frozenset({PullState.CONFIRM, PullState.DRAIN}),
+    PullState.CONFIRM: frozenset({PullState.DONE, PullState.DRAIN}),
+    PullState.DRAIN: frozenset({PullState.DONE}),
+    PullState.DONE: frozenset(),
+}
+
+
+class LegState(str, Enum):
+    """Where the conversation with one context rank about one pull is."""
+
+    NEW = "new"                # no Fetch sent yet (or sent again after the context rank lost our session)
+    FETCH_SENT = "fetch_sent"  # Fetch sent, waiting for Blocks
+    FETCHED = "fetched"        # Blocks arrived: its block ids are known, reads may be posted
+    DONE_SENT = "done_sent"    # Done (ok or failed) sent, waiting for DoneAck
+    ACKED = "acked"            # DoneAck arrived
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+LEG_MOVES: dict[LegState, frozenset[LegState]] = {
+    LegState.NEW: frozenset({LegState.FETCH_SENT}),
+    LegState.FETCH_SENT: frozenset({LegState.FETCHED, LegState.NEW}),
+    LegState.FETCHED: frozenset({LegState.DONE_SENT}),
+    LegState.DONE_SENT: frozenset({LegState.ACKED}),
+    LegState.ACKED: frozenset(),
+}
 
 
 @dataclass
@@ -55,15 +99,12 @@ class Leg:
     ctx_rank: int
     endpoint: str
     piece: Piece
-    fetched: bool = False
-    fetch_sent: bool = False
+    state: LegState = LegState.NEW
     ctx_blocks: np.ndarray | None = None
     layers_ready: int = 0  # local layers of the context rank that are readable
     read_upto: int = 0  # global layer id up to which reads were posted
     handles: list[TransferHandle] = field(default_factory=list)
-    done_sent: bool = False
-    acked: bool = False
-    retried_session: bool = False
+    retried_session: bool = False  # the one re-Fetch after "no session" is spent
     remote: RankPool | None = None
     agent_kind: str = ""
     peer_name: str = ""
@@ -71,9 +112,38 @@ class Leg:
     remote_slot: int = -1  # staged path: the context rank's packed slot (-1: read direct)
     slot_bytes: int = 0
 
+    def advance(self, to: LegState) -> None:
+        """The one place a leg's state changes; IllegalTransition for a move LEG_MOVES does not list."""
+        self.state = move(f"leg of context rank {self.ctx_rank}", LEG_MOVES, self.state, to)
+
+    @property
+    def fetched(self) -> bool:
+        """Blocks arrived (the leg got at least as far as FETCHED)."""
+        return self.state in (LegState.FETCHED, LegState.DONE_SENT, LegState.ACKED)
+
+    @property
+    def done_sent(self) -> bool:
+        return self.state in (LegState.DONE_SENT, LegState.ACKED)
+
     @property
     def all_posted(self) -> bool:
         return self.read_upto >= self.piece.layers.stop
+
+    def take_blocks(self, msg: m.Blocks, welcome: m.Welcome, arena) -> str:
+        """Keep what a Blocks answer says (block ids, layers ready, the packed slot if staged); the error
+        (empty if none) when its staged slot lies outside the context rank's arena or is not the piece's size.
+        A context rank that went direct (its arena was full) gets our slot back into `arena`."""
+        self.ctx_blocks, self.layers_ready = msg.block_ids, msg.layers_ready
+        if msg.staging_addr >= 0:
+            if (self.slot is None or msg.staging_bytes != self.slot_bytes or msg.staging_addr < welcome.staging_base
+                    or msg.staging_addr + msg.staging_bytes > welcome.staging_base + welcome.staging_bytes):
+                return (f"context rank {self.ctx_rank} staged {msg.staging_bytes} bytes at {msg.staging_addr:#x}, "
+                        f"outside its arena or not the piece's size")
+            self.remote_slot = msg.staging_addr
+        elif self.slot is not None:
+            arena.free(self.slot)
+            self.slot, self.slot_bytes = None, 0
+        return ""
 
     def pending(self) -> bool:
         return any(h.state() is XferState.PENDING for h in self.handles)
@@ -87,6 +157,8 @@ class Leg:
 
 @dataclass
 class Pull:
+    """One request being pulled into this rank's `blocks`: its legs, deadline, first error and timings."""
+
     request_id: int
     ctx_request_id: int
     ctx_instance: str
@@ -108,14 +180,24 @@ class Pull:
     from_token: int = 0  # prefix reuse: the local blocks already hold tokens [0, from_token); read the rest
     secret: bytes = field(default=b"", repr=False)  # the context request's secret, sent in every Fetch
 
+    def advance(self, to: PullState) -> None:
+        """The one place a pull's state changes; IllegalTransition for a move PULL_MOVES does not list."""
+        self.state = move(f"pull of request {self.request_id}", PULL_MOVES, self.state, to)
+
+    @property
+    def terminal(self) -> bool:
+        """Draining or done: failing it again changes nothing."""
+        return self.state in (PullState.DRAIN, PullState.DONE)
+
     def mark(self, what: str) -> None:
         self.marks.setdefault(what, time.monotonic())
 
     def fail(self, error_type: str, error: str, drain_s: float) -> None:
         """Enter draining (once): cancel reads in flight, remember the first error."""
-        if self.state in (PullState.DRAIN, PullState.DONE):
+        if self.terminal:
             return
-        self.state, self.error, self.error_type = PullState.DRAIN, error, error_type
+        self.advance(PullState.DRAIN)
+        self.error, self.error_type = error, error_type
         self.drain_deadline = time.monotonic() + drain_s
         for leg in self.legs.values():
             for h in leg.handles:
@@ -153,6 +235,24 @@ class Pull:
         self.nbytes += frags.nbytes
         self.fragments += len(frags)
 
+    def release(self, arena, unpack_timeout_s: float) -> None:
+        """Terminal: release every transfer handle and free the staging slots into `arena`; a slot whose
+        unpack is still running after `unpack_timeout_s` stays allocated (leaked, never reused)."""
+        if self.verifying is not None:
+            try:  # an unpack must not outlive its slot
+                self.verifying.exception(timeout=unpack_timeout_s)
+            except Exception:  # noqa: BLE001 - timed out: the slot stays allocated
+                log.error("request %d: unpack still running after %.1f s; keeping its slot", self.request_id,
+                          unpack_timeout_s)
+                for leg in self.legs.values():
+                    leg.slot = None
+        for leg in self.legs.values():
+            for h in leg.handles:
+                h.release()
+            if leg.slot is not None:
+                arena.free(leg.slot)
+                leg.slot = None
+
     def result(self, agents: tuple[str, ...]) -> ReceiveResult:
         end = time.monotonic()
         t = {"total": (end - self.submitted) * 1e3}
@@ -163,5 +263,5 @@ class Pull:
         if "read_done" in self.marks and "fetched" in self.marks:
             t["read"] = (self.marks["read_done"] - self.marks["fetched"]) * 1e3
             t["confirm"] = (end - self.marks["read_done"]) * 1e3
-        return ReceiveResult(self.request_id, self.state is PullState.DONE and not self.error, self.error, self.error_type,
-                             self.nbytes, self.fragments, agents, t)
+        ok = self.state is PullState.DONE and not self.error
+        return ReceiveResult(self.request_id, ok, self.error, self.error_type, self.nbytes, self.fragments, agents, t)

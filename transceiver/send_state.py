@@ -1,18 +1,60 @@
-"""The context side's per-request state: a published request (Entry), what is remembered once it finished
-(Tomb), and the result handed to the executor (SendResult).
+"""The context side's per-request state: a published request (Entry) and its state machine, what is
+remembered once it finished (Tomb), the result handed to the executor (SendResult), and the Fetches that came
+before their request was published (EarlyFetches).
 
-Pure state, changed only by the Sender's I/O thread (sender.py, and its off-thread jobs' callbacks on that
-thread); nothing here touches a socket or the pool.
+Owns the entry state machine, changed only by `Entry.advance` (table below, rule in fsm.py):
+
+    PUBLISHED --first Fetch accepted--> READING --every expected reader Done--> COMPLETE (FAILED: one failed)
+    PUBLISHED | READING | CANCELLING --pickup timeout / lease runs out--> EXPIRED
+    PUBLISHED | READING --cancel, no reader active--> CANCELLED
+    READING --cancel, readers active--> CANCELLING --the last active reader Done--> CANCELLED
+The four terminal states are the statuses a SendResult reports. Pure state, changed only by the Sender's I/O
+thread (sender.py, and its off-thread jobs' callbacks on that thread); nothing here touches a socket or the
+pool.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
-__all__ = ["Entry", "SendResult", "Tomb"]
+from . import messages as m
+from .fsm import move
+
+__all__ = ["ENTRY_MOVES", "EarlyFetches", "Entry", "EntryState", "SendResult", "Tomb"]
+
+
+class EntryState(str, Enum):
+    """Where a published request is on this context rank (the last four are terminal)."""
+
+    PUBLISHED = "published"    # pinned, no generation rank has fetched it yet
+    READING = "reading"        # at least one reader fetched it
+    CANCELLING = "cancelling"  # cancelled while readers were active: pinned until they finish or expire
+    COMPLETE = "complete"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({EntryState.COMPLETE, EntryState.FAILED, EntryState.EXPIRED, EntryState.CANCELLED})
+
+ENTRY_MOVES: dict[EntryState, frozenset[EntryState]] = {
+    EntryState.PUBLISHED: frozenset({EntryState.READING, EntryState.EXPIRED, EntryState.CANCELLED}),
+    EntryState.READING: frozenset({EntryState.COMPLETE, EntryState.FAILED, EntryState.EXPIRED,
+                                   EntryState.CANCELLING, EntryState.CANCELLED}),
+    EntryState.CANCELLING: frozenset({EntryState.CANCELLED, EntryState.EXPIRED}),
+    **{s: frozenset() for s in _TERMINAL},
+}
 
 
 @dataclass
@@ -20,7 +62,7 @@ class SendResult:
     """A request that is finished on this context rank; its blocks may be freed once all ranks agree."""
 
     ctx_request_id: int
-    status: str  # "complete" | "failed" | "expired" | "cancelled"
+    status: str  # "complete" | "failed" | "expired" | "cancelled" (a terminal EntryState's value)
     detail: str = ""
     readers: int = 0
 
@@ -35,25 +77,81 @@ class Entry:
     layers_ready: int
     deadline: float
     secret: bytes = field(default=b"", repr=False)
+    state: EntryState = EntryState.PUBLISHED
     instance: str | None = None
     expected: frozenset[int] = frozenset()
     fetched: dict[int, bytes] = field(default_factory=dict)  # gen rank -> ROUTER identity
     done: dict[int, bool] = field(default_factory=dict)  # gen rank -> ok
-    cancel_requested: bool = False
     published_at: float = field(default_factory=time.monotonic)
     slots: dict[int, int] = field(default_factory=dict)  # gen rank -> staging slot address (staged path)
     packing: set[int] = field(default_factory=set)  # gen ranks whose slot is being packed right now
     read_from: dict[int, int] = field(default_factory=dict)  # gen rank -> first token it reads (prefix reuse)
 
+    def advance(self, to: EntryState) -> None:
+        """The one place an entry's state changes; IllegalTransition for a move ENTRY_MOVES does not list."""
+        self.state = move(f"request {self.rid}", ENTRY_MOVES, self.state, to)
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self.state is EntryState.CANCELLING
+
     @property
     def active_readers(self) -> int:
         return len(set(self.fetched) - set(self.done))
+
+    def readers_waiting(self) -> list[bytes]:
+        """ROUTER identities of the readers that fetched and have not reported Done."""
+        return [ident for gen_rank, ident in self.fetched.items() if gen_rank not in self.done]
 
 
 @dataclass(frozen=True)
 class Tomb:
     """What is remembered of a finished request: told only to those who show its secret (or read it)."""
 
-    status: str
+    status: EntryState  # terminal
     secret: bytes = field(repr=False)
     readers: frozenset[bytes]
+
+
+class EarlyFetches:
+    """Fetches that arrived before their request was published (the executor publishes after its step), each
+    waiting until its deadline; at most `limit` request ids wait at once."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._by_rid: dict[int, list[tuple[float, bytes, m.Fetch]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_rid)
+
+    @property
+    def full(self) -> bool:
+        return len(self._by_rid) >= self._limit
+
+    def add(self, rid: int, deadline: float, ident: bytes, msg: m.Fetch) -> None:
+        self._by_rid.setdefault(rid, []).append((deadline, ident, msg))
+
+    def take(self, rid: int) -> list[tuple[float, bytes, m.Fetch]]:
+        """Remove and return the Fetches waiting for `rid` (put back with `add` those that must keep waiting)."""
+        return self._by_rid.pop(rid, [])
+
+    def expired(self, now: float) -> list[tuple[int, bytes, m.Fetch]]:
+        """Remove and return (rid, ident, fetch) of every Fetch past its deadline."""
+        out = []
+        for rid in [r for r, lst in self._by_rid.items() if any(d < now for d, _, _ in lst)]:
+            keep = []
+            for d, ident, msg in self._by_rid.pop(rid):
+                if d < now:
+                    out.append((rid, ident, msg))
+                else:
+                    keep.append((d, ident, msg))
+            if keep:
+                self._by_rid[rid] = keep
+        return out
+
+    def idents(self) -> set[bytes]:
+        """ROUTER identities with a Fetch waiting."""
+        return {i for lst in self._by_rid.values() for _, i, _ in lst}
+
+    def waiting(self, rid: int, ident: bytes) -> bool:
+        return any(i == ident for _, i, _ in self._by_rid.get(rid, ()))

@@ -1,15 +1,13 @@
 """Context-side sender: publishes a request's pinned blocks and serves generation ranks that pull them.
 
-Owns the per-request state on this context rank and the ROUTER socket (one I/O thread owns the socket and
-all state; the engine talks to it through a command queue). Never frees blocks itself: when a request is
-finished here — every expected reader confirmed, or its lease ran out, or it was cancelled and no read is in
-flight — it is reported by `poll_finished()` and the executor frees the blocks (after all its ranks agree).
+Owns the per-request entries on this context rank (send_state.py: the Entry state machine, PUBLISHED ->
+READING -> COMPLETE | FAILED | EXPIRED | CANCELLED, through CANCELLING while readers finish) and the ROUTER
+socket; one I/O thread owns the socket and all state, the engine talks to it through a queue of typed
+commands, frames are dispatched by message type through a table. Packing and hashing run off the I/O thread
+in a collaborator (sender_work.py). Never frees blocks itself: when a request is finished here — every
+expected reader confirmed, or its lease ran out, or it was cancelled and no read is in flight — it is
+reported by `poll_finished()` and the executor frees the blocks (after all its ranks agree).
 
-Per request:
-    PUBLISHED --Fetch--> READING --all expected readers Done--> COMPLETE
-        |                   |--lease runs out (no heartbeat)----> EXPIRED
-        |--pickup timeout--> EXPIRED
-        |--cancel----------> CANCELLED (at once when no reader is active; else after readers finish/expire)
 A request's expected readers are the generation ranks the mapping assigns to this rank, for the generation
 layout announced in the first reader's Hello. One generation instance per request.
 
@@ -26,21 +24,22 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
 from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError
-from ..formatter.layout import KVLayout
-from ..formatter.mapping import MAPPING_VERSION, check_compatible, mapping_for
+from ..formatter.mapping import mapping_for
 from . import messages as m
 from . import metrics
 from .config import TransceiverConfig, local_host_id
 from .handles import new_secret
+from .handshake import check_hello
 from .iothread import IOThread
-from .sender_work import SenderWork
 from .pool import LocalPool
-from .send_state import Entry, SendResult, Tomb
+from .send_state import EarlyFetches, Entry, EntryState, SendResult, Tomb
+from .sender_work import SenderJobs
 from .sessions import Session, SessionTable
 from .sockets import make_router, stop_authenticator
 from .zap import HandshakeWatch, RejectLog
@@ -52,7 +51,33 @@ __all__ = ["Sender", "SendResult"]
 _TOMBSTONES = 10000
 
 
-class Sender(IOThread, SenderWork):
+@dataclass(frozen=True)
+class _Publish:
+    """Engine -> I/O thread: pin a request's blocks (`publish`)."""
+
+    rid: int
+    blocks: np.ndarray
+    num_tokens: int
+    layers_ready: int
+    secret: bytes
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """Engine -> I/O thread: more layers are final (`mark_layers_ready`)."""
+
+    rid: int
+    layers_ready: int
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    """Engine -> I/O thread: stop serving a request (`cancel`)."""
+
+    rid: int
+
+
+class Sender(IOThread):
     """Serves this context rank's KV blocks to generation ranks.
 
     Args:
@@ -84,20 +109,22 @@ class Sender(IOThread, SenderWork):
         self._welcome = m.Welcome(self.instance, pool.rank, self.layout.to_wire(), agents, pool.bases,
                                   pool.num_blocks, pool.kind.value, pool.device, config.lease_s, local_host_id(),
                                   arena.base if arena else 0, arena.nbytes if arena else 0).encode()  # the same for all
-        self._jobs: list = []  # (future, callback): hashing and packing run off the I/O thread
-        self._early: dict[int, list] = {}  # Fetches that arrived before their request was published
+        self._early = EarlyFetches(_TOMBSTONES)
         if config.verify:
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
         self._npinned = 0  # entries held by the I/O thread
         self._queued = 0  # publishes not yet taken up by the I/O thread
         self._nfetched = 0  # fetches accepted (a generation rank was given a request's blocks): `fetches`
         self._count_lock = threading.Lock()
+        self._commands = {_Publish: self._on_publish, _Layers: self._on_layers, _Cancel: self._on_cancel}
+        self._handlers = {m.Hello: self._on_hello, m.Fetch: self._on_fetch, m.Heartbeat: self._on_heartbeat,
+                          m.Done: self._on_done}
+        self._open_io(zctx, f"kvb-sender-r{pool.rank}")
+        self._jobs = SenderJobs(pool, config, self._worker, self._send)  # packing and hashing, off the I/O thread
         self._poller = zmq.Poller()
-        self._start_io(zctx, f"kvb-sender-r{pool.rank}")
-        self._poller.register(self._router, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
-        if self._handshakes:
-            self._poller.register(self._handshakes.socket, zmq.POLLIN)
+        for sock in (self._router, self._wake_rx) + ((self._handshakes.socket,) if self._handshakes else ()):
+            self._poller.register(sock, zmq.POLLIN)
+        self._thread.start()
 
     # --- engine-facing API (any thread) -------------------------------------------------------------
     def publish(self, ctx_request_id: int, block_ids, num_tokens: int, layers_ready: int | None = None,
@@ -118,8 +145,8 @@ class Sender(IOThread, SenderWork):
                                 f"of {self.pool.num_blocks}")
         with self._count_lock:
             self._queued += 1
-        self._command("publish", int(ctx_request_id), blocks, int(num_tokens),
-                      local if layers_ready is None else int(layers_ready), secret)
+        self._command(_Publish(int(ctx_request_id), blocks, int(num_tokens),
+                               local if layers_ready is None else int(layers_ready), secret))
         return secret
 
     @property
@@ -142,11 +169,11 @@ class Sender(IOThread, SenderWork):
 
     def mark_layers_ready(self, ctx_request_id: int, layers_ready: int) -> None:
         """Layer-wise streaming: the first `layers_ready` local layers of the request are now final."""
-        self._command("layers", int(ctx_request_id), int(layers_ready))
+        self._command(_Layers(int(ctx_request_id), int(layers_ready)))
 
     def cancel(self, ctx_request_id: int) -> None:
         """Stop serving a request. Blocks stay pinned until readers in flight finish or their lease expires."""
-        self._command("cancel", int(ctx_request_id))
+        self._command(_Cancel(int(ctx_request_id)))
 
     def poll_finished(self) -> list[SendResult]:
         """Requests finished on this rank since the last call (their blocks are no longer needed here)."""
@@ -173,52 +200,55 @@ class Sender(IOThread, SenderWork):
                 self._on_frames(frames)
         if self._handshakes and self._handshakes.socket in ready:
             self._handshakes.drain()
-        if self._jobs:
-            self._run_callbacks()
+        if self._jobs.busy:
+            self._jobs.run_callbacks()
         self._expire(time.monotonic())
 
-    def _do_command(self, cmd) -> None:
-        op, rid = cmd[0], cmd[1]
-        if op == "publish":
-            _, rid, blocks, n, layers, secret = cmd
-            with self._count_lock:
-                self._queued -= 1
-            if rid in self._entries:
-                log.warning("request %d published twice; keeping the first", rid)
-                return
-            self._tomb.pop(rid, None)
-            self._entries[rid] = Entry(rid, blocks, n, layers, time.monotonic() + self.config.pickup_timeout_s,
-                                        secret)
-            self._set_pinned()
-            for d, ident, msg in self._early.pop(rid, []):
-                if hmac.compare_digest(secret, msg.secret):
-                    self._on_fetch(ident, msg)
-                else:  # a wrong secret keeps waiting, to the same deadline, exactly as for an unknown id
-                    self._early.setdefault(rid, []).append((d, ident, msg))
-        elif op == "layers":
-            e = self._entries.get(rid)
-            if e is not None and cmd[2] > e.layers_ready:
-                e.layers_ready = cmd[2]
-                frame = m.LayersReady(rid, e.layers_ready).encode()
-                for gen_rank, ident in e.fetched.items():
-                    if gen_rank not in e.done:
-                        self._send(ident, frame)
-        elif op == "cancel":
-            e = self._entries.get(rid)
-            if e is not None:
-                e.cancel_requested = True
-                if not e.active_readers:
-                    self._finish(e, "cancelled", "cancelled by the context executor")
-                    return
-                # Readers in flight are told, so they stop early; the blocks stay pinned until each of them
-                # reports Done (its reads settled) or its lease runs out.
-                frame = m.Error(m.ErrorCode.CANCELLED.value, f"request {rid} was cancelled on the context side",
-                                rid, "cancel").encode()
-                for gen_rank, ident in e.fetched.items():
-                    if gen_rank not in e.done:
-                        self._send(ident, frame)
+    def _do_command(self, cmd: _Publish | _Layers | _Cancel) -> None:
+        self._commands[type(cmd)](cmd)
 
-    def _finish(self, e: Entry, status: str, detail: str) -> None:
+    def _on_publish(self, c: _Publish) -> None:
+        with self._count_lock:
+            self._queued -= 1
+        if c.rid in self._entries:
+            log.warning("request %d published twice; keeping the first", c.rid)
+            return
+        self._tomb.pop(c.rid, None)
+        self._entries[c.rid] = Entry(c.rid, c.blocks, c.num_tokens, c.layers_ready,
+                                     time.monotonic() + self.config.pickup_timeout_s, c.secret)
+        self._set_pinned()
+        for d, ident, msg in self._early.take(c.rid):
+            if hmac.compare_digest(c.secret, msg.secret):
+                self._on_fetch(ident, msg)
+            else:  # a wrong secret keeps waiting, to the same deadline, exactly as for an unknown id
+                self._early.add(c.rid, d, ident, msg)
+
+    def _on_layers(self, c: _Layers) -> None:
+        e = self._entries.get(c.rid)
+        if e is not None and c.layers_ready > e.layers_ready:
+            e.layers_ready = c.layers_ready
+            frame = m.LayersReady(c.rid, e.layers_ready).encode()
+            for ident in e.readers_waiting():
+                self._send(ident, frame)
+
+    def _on_cancel(self, c: _Cancel) -> None:
+        e = self._entries.get(c.rid)
+        if e is None:
+            return
+        if not e.active_readers:
+            self._finish(e, EntryState.CANCELLED, "cancelled by the context executor")
+            return
+        # Readers in flight are told, so they stop early; the blocks stay pinned until each of them reports
+        # Done (its reads settled) or its lease runs out.
+        if e.state is not EntryState.CANCELLING:
+            e.advance(EntryState.CANCELLING)
+        frame = m.Error(m.ErrorCode.CANCELLED.value, f"request {c.rid} was cancelled on the context side", c.rid,
+                        "cancel").encode()
+        for ident in e.readers_waiting():
+            self._send(ident, frame)
+
+    def _finish(self, e: Entry, status: EntryState, detail: str) -> None:
+        e.advance(status)
         self._entries.pop(e.rid, None)
         for gen_rank in [g for g in e.slots if g not in e.packing]:  # a slot still being packed: _packed frees it
             self.pool.arena.free(e.slots.pop(gen_rank))
@@ -226,8 +256,8 @@ class Sender(IOThread, SenderWork):
         while len(self._tomb) > _TOMBSTONES:
             self._tomb.popitem(last=False)
         self._set_pinned()
-        metrics.on_sent(status)
-        self._finished.append(SendResult(e.rid, status, detail, len(e.fetched)))
+        metrics.on_sent(status.value)
+        self._finished.append(SendResult(e.rid, status.value, detail, len(e.fetched)))
         log.debug("request %d %s on ctx rank %d: %s", e.rid, status, self.pool.rank, detail)
 
     def _set_pinned(self) -> None:
@@ -235,20 +265,9 @@ class Sender(IOThread, SenderWork):
             self._npinned = len(self._entries)
         metrics.set_pinned(self.pool.rank, self._npinned)
 
-    def _expire_early(self, now: float) -> None:
-        for rid in [r for r, lst in self._early.items() if any(d < now for d, _, _ in lst)]:
-            keep = []
-            for d, ident, msg in self._early.pop(rid):
-                if d < now:
-                    self._unknown(ident, rid, "fetch", msg.secret)
-                else:
-                    keep.append((d, ident, msg))
-            if keep:
-                self._early[rid] = keep
-
     def _expire(self, now: float) -> None:
-        if self._early:
-            self._expire_early(now)
+        for rid, ident, msg in self._early.expired(now):
+            self._unknown(ident, rid, "fetch", msg.secret)
         if self._sessions.sweep_due(now):
             self._sessions.sweep(now, self._busy_peers())
         # A request some expected reader has not fetched yet waits for it up to the pickup timeout, even when
@@ -257,12 +276,12 @@ class Sender(IOThread, SenderWork):
                 (not e.expected or e.expected - set(e.fetched))
                 and now <= e.published_at + self.config.pickup_timeout_s)]:
             what = "no generation rank fetched it" if not e.fetched else "readers stopped renewing the lease"
-            self._finish(e, "expired", f"lease expired: {what}")
+            self._finish(e, EntryState.EXPIRED, f"lease expired: {what}")
 
     def _busy_peers(self) -> set[bytes]:
         """Identities with a read in flight here (or a Fetch waiting): their sessions are kept however quiet."""
         busy = {i for e in self._entries.values() for g, i in e.fetched.items() if g not in e.done}
-        busy.update(i for lst in self._early.values() for _, i, _ in lst)
+        busy.update(self._early.idents())
         return busy
 
     def _send(self, ident: bytes, frame: bytes) -> None:
@@ -290,7 +309,7 @@ class Sender(IOThread, SenderWork):
             log.info("bad frame from %r: %s", ident, e)
             self._error(ident, code, str(e))
             return
-        handler = getattr(self, f"_on_{msg.TYPE}", None)
+        handler = self._handlers.get(type(msg))
         if handler is None:
             self._error(ident, m.ErrorCode.MALFORMED, f"a context rank does not accept {msg.TYPE!r} messages",
                         reply_to=msg.TYPE)
@@ -299,14 +318,7 @@ class Sender(IOThread, SenderWork):
 
     def _on_hello(self, ident: bytes, msg: m.Hello) -> None:
         try:
-            gen_layout = KVLayout.from_wire(msg.gen_layout)
-            check_compatible(self.layout, gen_layout)
-            if not 0 <= msg.gen_rank < gen_layout.world_size:
-                raise ProtocolError(f"hello: gen_rank {msg.gen_rank} outside its layout's {gen_layout.world_size}")
-            if msg.mapping_version != MAPPING_VERSION:
-                raise LayoutMismatchError(f"context and generation map ranks differently (mapping version: "
-                                          f"context {MAPPING_VERSION}, generation {msg.mapping_version}); "
-                                          f"run the same kvbridge version on both sides")
+            gen_layout = check_hello(self.layout, msg)
         except LayoutMismatchError as e:
             self._error(ident, m.ErrorCode.LAYOUT_MISMATCH, str(e), reply_to="hello")
             return
@@ -330,10 +342,10 @@ class Sender(IOThread, SenderWork):
     def _unknown(self, ident: bytes, rid: int, reply_to: str, secret: bytes = b"") -> None:
         tomb = self._tomb.get(rid)
         status = tomb.status if tomb is not None and hmac.compare_digest(tomb.secret, secret) else None
-        if status == "expired":
+        if status is EntryState.EXPIRED:
             self._error(ident, m.ErrorCode.LEASE_EXPIRED, f"request {rid}: its lease expired and its blocks were "
                         "released", rid, reply_to)
-        elif status == "cancelled":
+        elif status is EntryState.CANCELLED:
             self._error(ident, m.ErrorCode.CANCELLED, f"request {rid} was cancelled on the context side", rid,
                         reply_to)
         elif status is not None:
@@ -349,11 +361,10 @@ class Sender(IOThread, SenderWork):
         e = self._entries.get(msg.ctx_request_id)
         if e is None or not hmac.compare_digest(e.secret, msg.secret):  # a wrong secret is an unknown id
             tomb = self._tomb.get(msg.ctx_request_id)
-            if (tomb is not None and hmac.compare_digest(tomb.secret, msg.secret)) or len(self._early) >= _TOMBSTONES:
+            if (tomb is not None and hmac.compare_digest(tomb.secret, msg.secret)) or self._early.full:
                 self._unknown(ident, msg.ctx_request_id, "fetch", msg.secret)
             else:  # not published yet (the executor publishes after its step): answer when it is, or time out
-                self._early.setdefault(msg.ctx_request_id, []).append(
-                    (time.monotonic() + self.config.handshake_timeout_s, ident, msg))
+                self._early.add(msg.ctx_request_id, time.monotonic() + self.config.handshake_timeout_s, ident, msg)
             return
         if e.cancel_requested:
             self._error(ident, m.ErrorCode.CANCELLED, f"request {e.rid} was cancelled", e.rid, "fetch")
@@ -375,14 +386,16 @@ class Sender(IOThread, SenderWork):
                         f"{msg.from_token}: outside its {e.num_tokens} tokens", e.rid, "fetch")
             return
         e.fetched[s.gen_rank] = ident
+        if e.state is EntryState.PUBLISHED:
+            e.advance(EntryState.READING)
         with self._count_lock:
             self._nfetched += 1
         e.read_from[s.gen_rank] = msg.from_token
         e.deadline = time.monotonic() + self.config.lease_s
         local = self.layout.local_layers(self.pool.rank)
         if msg.staged and self.pool.arena is not None and e.layers_ready >= local and \
-                self._stage(ident, e, s, msg.from_token):
-            return  # Blocks goes out once the pack is done (_packed)
+                self._jobs.stage(ident, e, s, msg.from_token):
+            return  # Blocks goes out once the pack is done (SenderJobs)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
 
     def _on_heartbeat(self, ident: bytes, msg: m.Heartbeat) -> None:
@@ -398,7 +411,7 @@ class Sender(IOThread, SenderWork):
             if ok:
                 e.deadline = max(e.deadline, now + self.config.lease_s)
             else:  # a fetch waiting for its request to be published is alive too
-                ok = any(i == ident for _, i, _ in self._early.get(rid, ()))
+                ok = self._early.waiting(rid, ident)
             alive.append(ok)
         self._send(ident, m.HeartbeatAck(ids, alive).encode())
 
@@ -412,10 +425,10 @@ class Sender(IOThread, SenderWork):
             status = tomb.status if tomb is not None and ident in tomb.readers else "unknown"  # readers only
             self._send(ident, m.DoneAck(msg.ctx_request_id, False, f"blocks no longer pinned ({status})").encode())
             return
-        if msg.ok and msg.digests:  # verification mode: hash off the I/O thread, then answer (_verified)
+        if msg.ok and msg.digests:  # verification mode: hash off the I/O thread, then answer
             e.deadline = float("inf")  # pinned while we hash
-            fut = self._worker.submit(self._check_digests, e, s, msg.digests)
-            self._jobs.append((fut, lambda f, g=s.gen_rank: self._verified(f, ident, e, g)))
+            self._jobs.verify(e, s, msg.digests, lambda intact, why, g=s.gen_rank: self._reader_done(
+                ident, e, g, intact, why, intact, why))
             return
         self._reader_done(ident, e, s.gen_rank, msg.ok, msg.error, True, "")
 
@@ -428,9 +441,9 @@ class Sender(IOThread, SenderWork):
         if not ok:
             log.info("request %d: generation rank %d failed its read: %s", e.rid, gen_rank, error)
         if e.cancel_requested and not e.active_readers:
-            self._finish(e, "cancelled", "cancelled; readers in flight finished")
+            self._finish(e, EntryState.CANCELLED, "cancelled; readers in flight finished")
         elif e.expected <= set(e.done):
             if all(e.done.values()):
-                self._finish(e, "complete", "all readers confirmed")
+                self._finish(e, EntryState.COMPLETE, "all readers confirmed")
             else:
-                self._finish(e, "failed", "a generation rank reported a failed read")
+                self._finish(e, EntryState.FAILED, "a generation rank reported a failed read")

@@ -1,0 +1,103 @@
+"""A generation rank's context peers: one DEALER socket and one session per context rank endpoint.
+
+Owns the peers' sockets: opening one (with a Hello) when a pull needs the endpoint, sending without
+blocking, closing one on reset, the silence watch and the heartbeats. Owned by the Receiver's I/O thread only
+(no locking). Never touches a pull: what to fail when a peer falls silent, and which requests a heartbeat
+renews, the Receiver says (callables).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Callable, Iterator
+
+import zmq
+
+from . import messages as m
+from .config import TransceiverConfig
+from .ctx_peer import CtxPeer, PeerState
+from .sockets import make_dealer
+
+log = logging.getLogger("kvbridge.transceiver.receiver")
+
+__all__ = ["CtxPeers"]
+
+
+class CtxPeers:
+    """The context peers of one generation rank, by endpoint.
+
+    Args:
+        zctx: the receiver's ZeroMQ context.
+        config: peer_timeout_s and the CurveZMQ keys.
+        hello: the Hello frame this rank sends every context rank (the same for all).
+        ident_prefix: the start of every DEALER identity ("<instance>:<rank>").
+    """
+
+    def __init__(self, zctx: zmq.Context, config: TransceiverConfig, hello: bytes, ident_prefix: str) -> None:
+        self._zctx, self._config, self._hello, self._prefix = zctx, config, hello, ident_prefix
+        self._by_endpoint: dict[str, CtxPeer] = {}
+
+    def __iter__(self) -> Iterator[CtxPeer]:
+        return iter(self._by_endpoint.values())
+
+    def get(self, endpoint: str) -> CtxPeer | None:
+        return self._by_endpoint.get(endpoint)
+
+    def ensure(self, endpoint: str, now: float) -> CtxPeer:
+        """The peer at `endpoint`, with a Hello (re)sent when one is due (CtxPeer.hello_due)."""
+        peer = self._by_endpoint.get(endpoint)
+        if peer is None:
+            peer = self._by_endpoint[endpoint] = CtxPeer(endpoint)
+        if peer.hello_due(now):
+            if peer.sock is None:
+                ident = f"{self._prefix}:{uuid.uuid4().hex[:6]}".encode()
+                peer.sock = make_dealer(self._zctx, self._config, endpoint, ident)
+            self.send(peer, self._hello)
+            peer.hello_sent(now)
+        return peer
+
+    def send(self, peer: CtxPeer, frame: bytes) -> None:
+        if peer.sock is None:  # reset after silence or an error; its context rank's lease covers the rest
+            return
+        try:
+            peer.sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # queue full: the deadline covers retries
+            log.debug("send to %s failed: %s", peer.endpoint, e)
+
+    def reset(self, peer: CtxPeer) -> None:
+        """Drop a peer's socket and session (queued stale frames go with it); the next use re-handshakes."""
+        if peer.sock is not None:
+            peer.sock.close(0)
+        peer.forget()
+
+    def watch(self, now: float, gone: Callable[[tuple[int, int], str], None]) -> None:
+        """Peers with traffic in flight silent for peer_timeout_s: `gone(leg, why)` for each of their legs
+        ((request_id, ctx_rank)), then reset."""
+        for peer in self._by_endpoint.values():
+            if peer.legs and now - peer.last_heard > self._config.peer_timeout_s:
+                why = f"context rank at {peer.endpoint} silent for {now - peer.last_heard:.1f} s"
+                for leg in list(peer.legs):
+                    gone(leg, why)
+                peer.legs.clear()
+                self.reset(peer)
+
+    def heartbeat(self, now: float, renew: Callable[[CtxPeer], list[int]]) -> None:
+        """A Heartbeat to every peer: the context request ids `renew(peer)` names, or empty now and then so an
+        idle session stays; an idle peer that stopped answering is reset (re-handshakes on use)."""
+        timeout = self._config.peer_timeout_s
+        for peer in self._by_endpoint.values():
+            if peer.sock is None:
+                continue
+            ids = renew(peer)
+            if not ids and peer.state is PeerState.READY and now - peer.last_heard > 2 * timeout:
+                self.reset(peer)
+                continue
+            if ids or (peer.state is PeerState.READY and now - peer.last_sent >= timeout / 3):
+                peer.last_sent = now
+                self.send(peer, m.Heartbeat(ids).encode())
+
+    def close(self) -> None:
+        for peer in self._by_endpoint.values():
+            if peer.sock is not None:
+                peer.sock.close(0)
