@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -165,27 +167,62 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         stop_process(ctx)
 
 
-def _requests_served(metrics: str) -> float:
-    """Sum of kvbridge_serving_requests_total over every label set (a finished request adds 1)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("kvbridge_serving_requests_total{"))
+def _ended_early(url: str) -> float:
+    """The generation worker's count of requests it ended because the client went away or the deadline passed."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", headers=HEADERS).text.splitlines()
+               if line.startswith("kvbridge_serving_requests_total{")
+               and ('outcome="client_closed"' in line or 'outcome="timeout"' in line))
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The rank processes a worker spawned: its children (from /proc) running multiprocessing's spawn_main."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == pid and spawned:
+            out.append(int(d))
+    return out
 
 
 def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_path):
-    """A router whose request_timeout_s is shorter than the answer: 504 to the client, generation aborted."""
-    cfg = {**CFG, "router": {"port": 0, "request_timeout_s": 3},
+    """A router deadline that passes while the generation worker's rank processes are stopped (SIGSTOP: no
+    token can come, however fast the box): 504 at the deadline; once they run again, the generation worker
+    ends the request as its client went away and every block comes back."""
+    deadline_s = 4
+    cfg = {**CFG, "router": {"port": 0, "request_timeout_s": deadline_s},
            "context_servers": {"tp": 2, "urls": [urls["ctx"].removeprefix("http://")]},
            "generation_servers": {"pp": 2, "urls": [urls["gen"].removeprefix("http://")]}}
     router, base = start_announced(["router", "--config", config(tmp_path, "short", cfg)],
                                    str(tmp_path / "router.log"))
     try:
         wait_healthy(base, router)
-        before = _requests_served(httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text)
-        r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1000}, timeout=60)
+        ranks = _rank_processes(httpx.get(urls["gen"] + "/health", headers=HEADERS).json()["pid"])
+        assert len(ranks) == 2, ranks  # PP2
+        before = _ended_early(urls["gen"])
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS},
+                           timeout=60)
+            took = time.monotonic() - t0
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+        assert deadline_s <= took < deadline_s + 5, f"504 after {took:.1f} s"
+        deadline = time.monotonic() + 60
+        while _ended_early(urls["gen"]) == before:
+            assert time.monotonic() < deadline, "the generation worker never ended the request"
+            time.sleep(0.2)
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
-        after = _requests_served(httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text)
-        assert after > before  # the generation worker ended it (counted with outcome timeout / client_closed)
+        assert wait_pool_full(urls["ctx"], CTX_BLOCKS, 2, timeout=30) == [CTX_BLOCKS] * 2
     finally:
         stop_process(router)
 
