@@ -67,6 +67,7 @@ class Executor:
         self._ids = itertools.count(1)
         self._st = _State()
         self._cv = threading.Condition()
+        self._live: set[int] = set()  # ids submitted and not yet ended (done / refused / req_error / released)
         self._closing = False
         self.model_config: ModelConfig | None = None
         self.layout: KVLayout | None = None
@@ -133,9 +134,16 @@ class Executor:
                request_id: int | None = None, stream: bool = False) -> int:
         """Queue a request; returns its id. stop_ids defaults to the model's EOS tokens.
 
-        stream=True: its tokens can be followed with `wait_tokens` while it runs.
+        stream=True: its tokens can be followed with `wait_tokens` while it runs. An explicit request_id still in
+        use (not yet done, refused or released) raises ExecutorError here, before anything is sent.
         """
-        rid = next(self._ids) if request_id is None else int(request_id)
+        with self._cv:  # a duplicate is refused here: the engine's refusal would reach the first one's waiter
+            rid = next(self._ids) if request_id is None else int(request_id)
+            while request_id is None and rid in self._live:
+                rid = next(self._ids)
+            if rid in self._live:
+                raise ExecutorError(f"request id {rid} is already in use")
+            self._live.add(rid)
         stops = self.model_config.eos_token_ids if stop_ids is None else tuple(stop_ids)  # also what
         # min_tokens bans (a context-only request never stops on them, but bans them for its first token)
         self._send({"t": "add", "rid": rid, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
@@ -395,6 +403,8 @@ class Executor:
             pass
         else:
             self._st.events[(t, int(msg["rid"]))] = msg
+            if t in ("done", "refused", "req_error", "released"):
+                self._live.discard(int(msg["rid"]))
 
     def _wait_for(self, pred, timeout: float, what: str):
         deadline = time.monotonic() + timeout
