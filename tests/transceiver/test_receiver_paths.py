@@ -4,7 +4,8 @@ configured timeouts, and that both sides end with nothing pinned, no arena slot 
 the failed pull's blocks as it was; then a following request succeeds.
 
     duplicate request id     a second pull under an id still in flight is refused at once; the first goes on
-    staged slot outside      a Blocks reply naming a packed slot outside the context rank's arena
+    staged slot outside      a Blocks reply naming a packed slot outside the context rank's arena (or not
+                             the piece's size)
     unpack / hash failure    the worker thread's unpack (staged) or hash (verify mode) raises
     reads that never settle  an agent whose reads ignore cancel: the failed pull is reported only once they
                              settle (blocks held meanwhile), or after quarantine_s at the latest
@@ -13,7 +14,6 @@ the failed pull's blocks as it was; then a following request succeeds.
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 import time
 
@@ -98,8 +98,8 @@ def test_a_second_pull_under_an_id_in_flight_is_refused_at_once_and_the_first_go
 
 
 class _Proxy:
-    """A ZeroMQ relay between generation ranks and one context rank that rewrites every staged Blocks reply
-    to name a slot just past the context rank's arena (the only fault; every other frame passes as is)."""
+    """A ZeroMQ relay between generation ranks and one context rank that passes every staged Blocks reply
+    through `rewrite(welcome, blocks) -> blocks` (the only fault; every other frame passes as is)."""
 
     def __init__(self, endpoint: str) -> None:
         self.zctx = zmq.Context()
@@ -107,7 +107,8 @@ class _Proxy:
         self.front.setsockopt(zmq.LINGER, 0)
         self.front.bind("tcp://127.0.0.1:0")
         self.endpoint = self.front.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.target, self.backs, self.rewritten = endpoint, {}, []
+        self.target, self.backs, self.sent = endpoint, {}, []
+        self.rewrite = lambda _w, b: b
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -136,9 +137,9 @@ class _Proxy:
                 if isinstance(msg, m.Welcome):
                     welcome = msg
                 elif isinstance(msg, m.Blocks) and msg.staging_addr >= 0:
-                    bad = welcome.staging_base + welcome.staging_bytes  # the first byte past the arena
-                    self.rewritten.append((msg.staging_addr, bad))
-                    frame = dataclasses.replace(msg, staging_addr=bad).encode()
+                    msg = self.rewrite(welcome, msg)
+                    self.sent.append(msg)
+                    frame = msg.encode()
                 ident = next(i for i, b in self.backs.items() if b is s)
                 self.front.send_multipart([ident, frame])
 
@@ -150,23 +151,39 @@ class _Proxy:
         self.zctx.term()
 
 
-def test_a_staged_slot_outside_the_context_arena_fails_the_pull_and_frees_both_slots():
+def _end(w: m.Welcome) -> int:
+    return w.staging_base + w.staging_bytes
+
+
+BAD_SLOTS = {  # how the staged reply is wrong: a slot that is not (all) in the context rank's arena, or not
+    # the size of the piece the generation rank asked for
+    "past_the_end": lambda w, b: dataclasses.replace(b, staging_addr=_end(w)),
+    "before_the_base": lambda w, b: dataclasses.replace(b, staging_addr=w.staging_base - b.staging_bytes),
+    "across_the_end": lambda w, b: dataclasses.replace(b, staging_addr=_end(w) - b.staging_bytes // 2),
+    "wrong_size": lambda w, b: dataclasses.replace(b, staging_bytes=b.staging_bytes - 64),
+}
+
+
+def test_a_staged_slot_outside_the_context_arena_or_of_the_wrong_size_fails_the_pull_and_frees_both_slots():
     c = _cluster([RankProc(), RankProc()], STAGED)
     proxy = _Proxy(c.endpoints[0])
     try:
-        c.publish([(3, [0, 2], 20, 3)])
-        params = {**c.params(3), "endpoints": [proxy.endpoint]}
-        t0 = time.monotonic()
-        (ans,) = c.pull([[3, params, [1, 3], 20, 3]])
-        took = time.monotonic() - t0
-        r = ans["results"][0]
-        (orig, bad), = proxy.rewritten
-        assert not r["ok"] and r["error_type"] == "ProtocolError", r
-        assert re.search(rf"^context rank 0 staged \d+ bytes at {bad:#x}, outside its arena", r["error"]), r
-        assert took < FAST["handshake_timeout_s"] + FAST["drain_timeout_s"] + 2.0, f"failed after {took:.2f} s"
-        assert ans["mismatched_bytes"] == 0 and ans["failed_written_bytes"] == 0  # nothing was read
-        assert _released(c, 3) == [("failed", "a generation rank reported a failed read")]
-        _next_request_succeeds(c, 4, [4, 6], [1, 3])  # straight to the context rank: staged and exact
+        for rid, (name, rewrite) in enumerate(BAD_SLOTS.items(), start=3):
+            proxy.rewrite = rewrite
+            c.publish([(rid, [0, 2], 20, rid)])
+            params = {**c.params(rid), "endpoints": [proxy.endpoint]}
+            t0 = time.monotonic()
+            (ans,) = c.pull([[rid, params, [1, 3], 20, rid]])
+            took = time.monotonic() - t0
+            r, sent = ans["results"][0], proxy.sent[-1]
+            assert not r["ok"] and r["error_type"] == "ProtocolError", (name, r)
+            assert r["error"] == (f"context rank 0 staged {sent.staging_bytes} bytes at {sent.staging_addr:#x}, "
+                                  f"outside its arena or not the piece's size"), (name, r)
+            assert took < FAST["handshake_timeout_s"] + FAST["drain_timeout_s"] + 2.0, f"{name}: {took:.2f} s"
+            assert ans["mismatched_bytes"] == 0 and ans["failed_written_bytes"] == 0, name  # nothing was read
+            assert _released(c, rid) == [("failed", "a generation rank reported a failed read")], name
+        assert len(proxy.sent) == len(BAD_SLOTS)
+        _next_request_succeeds(c, 20, [4, 6], [1, 3])  # straight to the context rank: staged and exact
     finally:
         proxy.close()
         c.close()
