@@ -67,7 +67,7 @@ class Executor:
         self._ids = itertools.count(1)
         self._st = _State()
         self._cv = threading.Condition()
-        self._live: set[int] = set()  # ids submitted and not yet ended (done / refused / req_error / released)
+        self._live: set[int] = set()  # ids submitted, not yet ended (done / refused / req_error / released)
         self._closing = False
         self.model_config: ModelConfig | None = None
         self.layout: KVLayout | None = None
@@ -134,8 +134,8 @@ class Executor:
                request_id: int | None = None, stream: bool = False) -> int:
         """Queue a request; returns its id. stop_ids defaults to the model's EOS tokens.
 
-        stream=True: its tokens can be followed with `wait_tokens` while it runs. An explicit request_id still in
-        use (not yet done, refused or released) raises ExecutorError here, before anything is sent.
+        stream=True: its tokens can be followed with `wait_tokens` while it runs. An explicit request_id
+        still in use (not yet done, refused or released) raises ExecutorError here, before anything is sent.
         """
         with self._cv:  # a duplicate is refused here: the engine's refusal would reach the first one's waiter
             rid = next(self._ids) if request_id is None else int(request_id)

@@ -32,7 +32,7 @@ def test_a_duplicate_request_id_is_refused_at_submit_and_the_request_holding_it_
         ex.wait(auto, timeout=60)
         again = ex.wait(ex.submit(PROMPT, max_tokens=40, stop_ids=(), request_id=1000), timeout=60)
         assert again.tokens == want  # the id is free once its request ended
-        nxt = 1 + max(auto, 1)  # the next automatic id, taken explicitly and held: the automatic one steps over it
+        nxt = 1 + max(auto, 1)  # the next automatic id, taken explicitly and held: the automatic one skips it
         ex.submit(PROMPT, max_tokens=40, stop_ids=(), request_id=nxt)
         assert ex.submit(PROMPT, max_tokens=2, stop_ids=()) not in (nxt,)
         assert ex.wait(nxt, timeout=60).tokens == want

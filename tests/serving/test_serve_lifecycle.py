@@ -1,7 +1,7 @@
 """`kvbridge serve` as a user runs it: a bad config, a worker failing at start-up, a generation worker killed
 mid-stream under on_worker_exit: stop (the client gets an error, serve exits 1 naming it), Ctrl-C; no process
-is left behind. Restarts (the default) are tested in test_supervision.py. Every process binds port 0 itself and
-serve prints the addresses it got (cluster.Serve reads them): no free-port-then-bind race."""
+is left behind. Restarts (the default) are tested in test_supervision.py. Every process binds port 0
+itself and serve prints the addresses it got (cluster.Serve reads them): no free-port-then-bind race."""
 
 from __future__ import annotations
 

@@ -27,10 +27,12 @@ from .fault_ranks import GATED, FaultyRankProc
 from .ranks import Cluster, RankProc
 
 LAYOUT = KVLayout(KVShape(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=16))
-FAST = {"agents": ["nixl"], "lease_s": 2.0, "heartbeat_s": 0.25, "peer_timeout_s": 3.0, "pickup_timeout_s": 3.0,
+FAST = {"agents": ["nixl"], "lease_s": 2.0, "heartbeat_s": 0.25, "peer_timeout_s": 3.0,
+        "pickup_timeout_s": 3.0,
         "handshake_timeout_s": 1.0, "transfer_timeout_s": 20.0, "drain_timeout_s": 1.0}
 # staged whenever a piece is 2+ fragments (non-adjacent blocks): every pull below goes through the arenas
-STAGED = {**FAST, "staging_arena_bytes": 1 << 20, "staging_min_fragments": 2, "staging_threshold_bytes": 1 << 20}
+STAGED = {**FAST, "staging_arena_bytes": 1 << 20, "staging_min_fragments": 2,
+          "staging_threshold_bytes": 1 << 20}
 NB = 32
 
 
@@ -177,7 +179,8 @@ def test_a_staged_slot_outside_the_context_arena_or_of_the_wrong_size_fails_the_
             took = time.monotonic() - t0
             r, sent = ans["results"][0], proxy.sent[-1]
             assert not r["ok"] and r["error_type"] == "ProtocolError", (name, r)
-            assert r["error"] == (f"context rank 0 staged {sent.staging_bytes} bytes at {sent.staging_addr:#x}, "
+            assert r["error"] == (f"context rank 0 staged {sent.staging_bytes} bytes at "
+                                  f"{sent.staging_addr:#x}, "
                                   f"outside its arena or not the piece's size"), (name, r)
             assert took < FAST["handshake_timeout_s"] + FAST["drain_timeout_s"] + 2.0, f"{name}: {took:.2f} s"
             assert ans["mismatched_bytes"] == 0 and ans["failed_written_bytes"] == 0, name  # nothing was read
@@ -199,8 +202,8 @@ def test_a_failing_unpack_or_hash_fails_the_pull_naming_it_and_frees_everything(
         took = time.monotonic() - t0
         r = ans["results"][0]
         assert not r["ok"] and r["error_type"] == "TransferFailed", r
-        assert r["error"] == (f"unpacking or hashing the received KV failed: injected fault: the {breaks} step "
-                              "raised")
+        assert r["error"] == ("unpacking or hashing the received KV failed: injected fault: the "
+                              f"{breaks} step raised")
         assert took < config["transfer_timeout_s"], f"failed after {took:.2f} s"
         assert ans["mismatched_bytes"] == 0  # the failed pull's blocks aside, the pool is as it was
         assert _released(c, 5) == [("failed", "a generation rank reported a failed read")]
