@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
 
 import httpx
@@ -15,6 +13,7 @@ import pytest
 from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, config, free_blocks, launch, sse_events, \
     start_announced, stop_process, streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
+from .faults import rank_processes, stopped
 
 CTX_BLOCKS, GEN_BLOCKS = 256, 96
 CFG = {
@@ -168,26 +167,11 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
 
 
 def _ended_early(url: str) -> float:
-    """The generation worker's count of requests it ended because the client went away or the deadline passed."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", headers=HEADERS).text.splitlines()
+    """The generation worker's count of requests it ended as the client went away or the deadline passed."""
+    text = httpx.get(url + "/metrics", headers=HEADERS).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("kvbridge_serving_requests_total{")
                and ('outcome="client_closed"' in line or 'outcome="timeout"' in line))
-
-
-def _rank_processes(pid: int) -> list[int]:
-    """The rank processes a worker spawned: its children (from /proc) running multiprocessing's spawn_main."""
-    out = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                spawned = b"spawn_main" in f.read()
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        if ppid == pid and spawned:
-            out.append(int(d))
-    return out
 
 
 def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_path):
@@ -202,19 +186,14 @@ def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_
                                    str(tmp_path / "router.log"))
     try:
         wait_healthy(base, router)
-        ranks = _rank_processes(httpx.get(urls["gen"] + "/health", headers=HEADERS).json()["pid"])
+        ranks = rank_processes(httpx.get(urls["gen"] + "/health", headers=HEADERS).json()["pid"])
         assert len(ranks) == 2, ranks  # PP2
         before = _ended_early(urls["gen"])
-        for pid in ranks:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(ranks):
             t0 = time.monotonic()
             r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS},
                            timeout=60)
             took = time.monotonic() - t0
-        finally:
-            for pid in ranks:
-                os.kill(pid, signal.SIGCONT)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
         assert deadline_s <= took < deadline_s + 5, f"504 after {took:.1f} s"
         deadline = time.monotonic() + 60
