@@ -69,6 +69,7 @@ class Executor:
         self._ids = itertools.count(1)
         self._st = _State()
         self._cv = threading.Condition()
+        self._live: set[int] = set()  # ids submitted, not yet ended (done / refused / req_error / released)
         self._closing = False
         self.model_config: ModelConfig | None = None
         self.layout: KVLayout | None = None
@@ -135,9 +136,16 @@ class Executor:
                request_id: int | None = None, stream: bool = False) -> int:
         """Queue a request; returns its id. stop_ids defaults to the model's EOS tokens.
 
-        stream=True: its tokens can be followed with `wait_tokens` while it runs.
+        stream=True: its tokens can be followed with `wait_tokens` while it runs. An explicit request_id
+        still in use (not yet done, refused or released) raises ExecutorError here, before anything is sent.
         """
-        rid = next(self._ids) if request_id is None else int(request_id)
+        with self._cv:  # a duplicate is refused here: the engine's refusal would reach the first one's waiter
+            rid = next(self._ids) if request_id is None else int(request_id)
+            while request_id is None and rid in self._live:
+                rid = next(self._ids)
+            if rid in self._live:
+                raise ExecutorError(f"request id {rid} is already in use")
+            self._live.add(rid)
         stops = self.model_config.eos_token_ids if stop_ids is None else tuple(stop_ids)  # also what
         # min_tokens bans (a context-only request never stops on them, but bans them for its first token)
         self._send(pm.Add(rid, [int(t) for t in prompt], int(max_tokens), str(mode), sampling or SamplingParams(),
@@ -369,6 +377,8 @@ class Executor:
             on(self._st, rank, msg, payload)
         else:  # the leader's other events, waited on by (kind, request id)
             self._st.events[(type(msg), msg.rid)] = msg
+            if isinstance(msg, _ENDS_ID):  # the id may be used again
+                self._live.discard(msg.rid)
 
     def _wait_for(self, pred, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -437,3 +447,4 @@ _ON_REPLY = {
     E.Tok: _on_tok,
     pm.RankExit: lambda st, rank, msg, payload: None,
 }
+_ENDS_ID = (E.Done, E.Refused, E.ReqError, E.Released)  # after one of these a request id is free again

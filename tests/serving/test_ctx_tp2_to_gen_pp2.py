@@ -6,6 +6,7 @@ in token order, equals the context worker's remapped from TP2 / 4-token blocks t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -18,6 +19,7 @@ from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, config, free_blocks, laun
     start_announced, stop_process, streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
 from .kvcheck import assert_kv_positional, handles_of
+from .faults import rank_processes, stopped
 
 CTX_BLOCKS, GEN_BLOCKS = 256, 96
 CFG = {
@@ -138,12 +140,17 @@ def _client_closed(url: str) -> float:
 
 
 def test_a_client_that_goes_away_mid_stream_aborts_its_generation(urls):
+    """The generation worker's rank processes are stopped (SIGSTOP) from the first chunk until the client has
+    hung up, so the request cannot finish first however fast the box is."""
     before = _client_closed(urls["gen"])  # other tests (a router deadline) may have counted some already
+    ranks = rank_processes(httpx.get(urls["gen"] + "/health", headers=HEADERS).json()["pid"])
     body = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
-    with httpx.stream("POST", urls["router"] + "/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                break  # one chunk, then hang up
+    with contextlib.ExitStack() as paused:
+        with httpx.stream("POST", urls["router"] + "/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    paused.enter_context(stopped(ranks))
+                    break  # one chunk, then hang up (the ranks run again once the connection is closed)
     deadline = time.monotonic() + 60
     while _client_closed(urls["gen"]) == before:  # the generation worker saw the router hang up and aborted
         assert time.monotonic() < deadline, "the generation worker never counted the client going away"
@@ -193,27 +200,42 @@ def _no_digest_of_a_recomputed_request(ctx: str, gen: str, handle: int) -> None:
     assert f"no KV digest of handle {handle}" in r.json()["error"]["message"]
 
 
-def _requests_served(metrics: str) -> float:
-    """Sum of kvbridge_serving_requests_total over every label set (a finished request adds 1)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("kvbridge_serving_requests_total{"))
+def _ended_early(url: str) -> float:
+    """The generation worker's count of requests it ended as the client went away or the deadline passed."""
+    text = httpx.get(url + "/metrics", headers=HEADERS).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvbridge_serving_requests_total{")
+               and ('outcome="client_closed"' in line or 'outcome="timeout"' in line))
 
 
 def test_a_router_deadline_that_passes_aborts_the_generation(cluster, urls, tmp_path):
-    """A router whose request_timeout_s is shorter than the answer: 504 to the client, generation aborted."""
-    cfg = {**CFG, "router": {"port": 0, "request_timeout_s": 3},
+    """A router deadline that passes while the generation worker's rank processes are stopped (SIGSTOP: no
+    token can come, however fast the box): 504 at the deadline; once they run again, the generation worker
+    ends the request as its client went away and every block comes back."""
+    deadline_s = 4
+    cfg = {**CFG, "router": {"port": 0, "request_timeout_s": deadline_s},
            "context_servers": {"tp": 2, "urls": [urls["ctx"].removeprefix("http://")]},
            "generation_servers": {"pp": 2, "urls": [urls["gen"].removeprefix("http://")]}}
     router, base = start_announced(["router", "--config", config(tmp_path, "short", cfg)],
                                    str(tmp_path / "router.log"))
     try:
         wait_healthy(base, router)
-        before = _requests_served(httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text)
-        r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1000}, timeout=60)
+        ranks = rank_processes(httpx.get(urls["gen"] + "/health", headers=HEADERS).json()["pid"])
+        assert len(ranks) == 2, ranks  # PP2
+        before = _ended_early(urls["gen"])
+        with stopped(ranks):
+            t0 = time.monotonic()
+            r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS},
+                           timeout=60)
+            took = time.monotonic() - t0
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+        assert deadline_s <= took < deadline_s + 5, f"504 after {took:.1f} s"
+        deadline = time.monotonic() + 60
+        while _ended_early(urls["gen"]) == before:
+            assert time.monotonic() < deadline, "the generation worker never ended the request"
+            time.sleep(0.2)
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2, timeout=30) == [GEN_BLOCKS] * 2
-        after = _requests_served(httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text)
-        assert after > before  # the generation worker ended it (counted with outcome timeout / client_closed)
+        assert wait_pool_full(urls["ctx"], CTX_BLOCKS, 2, timeout=30) == [CTX_BLOCKS] * 2
     finally:
         stop_process(router)
 

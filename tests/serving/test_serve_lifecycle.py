@@ -1,6 +1,7 @@
 """`kvbridge serve` as a user runs it: a bad config, a worker failing at start-up, a generation worker killed
 mid-stream under on_worker_exit: stop (the client gets an error, serve exits 1 naming it), Ctrl-C; no process
-is left behind. Restarts (the default) are tested in test_supervision.py."""
+is left behind. Restarts (the default) are tested in test_supervision.py. Every process binds port 0
+itself and serve prints the addresses it got (cluster.Serve reads them): no free-port-then-bind race."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ import time
 
 import httpx
 
-from kvbridge.executor.launch import free_port
-
-from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, TOKEN, config, wait_healthy
+from .cluster import MODEL, PATIENT, PROMPTS, TOKEN, Serve, config
 
 
-def _cfg(ctx_port: int, gen_port: int, router_port: int, **ctx) -> dict:
+def _cfg(**ctx) -> dict:
     return {"model": MODEL,
             "executor": {"num_blocks": 256, "tokens_per_block": 16, "threads_per_rank": 1, "timeout_s": 120},
             "transceiver": {"agent": "tcp", **PATIENT},
-            "router": {"port": router_port, "request_timeout_s": 120},
-            "context_servers": {"urls": [f"127.0.0.1:{ctx_port}"], **ctx},
-            "generation_servers": {"urls": [f"127.0.0.1:{gen_port}"]}}
+            "router": {"port": 0, "request_timeout_s": 120},
+            "context_servers": {"instances": 1, **ctx},
+            "generation_servers": {"instances": 1}}
 
 
 def _serve(path: str, log: str) -> subprocess.Popen:
@@ -56,7 +55,7 @@ def _finish(p: subprocess.Popen, timeout: float = 90) -> int:
 
 
 def test_a_bad_config_exits_2_naming_the_key(tmp_path):
-    cfg = _cfg(0, 0, 0)
+    cfg = _cfg()
     cfg["context_servers"]["tpp"] = 2
     r = subprocess.run([sys.executable, "-m", "kvbridge.cli", "serve", config(tmp_path, "bad", cfg)],
                        capture_output=True, text=True, timeout=60)
@@ -65,7 +64,7 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path):
 
 
 def test_a_worker_failing_at_start_up_stops_serve_with_its_reason(tmp_path):
-    path = config(tmp_path, "pp2", _cfg(0, 0, 0, pp=2, layers_per_stage=[1, 1]))  # the model has 4 layers
+    path = config(tmp_path, "pp2", _cfg(pp=2, layers_per_stage=[1, 1]))  # the model has 4 layers
     p = _serve(path, str(tmp_path / "serve.log"))
     assert _finish(p) == 1
     log = (tmp_path / "serve.log").read_text()
@@ -74,17 +73,14 @@ def test_a_worker_failing_at_start_up_stops_serve_with_its_reason(tmp_path):
 
 
 def test_killing_the_generation_worker_mid_stream_errors_the_client_and_stops_serve(tmp_path):
-    ports = free_port(), free_port(), free_port()
-    p = _serve(config(tmp_path, "c", {**_cfg(*ports), "on_worker_exit": "stop"}), str(tmp_path / "serve.log"))
+    s = Serve(tmp_path, {**_cfg(), "on_worker_exit": "stop"})
+    p = s.proc
     try:
-        router = f"http://127.0.0.1:{ports[2]}"
-        wait_healthy(router, p)
-        ctx_pid = httpx.get(f"http://127.0.0.1:{ports[0]}/health", headers=HEADERS).json()["pid"]
-        gen_pid = httpx.get(f"http://127.0.0.1:{ports[1]}/health", headers=HEADERS).json()["pid"]
+        ctx_pid, gen_pid = s.pid("ctx0"), s.pid("gen0")
         body = {"prompt": PROMPTS[0], "max_tokens": 3000, "temperature": 0, "stream": True}
         events = []
         t0 = time.monotonic()
-        with httpx.stream("POST", router + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", s.router + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data:"):
@@ -98,23 +94,20 @@ def test_killing_the_generation_worker_mid_stream_errors_the_client_and_stops_se
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    log = (tmp_path / "serve.log").read_text()
-    gen = f"http://127.0.0.1:{ports[1]}"
-    assert f"generation worker gen0 ({gen}, pid {gen_pid}) was killed by signal 9" in log
+    log = s.log.read_text()
+    assert f"generation worker gen0 ({s.urls['gen0']}, pid {gen_pid}) was killed by signal 9" in log
     assert _gone(gen_pid) and _gone(ctx_pid), "a worker's process group (its rank processes) outlived serve"
 
 
 def test_ctrl_c_stops_every_process_and_exits_0(tmp_path):
-    ports = free_port(), free_port(), free_port()
-    p = _serve(config(tmp_path, "c", _cfg(*ports)), str(tmp_path / "serve.log"))
+    s = Serve(tmp_path, _cfg())
+    p = s.proc
     try:
-        wait_healthy(f"http://127.0.0.1:{ports[2]}", p)
-        pids = [httpx.get(f"http://127.0.0.1:{port}/health", headers=HEADERS).json()["pid"]
-                for port in ports[:2]]
+        pids = [s.pid("ctx0"), s.pid("gen0")]
         p.send_signal(signal.SIGINT)
         assert _finish(p, 60) == 0
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert all(_gone(pid) for pid in pids)
-    assert "stopping" in (tmp_path / "serve.log").read_text()
+    assert "stopping" in s.log.read_text()

@@ -1,0 +1,74 @@
+"""Fault injection for serving tests: find a worker's rank processes and stop them (SIGSTOP) for a while;
+sockets that play a dead or a silent worker. Only the fault is injected; what stops or stays quiet is real."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The rank processes a worker spawned: its children (from /proc) running multiprocessing's spawn_main."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == pid and spawned:
+            out.append(int(d))
+    return out
+
+
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of `pid` is stopped (kill() returns before a running process has stopped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # a thread that ended meanwhile
+        if states and all(st in ("T", "t") for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped within {timeout} s: {states}")
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def stopped(pids: list[int]):
+    """SIGSTOP every process of `pids` (and wait until they are) for the block; SIGCONT them after, whatever
+    happens."""
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in pids:
+            wait_stopped(pid)
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def dead_and_silent_ports():
+    """Two local ports: one refuses connections (bound, not listening), one accepts them (kernel backlog)
+    and never answers; yields their 'host:port' strings. Bound here, held until the block ends: no race."""
+    dead, silent = socket.socket(), socket.socket()
+    try:
+        dead.bind(("127.0.0.1", 0))
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        yield tuple(f"127.0.0.1:{s.getsockname()[1]}" for s in (dead, silent))
+    finally:
+        dead.close()
+        silent.close()
