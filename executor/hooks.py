@@ -49,9 +49,11 @@ from ..errors import ExecutorError, ProtocolError
 from ..formatter.layout import KVLayout
 from ..transceiver.stats import TransferStats
 from .config import ModelConfig
+from .strict import Wire, wf
 from .kv_cache_manager import KVCacheManager
 
-__all__ = ["RankHook", "RankContext", "load_hook", "HookTally", "REPORT_KINDS"]
+__all__ = ["RankHook", "RankContext", "load_hook", "HookTally", "HookReport", "Agreed", "REPORT_KINDS",
+           "validate_report", "exchange_reports"]
 
 REPORT_KINDS = ("kv_ready", "release", "abort")
 HOOK_IDLE_S = 0.01
@@ -99,32 +101,74 @@ def load_hook(spec: str, ctx: RankContext) -> RankHook:
     return factory(ctx)
 
 
-def validate_report(rep: Any, rank: int) -> dict[str, list]:
-    """A hook's poll() (or a rank's gathered report) checked and made plain data: "stats" entries become
-    [request_id, TransferStats wire]. Raises ExecutorError naming what was wrong."""
-    notes = rep.pop("notes", []) if isinstance(rep, dict) else []
-    stats = _plain_stats(rep.pop("stats", []) if isinstance(rep, dict) else [], rank)
+@dataclass(frozen=True, slots=True)
+class Note(Wire):
+    """Why a request was aborted on one rank (short text)."""
+
+    rid: int = wf(int)
+    text: str = wf(str)
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedStats(Wire):
+    """What one generation request's pull moved on one rank."""
+
+    rid: int = wf(int)
+    stats: TransferStats = wf(TransferStats)
+
+
+@dataclass(frozen=True, slots=True)
+class HookReport(Wire):
+    """One rank's checked hook report for one step: what is the leader's to agree on (`HookTally`).
+
+    The hook itself returns the documented dict from poll(); `validate_report` turns it into this type once,
+    and this type is what crosses ranks (all-gathered as its wire form) and reaches the leader.
+    """
+
+    kv_ready: list = wf(list, [])
+    release: list = wf(list, [])
+    abort: list = wf(list, [])
+    notes: tuple = wf(list, (), of=Note)
+    stats: tuple = wf(list, (), of=ReportedStats)
+
+    def ids(self, kind: str) -> list[int]:
+        """The request ids of one of REPORT_KINDS."""
+        return getattr(self, kind)
+
+    def checked(self, rank: int) -> "HookReport":
+        """Self, after checking every id list holds request ids (ints); ExecutorError naming the rank."""
+        for k in REPORT_KINDS:
+            if not all(type(i) is int for i in self.ids(k)):
+                raise ExecutorError(f"rank {rank}: hook report {k!r} must be request ids, got {self.ids(k)!r:.200}")
+        return self
+
+
+NO_REPORT = HookReport()
+
+
+def validate_report(rep: Any, rank: int) -> HookReport:
+    """A hook's poll() dict checked and typed. Raises ExecutorError naming what was wrong."""
+    if not isinstance(rep, dict) or set(rep) - {*REPORT_KINDS, "notes", "stats"}:
+        raise ExecutorError(f"rank {rank}: hook poll() must return a dict with keys from {REPORT_KINDS} (and "
+                            f"optional 'notes', 'stats'), got {rep!r:.200}")
+    notes = rep.get("notes", [])
     if not isinstance(notes, (list, tuple)) or not all(
             isinstance(w, (list, tuple)) and len(w) == 2 and type(w[0]) is int and isinstance(w[1], str)
             for w in notes):
         raise ExecutorError(f"rank {rank}: hook poll()['notes'] must be [[request_id, text], ...], "
                             f"got {notes!r:.200}")
-    if not isinstance(rep, dict) or set(rep) - set(REPORT_KINDS):
-        raise ExecutorError(f"rank {rank}: hook poll() must return a dict with keys from {REPORT_KINDS}, got "
-                            f"{rep!r:.200}")
-    out = {}
+    ids = {}
     for k in REPORT_KINDS:
-        ids = rep.get(k, [])
-        if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+        got = rep.get(k, [])
+        if not isinstance(got, (list, tuple)) or not all(type(i) is int for i in got):
             raise ExecutorError(f"rank {rank}: hook poll()[{k!r}] must be a list of request ids, "
-                                f"got {ids!r:.200}")
-        out[k] = [int(i) for i in ids]
-    out["notes"] = [[int(w[0]), str(w[1])[:2000]] for w in notes]
-    out["stats"] = stats
-    return out
+                                f"got {got!r:.200}")
+        ids[k] = [int(i) for i in got]
+    return HookReport(**ids, notes=tuple(Note(int(w[0]), str(w[1])[:2000]) for w in notes),
+                      stats=_typed_stats(rep.get("stats", []), rank))
 
 
-def _plain_stats(stats: Any, rank: int) -> list:
+def _typed_stats(stats: Any, rank: int) -> tuple:
     if not isinstance(stats, (list, tuple)) or not all(
             isinstance(w, (list, tuple)) and len(w) == 2 and type(w[0]) is int for w in stats):
         raise ExecutorError(f"rank {rank}: hook poll()['stats'] must be [[request_id, TransferStats], ...], "
@@ -135,15 +179,26 @@ def _plain_stats(stats: Any, rank: int) -> list:
             st = st if isinstance(st, TransferStats) else TransferStats.from_wire(st)
         except ProtocolError as e:
             raise ExecutorError(f"rank {rank}: hook poll()['stats'] of request {rid}: {e}") from None
-        out.append([rid, st.to_wire()])
-    return out
+        out.append(ReportedStats(rid, st))
+    return tuple(out)
 
 
-def exchange_reports(comm, report: dict[str, list[int]]) -> list[dict[str, list[int]]]:
-    """All-gather every rank's report (msgpack bytes in uint8 tensors on the control group)."""
+def exchange_reports(comm, report: HookReport) -> list[HookReport]:
+    """All-gather every rank's report (its wire form: msgpack bytes in uint8 tensors on the control group)."""
     if not comm.enabled:
         return [report]
-    return [validate_report(rep, r) for r, rep in enumerate(comm.all_gather_msgpack(report, "hook report"))]
+    return [HookReport.from_wire(rep).checked(r)
+            for r, rep in enumerate(comm.all_gather_msgpack(report.to_wire(), "hook report"))]
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What one round of reports settled (`HookTally.add`): request ids per outcome."""
+
+    kv_ready: list = field(default_factory=list)  # every rank has the KV: decode
+    release: list = field(default_factory=list)   # every rank is done sending: free the context blocks
+    abort: list = field(default_factory=list)     # some rank failed: end the request now
+    settled: list = field(default_factory=list)   # every rank reported something terminal: blocks may go
 
 
 class HookTally:
@@ -164,38 +219,42 @@ class HookTally:
         self._note_rank: dict[int, tuple[int, int]] = {}
         self.stats: dict[int, tuple[int, TransferStats]] = {}  # rid -> (rank, its stats), until `take_stats`
 
-    def add(self, reports: list[dict[str, list[int]]]) -> dict[str, list[int]]:
-        """Fold in one round of reports; returns the requests now agreed on (and "settled")."""
-        done: dict[str, list[int]] = {k: [] for k in (*REPORT_KINDS, "settled")}
+    def add(self, reports: list[HookReport]) -> Agreed:
+        """Fold in one round of reports (one per rank, in rank order); returns what is now agreed on."""
+        done = Agreed()
         for rank, rep in enumerate(reports):
-            aborts = set(rep["abort"])
-            for rid, text in rep.get("notes", []):
-                prio = (0 if rid in aborts else 1, rank)  # an abort's reason first, then the lowest rank
-                if rid not in self._note_rank or prio < self._note_rank[rid]:
-                    self._note_rank[rid] = prio
-                    self.notes[rid] = text if rank == 0 else f"rank {rank}: {text}"
-            for rid, wire in rep.get("stats", []):  # (an aborted request's later stats are never taken)
-                if rid not in self.aborted and (rid not in self.stats or rank < self.stats[rid][0]):
-                    self.stats[rid] = (rank, TransferStats.from_wire(wire))
+            self._fold_notes(rank, rep)
             for kind in REPORT_KINDS:
-                for rid in rep[kind]:
+                for rid in rep.ids(kind):
                     self.reported.setdefault(rid, set()).add(rank)
                     if kind == "abort":
                         if rid not in self.aborted:
                             self.aborted.add(rid)
-                            done["abort"].append(rid)
+                            done.abort.append(rid)
                         continue
                     s = self.seen.setdefault((kind, rid), set())
                     s.add(rank)
                     if len(s) == self.world and rid not in self.aborted:
-                        done[kind].append(rid)
+                        getattr(done, kind).append(rid)
         for rid in [r for r, ranks in self.reported.items() if len(ranks) == self.world]:
-            done["settled"].append(rid)
+            done.settled.append(rid)
             del self.reported[rid]
             self.aborted.discard(rid)
             for kind in ("kv_ready", "release"):
                 self.seen.pop((kind, rid), None)
         return done
+
+    def _fold_notes(self, rank: int, rep: HookReport) -> None:
+        """Keep each request's note (an abort's reason first, then the lowest rank's) and stats (lowest rank)."""
+        aborts = set(rep.abort)
+        for n in rep.notes:
+            prio = (0 if n.rid in aborts else 1, rank)
+            if n.rid not in self._note_rank or prio < self._note_rank[n.rid]:
+                self._note_rank[n.rid] = prio
+                self.notes[n.rid] = n.text if rank == 0 else f"rank {rank}: {n.text}"
+        for st in rep.stats:  # (an aborted request's later stats are never taken)
+            if st.rid not in self.aborted and (st.rid not in self.stats or rank < self.stats[st.rid][0]):
+                self.stats[st.rid] = (rank, st.stats)
 
     def take_note(self, rid: int) -> str:
         """The note reported for `rid` (lowest rank's), forgotten once taken."""

@@ -16,7 +16,7 @@ from . import events as E
 from . import pipe_messages as pm
 from . import plan as P
 from .engine import Engine, Request
-from .hooks import HOOK_IDLE_S, HookTally
+from .hooks import HOOK_IDLE_S, HookReport, HookTally
 from .pipes import Inbox, Pipes
 from .plan import StepPlan
 
@@ -102,24 +102,24 @@ def _take_commands(inbox: Inbox, wait: float) -> list:
     return cmds
 
 
-def _act_on_agreement(eng: Engine, tally: HookTally, reports: list[dict]) -> None:
+def _act_on_agreement(eng: Engine, tally: HookTally, reports: list[HookReport]) -> None:
     """What every rank's hook reports agree on this step (any rank's abort ends a request at once)."""
     agreed = tally.add(reports)
     # (a request the client aborted meanwhile is gone already: its hooks' reports only settle it)
-    for rid in agreed["abort"]:  # its blocks wait for "settled"
+    for rid in agreed.abort:  # its blocks wait for "settled"
         note = tally.take_note(rid)
         tally.take_stats(rid)  # some rank's pull may have finished: the request ends all the same
         if rid in eng.requests:
             eng.abort(rid, note)
-    for rid in agreed["release"]:
+    for rid in agreed.release:
         if rid in eng.requests:
             eng.release(rid)
-    for rid in agreed["kv_ready"]:
+    for rid in agreed.kv_ready:
         tally.take_note(rid)
         stats = tally.take_stats(rid)
         if rid in eng.requests:
             eng.kv_ready(rid, stats)
-    for rid in agreed["settled"]:  # every rank reported: an aborted request's blocks may go now
+    for rid in agreed.settled:  # every rank reported: an aborted request's blocks may go now
         eng.hook_settled(rid)
 
 

@@ -28,7 +28,7 @@ from .config import kv_layout_for
 from . import pipe_messages as pm
 from . import plan as P
 from .plan import BatchRow, StepPlan
-from .hooks import RankContext, exchange_reports, load_hook, validate_report
+from .hooks import HookReport, RankContext, exchange_reports, load_hook, validate_report
 from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
 from .kv_check import DigestBook
 from .kv_io import gather_blocks, scatter_blocks
@@ -90,7 +90,7 @@ class _Runner:
             self.streamer = LayerStreamer(self.hook, int(cfg["stream_layers"]), len(self.model.layers),
                                           self.device)
 
-    def exchange(self) -> list[dict] | None:
+    def exchange(self) -> list[HookReport] | None:
         """After a step: every rank's hook report, gathered on every rank (None without hooks)."""
         if self.hook is None:
             return None
