@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import codec
-from ..errors import ExecutorError
+from ..errors import ExecutorError, ProtocolError
+from .connector.wire import ConnSection
 from .sampling import SamplingParams, TokenHistory
 from .strict import Table, Wire, need, wf
 
@@ -182,7 +183,7 @@ class StepPlan:
     batch: tuple[BatchRow, ...] = ()
     post: tuple = ()
     free_before: int = -1
-    conn: Any = None
+    conn: ConnSection | None = None
 
     @classmethod
     def empty(cls, step: int, stop: bool = False, **kw: Any) -> "StepPlan":
@@ -192,7 +193,7 @@ class StepPlan:
     def to_wire(self) -> list:
         return [PLAN_VERSION, self.step, self.stop, [OPS.encode(o) for o in self.ops],
                 [b.to_wire() for b in self.batch], [POST_OPS.encode(o) for o in self.post], self.free_before,
-                self.conn]
+                None if self.conn is None else self.conn.to_wire()]
 
     def encode(self) -> bytes:
         return codec.pack(self.to_wire())
@@ -209,4 +210,11 @@ class StepPlan:
                                                                                  (5, "post")))
         return cls(step, need(d[2], bool, "step plan field 'stop'"), tuple(OPS.decode(o) for o in ops),
                    tuple(BatchRow.from_wire(b) for b in batch), tuple(POST_OPS.decode(o) for o in post),
-                   need(d[6], int, "step plan field 'free_before'"), d[7])
+                   need(d[6], int, "step plan field 'free_before'"), _conn_section(d[7]))
+
+
+def _conn_section(d: Any) -> ConnSection | None:
+    try:
+        return None if d is None else ConnSection.from_wire(d)
+    except ProtocolError as e:
+        raise ExecutorError(f"step plan field 'conn': {e}") from None

@@ -25,7 +25,7 @@ from ..kv_cache_manager import KVCacheManager
 from ..plan import BatchRow
 from .base import ConnectorMetadata, ConnectorRequest, KvConnectorScheduler, RequestData, SchedulerOutput
 from .factory import check_spec, load_class, make_context
-from .wire import Tally, section
+from .wire import ConnReport, ConnSection, Tally
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class ConnectorLeader:
         self._saving.append(r.request_id)
         return True
 
-    def plan_section(self, batch: list[BatchRow]) -> dict:
+    def plan_section(self, batch: list[BatchRow]) -> ConnSection:
         """The plan's connector section (call once per plan, after its batch is chosen)."""
         for v, load_async in self._allocated:
             rid = v.request_id
@@ -101,7 +101,7 @@ class ConnectorLeader:
         if meta is not None and not isinstance(meta, ConnectorMetadata):
             raise ExecutorError(f"connector build_connector_meta returned a {type(meta).__name__}, not a "
                                 f"ConnectorMetadata")
-        sec = section(None if meta is None else meta.to_wire(), self._saving, self._loading)
+        sec = ConnSection(None if meta is None else meta.to_wire(), tuple(self._saving), tuple(self._loading))
         self._saves.update(self._saving)
         self._loads.update(self._loading)
         self._saving, self._loading = [], []
@@ -126,7 +126,7 @@ class ConnectorLeader:
         plans would take the CPU from the I/O threads.)"""
         return bool(self._allocated or self._saving or self._loading or self._sync_sent)
 
-    def on_reports(self, reports: list[dict]) -> tuple[list[int], list[tuple[int, str]]]:
+    def on_reports(self, reports: list[ConnReport]) -> tuple[list[int], list[tuple[int, str]]]:
         """Fold in one round of rank reports; returns (saved on every rank, [(loaded id, error or "")])."""
         saved, loaded = self.tally.add(reports)
         for rid in saved:

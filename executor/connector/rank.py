@@ -22,7 +22,7 @@ from ...errors import ExecutorError, ProtocolError
 from ...formatter.layout import KVLayout
 from .base import KvConnectorWorker
 from .factory import check_spec, load_class, make_context
-from .wire import exchange, parse_section
+from .wire import ConnReport, ConnSection, exchange
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ class ConnectorRank:
     def _stream(self) -> Any:
         return torch.cuda.current_stream(self._device) if self._cuda else None
 
-    def begin_step(self, sec: Any) -> None:
-        meta_wire, saving, loading = parse_section(sec)
+    def begin_step(self, sec: ConnSection) -> None:
+        meta_wire, saving, loading = sec.meta, list(sec.saving), list(sec.loading)
         meta = None
         if meta_wire is not None:
             cls = self.worker.metadata_cls
@@ -86,16 +86,15 @@ class ConnectorRank:
             self.worker._clear_connector_meta()
             self._active = False
 
-    def report(self) -> dict:
+    def report(self) -> ConnReport:
         saving, loading = self._new["saving"], self._new["loading"]
         self._new = {"saving": [], "loading": []}
         self._open["saving"].update(saving)
         self._open["loading"].update(loading)
         saved, loaded = self.worker.get_finished(saving, loading)
         errors = self.worker.get_load_errors()
-        out = {"saved": self._take("saving", saved), "loaded": self._take("loading", loaded),
-               "errors": [[int(r), str(w)] for r, w in errors.items()]}
-        return out
+        return ConnReport(tuple(self._take("saving", saved)), tuple(self._take("loading", loaded)),
+                          tuple((int(r), str(w)) for r, w in errors.items()))
 
     def _take(self, kind: str, ids) -> list[int]:
         out = []

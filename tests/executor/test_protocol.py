@@ -13,6 +13,7 @@ from kvbridge.errors import ExecutorError, ProtocolError
 from kvbridge.executor import events as E
 from kvbridge.executor import pipe_messages as pm
 from kvbridge.executor import plan as P
+from kvbridge.executor.connector.wire import ConnReport, ConnSection
 from kvbridge.executor.kv_check import KVDigest, RankDigest
 from kvbridge.executor.sampling import SamplingParams, TokenHistory, TokenLogprob
 from kvbridge.transceiver.stats import TransferStats
@@ -46,12 +47,13 @@ def _through_msgpack(wire):
 @pytest.mark.parametrize("op", OPS + POSTS, ids=lambda o: type(o).__name__)
 def test_every_op_round_trips_in_a_plan(op):
     post = isinstance(op, tuple(type(p) for p in POSTS))
-    plan = P.StepPlan(3, False, () if post else (op,), (ROW,), (op,) if post else (), 17, {"v": 1})
+    plan = P.StepPlan(3, False, () if post else (op,), (ROW,), (op,) if post else (), 17, ConnSection(None, (1,), ()))
     assert P.StepPlan.from_wire(_through_msgpack(plan.to_wire())) == plan
 
 
 def test_an_empty_and_a_stop_plan_round_trip():
-    for plan in (P.StepPlan.empty(9), P.StepPlan.empty(9, stop=True), P.StepPlan.empty(1, conn={"a": [1]})):
+    for plan in (P.StepPlan.empty(9), P.StepPlan.empty(9, stop=True),
+                 P.StepPlan.empty(1, conn=ConnSection({"a": [1]}, (3,), (4, 5)))):
         assert P.StepPlan.from_wire(_through_msgpack(plan.to_wire())) == plan
 
 
@@ -148,3 +150,14 @@ def test_messages_are_frozen():
         P.Free(1).rid = 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         E.Released(1).rid = 2
+
+
+def test_the_connector_section_and_report_round_trip_and_name_bad_fields():
+    sec = ConnSection(None, (1, 2), ())
+    assert ConnSection.from_wire(sec.to_wire()) == sec
+    rep = ConnReport((1,), (2,), ((2, "disk full"),))
+    assert ConnReport.from_wire(rep.to_wire(), 3) == rep
+    with pytest.raises(ExecutorError, match=r"step plan field 'conn': plan connector section 'saving' must be "):
+        P.StepPlan.from_wire(P.StepPlan.empty(1, conn=sec).to_wire()[:7] + [[1, None, ["x"], []]])
+    with pytest.raises(ProtocolError, match=r"rank 3 connector report: 'errors' must be"):
+        ConnReport.from_wire([[], [], [[1]]], 3)
