@@ -4,6 +4,13 @@ its block table in token order, equals the context worker's byte for byte (execu
 Token equality cannot see misplaced KV (a block-order bug decodes the same tokens), so a serving test that
 compares tokens also calls `assert_kv_positional` with the handles its answers carry (`kvbridge.handle`).
 Both workers need `executor: {kv_digests: true}`; each serves GET /internal/kv_digests?handle=H.
+
+Exact only for KV that crossed, or was reused from the same prefill on both sides. A prefix the generation
+worker reuses from its own cache was computed by an EARLIER context prefill; if the context worker meanwhile
+recomputed part of that prefix (it evicted it, or its cache boundary differs), its layers >= 1 differ by
+float rounding (a different batch shape), although nothing was misplaced. So the general serving tests run
+the generation side without block reuse (every prompt pulled whole), and test_prefix_serving.py controls its
+requests so that both caches hold the same prefill's KV.
 """
 
 from __future__ import annotations

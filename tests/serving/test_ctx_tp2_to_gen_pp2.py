@@ -29,7 +29,9 @@ CFG = {
     "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
     "router": {"port": 0, "policy": "least_loaded", "request_timeout_s": 120},
     "context_servers": {"tp": 2},
-    "generation_servers": {"pp": 2, "executor": {"num_blocks": GEN_BLOCKS, "tokens_per_block": 12}},
+    # whole pulls: the positional KV check is byte-exact only for KV that crossed (kvcheck.py)
+    "generation_servers": {"pp": 2, "executor": {"num_blocks": GEN_BLOCKS, "tokens_per_block": 12,
+                                                  "enable_block_reuse": False}},
 }
 
 

@@ -23,7 +23,9 @@ CFG = {
     "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
     "router": {"port": 0, "request_timeout_s": 120},
     "context_servers": {"tp": 1},
-    "generation_servers": {"tp": 1},
+    # the generation side pulls every prompt whole, so its KV must equal the context side's byte for byte
+    # (kvcheck.py: a prefix it reused could come from an earlier prefill that rounded differently)
+    "generation_servers": {"tp": 1, "executor": {"enable_block_reuse": False}},
 }
 
 
