@@ -19,6 +19,8 @@ from kvbridge.errors import AgentError, PeerError, TransferTimeout
 
 from kvbridge.agents.conformance.peer import Peer, alloc, pattern
 
+from ..signals import wait_stopped
+
 NBYTES = 1 << 20
 
 
@@ -62,23 +64,6 @@ def test_a_killed_nixl_peer_fails_the_next_read_at_once_and_the_agent_serves_a_n
             fresh.close()
 
 
-def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
-    """Until every thread of `pid` is stopped (kill() returns before a running process has stopped)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                continue  # a thread that ended meanwhile
-        if states and all(st in ("T", "t") for st in states):
-            return
-        assert time.monotonic() < deadline, f"process {pid} not stopped within {timeout} s: {states}"
-        time.sleep(0.005)
-
-
 def test_a_silent_nixl_peer_keeps_its_read_pending_and_a_cancel_fails_it_once_the_peer_is_back(monkeypatch):
     """Over UCX's tcp transport a READ needs the peer's progress (shared memory would read a stopped
     process's pages one-sided and finish DONE, which is right too): a SIGSTOPped peer leaves the read PENDING
@@ -98,7 +83,7 @@ def test_a_silent_nixl_peer_keeps_its_read_pending_and_a_cancel_fails_it_once_th
         buf[:] = pattern(NBYTES, 11)
         os.kill(peer.proc.pid, signal.SIGSTOP)
         stopped = True
-        _wait_stopped(peer.proc.pid)
+        wait_stopped(peer.proc.pid)
         h = agent.read(name, _whole(buf.ctypes.data), _whole(peer.addr))
         try:
             bound = 1.0

@@ -7,7 +7,8 @@ import contextlib
 import os
 import signal
 import socket
-import time
+
+from ..signals import wait_stopped
 
 
 def rank_processes(pid: int) -> list[int]:
@@ -24,24 +25,6 @@ def rank_processes(pid: int) -> list[int]:
         if ppid == pid and spawned:
             out.append(int(d))
     return out
-
-
-def wait_stopped(pid: int, timeout: float = 10.0) -> None:
-    """Until every thread of `pid` is stopped (kill() returns before a running process has stopped)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                continue  # a thread that ended meanwhile
-        if states and all(st in ("T", "t") for st in states):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process {pid} not stopped within {timeout} s: {states}")
-        time.sleep(0.005)
 
 
 @contextlib.contextmanager
