@@ -28,6 +28,15 @@ def _whole(owner_addr: int) -> DescriptorList:
     return DescriptorList([owner_addr], [NBYTES])
 
 
+def _connect_and_read(agent, peer: Peer, buf: np.ndarray, seed: int) -> str:
+    """Connect to `peer`, read its whole buffer once (the endpoint is up) and check every byte; its name."""
+    name = agent.connect(peer.metadata)
+    with agent.read(name, _whole(buf.ctypes.data), _whole(peer.addr)) as h:
+        h.wait(30)
+    np.testing.assert_array_equal(buf, pattern(NBYTES, seed))
+    return name
+
+
 def test_a_killed_nixl_peer_fails_the_next_read_at_once_and_the_agent_serves_a_new_peer():
     peer = Peer("nixl", NBYTES, "cpu", seed=3)
     agent = create_agent("nixl", f"nixl-faults-{os.getpid()}")
@@ -35,10 +44,7 @@ def test_a_killed_nixl_peer_fails_the_next_read_at_once_and_the_agent_serves_a_n
     reg = agent.register_memory(MemoryRegion.of(buf))
     fresh = None
     try:
-        name = agent.connect(peer.metadata)
-        with agent.read(name, _whole(buf.ctypes.data), _whole(peer.addr)) as h:
-            h.wait(30)  # the endpoint is up
-        np.testing.assert_array_equal(buf, pattern(NBYTES, 3))
+        name = _connect_and_read(agent, peer, buf, 3)
         peer.proc.kill()
         peer.proc.join(10)
         t0 = time.monotonic()
@@ -76,10 +82,7 @@ def test_a_silent_nixl_peer_keeps_its_read_pending_and_a_cancel_fails_it_once_th
     reg = agent.register_memory(MemoryRegion.of(buf))
     stopped = False
     try:
-        name = agent.connect(peer.metadata)
-        with agent.read(name, _whole(buf.ctypes.data), _whole(peer.addr)) as h:
-            h.wait(30)  # the endpoint is up
-        np.testing.assert_array_equal(buf, pattern(NBYTES, 5))
+        name = _connect_and_read(agent, peer, buf, 5)
         buf[:] = pattern(NBYTES, 11)
         os.kill(peer.proc.pid, signal.SIGSTOP)
         stopped = True

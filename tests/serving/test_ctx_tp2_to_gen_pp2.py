@@ -167,15 +167,7 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
                                "executor": {"num_blocks": 32, "tokens_per_block": 4, "kv_digests": False}},
            "generation_servers": {"pp": 2, "urls": [urls["gen"].removeprefix("http://")]},
            "router": {"port": 0}}
-    ctx, bad_ctx = start_announced(["worker", "--config", config(tmp_path, "bad", bad), "--role", "context"],
-                                   str(tmp_path / "ctx.log"))
-    router = None
-    try:
-        wait_healthy(bad_ctx, ctx)
-        bad["context_servers"] = {**bad["context_servers"], "urls": [bad_ctx.removeprefix("http://")]}
-        router, base = start_announced(["router", "--config", config(tmp_path, "bad-router", bad)],
-                                       str(tmp_path / "router.log"))
-        wait_healthy(base, router)
+    with _one_worker_behind_a_router(tmp_path, "bad", bad, "context") as (bad_ctx, base):
         out = _complete(base + "/v1", {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
         kb = out["kvbridge"]
         assert kb["recomputed"] is True and "127.0.0.2" in kb["transfer_error"], kb
@@ -185,10 +177,30 @@ def test_a_transfer_that_fails_is_recomputed_by_the_generation_worker(urls, want
         assert wait_pool_full(urls["gen"], GEN_BLOCKS, 2) == [GEN_BLOCKS] * 2
         metrics = httpx.get(urls["gen"] + "/metrics", headers=HEADERS).text
         assert "kvbridge_serving_recomputes_total 1.0" in metrics
+
+
+@contextlib.contextmanager
+def _one_worker_behind_a_router(tmp_path, name: str, cfg: dict, role: str, module: str | None = None):
+    """One worker of `role` started from `cfg` (its group's urls: ["127.0.0.1:0"]; `module` runs a test's own
+    worker) and a router sending that group to it: yields (worker URL, router base URL), both stopped after."""
+    group = "context_servers" if role == "context" else "generation_servers"
+    args = ["--config", config(tmp_path, name, cfg), "--role", role]
+    if module is None:
+        worker, url = start_announced(["worker", *args], str(tmp_path / f"{name}.log"))
+    else:
+        worker, url = start_announced(args, str(tmp_path / f"{name}.log"), module=module)
+    router = None
+    try:
+        wait_healthy(url, worker)
+        routed = {**cfg, group: {**cfg[group], "urls": [url.removeprefix("http://")]}}
+        router, base = start_announced(["router", "--config", config(tmp_path, f"{name}-router", routed)],
+                                       str(tmp_path / f"{name}-router.log"))
+        wait_healthy(base, router)
+        yield url, base
     finally:
         if router is not None:
             stop_process(router)
-        stop_process(ctx)
+        stop_process(worker)
 
 
 def _no_digest_of_a_recomputed_request(ctx: str, gen: str, handle: int) -> None:
@@ -268,16 +280,8 @@ def test_blocks_swapped_on_the_generation_worker_keep_the_tokens_but_fail_the_po
            "generation_servers": {"pp": 2, "urls": ["127.0.0.1:0"],
                                   "transceiver": dict(cluster.cfg.generation[0].transceiver),
                                   "executor": {"num_blocks": 16, "tokens_per_block": 12}}}
-    path = config(tmp_path, "swap", cfg)
-    gen, gen_url = start_announced(["--config", path, "--role", "generation"], str(tmp_path / "gen.log"),
-                                   module="tests.serving.swap_worker")
-    router = None
-    try:
-        wait_healthy(gen_url, gen)
-        cfg["generation_servers"] = {**cfg["generation_servers"], "urls": [gen_url.removeprefix("http://")]}
-        router, base = start_announced(["router", "--config", config(tmp_path, "swap-router", cfg)],
-                                       str(tmp_path / "router.log"))
-        wait_healthy(base, router)
+    with _one_worker_behind_a_router(tmp_path, "swap", cfg, "generation", "tests.serving.swap_worker") as (
+            gen_url, base):
         out = _complete(base + "/v1", {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0})
         kb = out["kvbridge"]
         assert kb["token_ids"] == want["prompts"][1] and kb["recomputed"] is False, kb  # tokens cannot see it
@@ -287,7 +291,3 @@ def test_blocks_swapped_on_the_generation_worker_keep_the_tokens_but_fail_the_po
             assert_kv_positional(urls["ctx"], gen_url, [h])
         assert str(e.value).endswith(f"... and {4 * 6 * 2 - 8} more")  # tokens 0..23 moved: all K, V differ
         assert wait_pool_full(gen_url, 16, 2) == [16, 16]
-    finally:
-        if router is not None:
-            stop_process(router)
-        stop_process(gen)

@@ -66,6 +66,15 @@ def _post(base: str, **body) -> tuple[httpx.Response, float]:
     return r, time.monotonic() - t0
 
 
+def _post_through_router(tmp_path, cluster, ctx_urls: list[str], **router) -> tuple[httpx.Response, float]:
+    """One completion through a router of its own over `ctx_urls` (`_router`), stopped after: (answer, seconds)."""
+    proc, base = _router(tmp_path, cluster, ctx_urls, **router)
+    try:
+        return _post(base)
+    finally:
+        stop_process(proc)
+
+
 def _pools_full(cluster) -> None:
     assert wait_pool_full(cluster.cfg.context[0].url, BLOCKS, 1) == [BLOCKS]
     assert wait_pool_full(cluster.cfg.generation[0].url, BLOCKS, 1) == [BLOCKS]
@@ -74,11 +83,8 @@ def _pools_full(cluster) -> None:
 def test_every_context_worker_failing_is_a_502_naming_each_and_why(cluster, tmp_path):
     hop_s = 1.0
     with dead_and_silent_ports() as (dead, silent):
-        proc, base = _router(tmp_path, cluster, [dead, silent], context_timeout_s=hop_s, request_timeout_s=60)
-        try:
-            r, took = _post(base)
-        finally:
-            stop_process(proc)
+        r, took = _post_through_router(tmp_path, cluster, [dead, silent], context_timeout_s=hop_s,
+                                       request_timeout_s=60)
     assert r.status_code == 502, r.text
     err = r.json()["error"]
     assert err["code"] == "context_failed" and err["type"] == "server_error", err
@@ -93,11 +99,8 @@ def test_every_context_worker_failing_is_a_502_naming_each_and_why(cluster, tmp_
 def test_a_context_hop_that_outlasts_the_request_deadline_is_a_504_naming_the_worker(cluster, tmp_path):
     deadline_s = 2.0
     with dead_and_silent_ports() as (_dead, silent):
-        proc, base = _router(tmp_path, cluster, [silent], context_timeout_s=30, request_timeout_s=deadline_s)
-        try:
-            r, took = _post(base)
-        finally:
-            stop_process(proc)
+        r, took = _post_through_router(tmp_path, cluster, [silent], context_timeout_s=30,
+                                       request_timeout_s=deadline_s)
     assert r.status_code == 504, r.text
     err = r.json()["error"]
     assert err["code"] == "timeout", err
