@@ -1,4 +1,6 @@
-"""Engine adapters that sit on kvbridge's transceiver, formatter and agents (never on the reference executor).
+"""kvbridge.integrations: adapters that put kvbridge inside other engines (vLLM: `integrations/vllm/`).
 
-`integrations.vllm`: a KV connector that real vLLM instances load for prefill/decode disaggregation.
+Each adapter sits over transceiver/, formatter/ and agents/ only and imports its engine in its own modules;
+nothing below (agents .. serving) imports an adapter, except through a leaf that imports no engine
+(`integrations/vllm/launch.py` builds a vLLM server's command line; serving/ starts servers with it).
 """
