@@ -16,7 +16,8 @@ BENCHES = {  # name: (module, one line)
 
 def usage() -> str:
     w = max(map(len, BENCHES))
-    lines = ["usage: kvbridge bench <name> [--json PATH] ...    (kvbridge bench <name> --help: its options)", "",
+    lines = ["usage: kvbridge bench <name> [--json PATH] ...    (kvbridge bench <name> --help: its options)",
+             "",
              "benchmarks (results and their commands: bench/RESULTS.md):"]
     return "\n".join(lines + [f"  {n:<{w}}  {d}" for n, (_, d) in BENCHES.items()])
 

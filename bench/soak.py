@@ -28,9 +28,11 @@ from .common import machine, table
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge bench soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=1_000_000,
-                    help="frames into the decoder, in all: valid, mutated, oversized, bombs (default 1000000)")
+                    help="frames into the decoder, in all: valid, mutated, oversized, bombs "
+                         "(default 1000000)")
     ap.add_argument(
-        "--live-frames", type=int, default=300_000, help="mutated frames into a live context rank (default 300000)"
+        "--live-frames", type=int, default=300_000,
+        help="mutated frames into a live context rank (default 300000)"
     )
     ap.add_argument("--live-requests", type=int, default=0,
                     help="real requests pulled from the live rank at most (default 0: as long as the hammer "

@@ -147,9 +147,10 @@ def bench_agent(spec: str, sizes: list[int], total: int, repeat: int, src_local:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge bench transfer", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the buffers live (default cpu)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the buffers live (default cpu)")
     ap.add_argument("--agents", default=None,
-                    help=f"comma-separated registry names or MODULE:CLASS (found like check-agent finds them); "
+                    help=f"comma-separated registry names or MODULE:CLASS (found as check-agent finds them); "
                          f"an agent named here that fails makes the exit code 1 (default: "
                          f"{','.join(DEFAULT_AGENTS)}, each skipped if unavailable)")
     ap.add_argument("--sizes", default="16K,64K,512K,4M", help="fragment sizes (default 16K,64K,512K,4M)")

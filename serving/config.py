@@ -103,7 +103,7 @@ class RouterSpec:
     context_timeout_s: float = 120.0   # one context hop (a prefill); a failed hop is retried elsewhere
     health_interval_s: float = 2.0     # how often every worker's /health is polled
     health_timeout_s: float = 5.0      # one /health probe's deadline (serving/health.py)
-    health_failures: int = 3           # consecutive missed probes before a worker is taken out (refused: at once)
+    health_failures: int = 3           # consecutive missed probes before a worker is out (refused: at once)
     connect_timeout_s: float = 5.0     # opening a connection to a worker
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
 

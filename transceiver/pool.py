@@ -80,8 +80,8 @@ class LocalPool:
             self.agents[kind] = agent
             self._regs += regs
         if not self.agents:
-            raise AgentError(f"no transfer agent of {list(config.agents)} could serve a {self.kind.value} pool "
-                             f"({'; '.join(why)})")
+            raise AgentError(f"no transfer agent of {list(config.agents)} could serve a "
+                             f"{self.kind.value} pool ({'; '.join(why)})")
 
     @property
     def bases(self) -> list[int]:

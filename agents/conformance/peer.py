@@ -21,7 +21,8 @@ import traceback
 
 import numpy as np
 
-__all__ = ["Peer", "PeerStartError", "resolve", "warm_up", "pattern", "alloc", "to_numpy", "device_of", "descs", "restore"]
+__all__ = ["Peer", "PeerStartError", "resolve", "warm_up", "pattern", "alloc", "to_numpy", "device_of",
+           "descs", "restore"]
 
 
 def resolve(spec: str):
@@ -196,7 +197,7 @@ class Peer:
         try:
             os.kill(self.proc.pid, signal.SIGUSR1)
             end, last = time.monotonic() + 10, None
-            while time.monotonic() < end and not (stacks and stacks == last):  # written, and no longer growing
+            while time.monotonic() < end and not (stacks and stacks == last):  # written, no longer growing
                 time.sleep(0.2)
                 last = stacks
                 with open(stack_file) as f:

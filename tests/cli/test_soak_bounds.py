@@ -15,8 +15,9 @@ import pytest
 @pytest.mark.slow
 def test_soak_honours_its_bounds(tmp_path):
     out = tmp_path / "soak.json"
-    p = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "soak", "--frames", "200", "--live-frames",
-                        "100", "--live-requests", "4", "--requests", "0", "--no-bombs", "--json", str(out)], cwd=tmp_path,
+    args = ["--frames", "200", "--live-frames", "100", "--live-requests", "4", "--requests", "0",
+            "--no-bombs", "--json", str(out)]
+    p = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "soak", *args], cwd=tmp_path,
                        capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout + p.stderr
     d = json.loads(out.read_text())

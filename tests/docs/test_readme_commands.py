@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 BLOCK_TIMEOUT_S = 240
 SERVER_START_S = 300
-KNOWN = {"cd", "export", "source", "set", "echo", "true", "test", "[", "for", "do", "done", "if", "then", "fi"}
+KNOWN = {"cd", "export", "source", "set", "echo", "true", "test", "[", "for", "do", "done", "if", "then",
+         "fi"}
 
 
 def workspace(tmp_path) -> str:
@@ -121,9 +122,10 @@ def test_every_command_shown_runs_as_printed(doc, tmp_path, capsys):
                 servers.append((proc, b))
                 wait_ready(proc, b.arg, b)
                 continue
-            p = subprocess.run(shell(b.script), cwd=cwd, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-            assert p.returncode == 0, (f"{b.where}: exit {p.returncode} from\n{b.script}\n--- stdout\n{p.stdout}"
-                                       f"\n--- stderr\n{p.stderr}")
+            p = subprocess.run(shell(b.script), cwd=cwd, capture_output=True, text=True,
+                               timeout=BLOCK_TIMEOUT_S)
+            assert p.returncode == 0, (f"{b.where}: exit {p.returncode} from\n{b.script}\n--- stdout\n"
+                                       f"{p.stdout}\n--- stderr\n{p.stderr}")
         while servers:
             stop(*servers.pop())
     finally:
