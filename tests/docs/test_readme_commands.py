@@ -13,8 +13,10 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -63,6 +65,14 @@ def gpu_reason(b: Block) -> str | None:
         if not torch.cuda.is_available():
             return "needs a CUDA GPU (torch.cuda.is_available() is False)"
     return None
+
+
+def busy(url: str) -> bool:
+    """Something already answers at the server's address (another process on a shared machine)."""
+    u = urllib.parse.urlsplit(url)
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((u.hostname, u.port or 80)) == 0
 
 
 def wait_ready(proc: subprocess.Popen, url: str, b: Block) -> None:
@@ -117,6 +127,9 @@ def test_every_command_shown_runs_as_printed(doc, tmp_path, capsys):
                 skipped.append(f"{b.where}: {why}")
                 continue
             if b.mode == "server":
+                if busy(b.arg):
+                    pytest.skip(f"{b.where}: another process already listens at {b.arg}; this server and "
+                                f"the blocks after it cannot run as printed here")
                 proc = subprocess.Popen(shell(b.script), cwd=cwd, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
                 servers.append((proc, b))
