@@ -35,6 +35,21 @@ print("OK")
 '''
 
 
+def test_serve_check_says_what_to_install_when_auto_needs_nixl(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: seeded:tiny\ncontext_servers: {tp: 1}\ngeneration_servers: {tp: 1}\n")
+    check = CODE.split("import kvbridge,", 1)[0] + (
+        "from kvbridge.cli import main\n"
+        f"code = main(['serve', '--check', {str(cfg)!r}])\n"
+        "sys.exit(code)\n")
+    p = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "pip install 'kvbridge[nixl]'" in p.stderr and "agent: tcp" in p.stderr, p.stderr
+    cfg.write_text(cfg.read_text() + "transceiver: {agent: tcp}\n")
+    p = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_kvbridge_works_without_nixl_and_says_what_to_install():
     p = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
