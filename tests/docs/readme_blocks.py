@@ -2,12 +2,12 @@
 
 What counts as a command: every fenced block tagged `sh`, `bash` or `shell` (all its lines), and every line
 starting with `$ ` in any other fenced block (a command shown with its output). A marker comment on the line
-before a block (blank lines between are fine) says how to treat it:
+before a block (a line of its own; blank lines between are fine) says how to treat it:
 
     <!-- readme-test: skip REASON -->        not run; REASON is reported (a GPU, several hosts, an install)
     <!-- readme-test: server URL -->         a server: started in the background, ready when URL answers 200,
                                              stopped with Ctrl-C (SIGINT) once the file's later blocks ran
-    <!-- readme-test: skip-file REASON -->   anywhere in a file: none of its blocks run
+    <!-- readme-test: skip-file REASON -->   on a line of its own anywhere in a file: none of its blocks run
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class Block:
 
 def file_skip(text: str) -> str | None:
     """The reason of a file-level skip marker, if the file has one."""
-    for m in _MARK.finditer(text):
-        if m.group(1) == "skip-file":
+    for line in text.splitlines():
+        m = _MARK.fullmatch(line.strip())
+        if m and m.group(1) == "skip-file":
             return m.group(2) or "skip-file"
     return None
 
@@ -49,7 +50,7 @@ def blocks(path: str, text: str) -> list[Block]:
     i = 0
     while i < len(lines):
         line = lines[i]
-        m = _MARK.search(line)
+        m = _MARK.fullmatch(line.strip())
         if m and m.group(1) in ("skip", "server"):
             marker = (m.group(1), m.group(2))
             i += 1

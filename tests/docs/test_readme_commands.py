@@ -162,4 +162,5 @@ def test_blocks_and_markers_are_found():
         ("skip", "needs a GPU", "kvbridge bench transfer --device cuda"), ("run", "", "kvbridge --version"),
         ("server", "http://h/health", "kvbridge serve c.yaml")]
     assert file_skip("<!-- readme-test: skip-file needs vLLM -->") == "needs vLLM" and file_skip(text) is None
+    assert file_skip("markers: `<!-- readme-test: skip-file REASON -->` in running text") is None
     assert shutil.which("bash")
