@@ -246,7 +246,7 @@ class CudaIpcAgent(TransferAgent):
                  kernel: CopyKernel = CopyKernel.ANY, timing: bool = False) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         super().__init__(name)
-        self._regions = FastRegionTable()  # same checks as the base class's, faster for one pool
+        self._kvb_regions = FastRegionTable()  # the base class's table, same checks, faster for one pool
         drv.load()
         if drv.device_count() < 1:
             raise AgentError("the cuda_ipc agent needs a CUDA GPU; the driver reports none visible")
@@ -361,7 +361,7 @@ class CudaIpcAgent(TransferAgent):
         if p is None:
             raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
         lens = local.lengths  # == remote.lengths (the base class checked)
-        lmax = self._regions.max_length(lens)  # the base class's local check just computed it
+        lmax = self._kvb_regions.max_length(lens)  # the base class's local check just computed it
         p.table.check(remote, f"{op} remote side (peer {peer!r})", lmax)
         engine = self._engine(local.device)
         starts, deltas = p.mapping(engine.dev, remote.device)

@@ -50,7 +50,7 @@ _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype":
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
-           "health_interval_s", "connect_timeout_s", "api_keys"}
+           "health_interval_s", "health_timeout_s", "health_failures", "connect_timeout_s", "api_keys"}
 _GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
 
 
@@ -102,6 +102,8 @@ class RouterSpec:
     request_timeout_s: float = 300.0   # a whole request, context hop + generation (streaming included)
     context_timeout_s: float = 120.0   # one context hop (a prefill); a failed hop is retried elsewhere
     health_interval_s: float = 2.0     # how often every worker's /health is polled
+    health_timeout_s: float = 5.0      # one /health probe's deadline (serving/health.py)
+    health_failures: int = 3           # consecutive missed probes before a worker is out (refused: at once)
     connect_timeout_s: float = 5.0     # opening a connection to a worker
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
 
@@ -330,13 +332,18 @@ def _router(d: dict) -> RouterSpec:
                    request_timeout_s=_get(d, "request_timeout_s", float, "router", 300.0),
                    context_timeout_s=_get(d, "context_timeout_s", float, "router", 120.0),
                    health_interval_s=_get(d, "health_interval_s", float, "router", 2.0),
+                   health_timeout_s=_get(d, "health_timeout_s", float, "router", 5.0),
+                   health_failures=_get(d, "health_failures", int, "router", 3),
                    connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
                    api_keys=_api_keys(d.get("api_keys", [])))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:
         raise ServeConfigError(f"router.port: {r.port} is not a TCP port")
-    for k in ("request_timeout_s", "context_timeout_s", "health_interval_s", "connect_timeout_s"):
+    if r.health_failures < 1:
+        raise ServeConfigError(f"router.health_failures: must be >= 1, got {r.health_failures}")
+    for k in ("request_timeout_s", "context_timeout_s", "health_interval_s", "health_timeout_s",
+              "connect_timeout_s"):
         if getattr(r, k) <= 0:
             raise ServeConfigError(f"router.{k}: must be > 0 seconds, got {getattr(r, k)}")
     return r if r.bind_host else RouterSpec(**{**r.__dict__, "bind_host": r.host})

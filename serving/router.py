@@ -40,6 +40,7 @@ from .auth import api_keys, install_api_keys, internal_headers
 from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
 from .fanout import Part, expand, merge, merge_streams
+from .health import HealthRule, probe
 from .inflight import Admission, in_flight
 from .metrics import RouterMetrics, render
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
@@ -79,6 +80,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
         self.client = make_client(cfg)
+        self._health = HealthRule(self.rc.health_failures)
         self._codec = None
         self.app = self._build_app()
 
@@ -122,16 +124,8 @@ class Router:
     def _tmo(self, left: float) -> httpx.Timeout:
         return httpx.Timeout(max(0.05, left), connect=min(self.rc.connect_timeout_s, max(0.05, left)))
 
-    async def _check(self, w: WorkerRef) -> None:
-        try:
-            tmo = self._tmo(min(2.0, self.rc.health_interval_s * 2))
-            r = await self.client.get(w.url + "/health", timeout=tmo)
-            w.mark(r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}")
-            cap = json_or_none(r.content)
-            cap = cap.get("capacity_tokens") if isinstance(cap, dict) else None
-            w.capacity_tokens = cap if type(cap) is int and cap > 0 else None
-        except httpx.HTTPError as e:
-            w.mark(False, f"/health: {type(e).__name__}")
+    async def _check(self, w: WorkerRef) -> None:  # the rule: serving/health.py
+        await probe(self.client, w, self._tmo(self.rc.health_timeout_s), self._health)
 
     async def _health_loop(self) -> None:
         while True:
