@@ -50,7 +50,7 @@ _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype":
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
-           "health_interval_s", "connect_timeout_s", "api_keys"}
+           "health_interval_s", "connect_timeout_s", "api_keys", "overlap"}
 _GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
 
 
@@ -87,8 +87,14 @@ class ServerSpec:
         from ..executor.transceiver_hook import hooked_executor_config  # only where an executor starts
 
         executor = {"enable_block_reuse": True, **self.executor}  # block reuse is on by default in serving
+        if self.role == "context" and "stream_layers" not in self.executor and \
+                not self.transceiver.get("staging_arena_bytes"):  # layer-wise streaming too (docs/overlap.md)
+            executor["stream_layers"] = DEFAULT_STREAM_LAYERS
         return hooked_executor_config(self.role, instance, run_dir, self.transceiver, model=model, tp=self.tp,
                                       pp=self.pp, layers_per_stage=self.layers_per_stage, **executor)
+
+
+DEFAULT_STREAM_LAYERS = 4  # serving's context executors mark layers ready every 4 (0 in the config: off)
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class RouterSpec:
     health_interval_s: float = 2.0     # how often every worker's /health is polled
     connect_timeout_s: float = 5.0     # opening a connection to a worker
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
+    overlap: bool = True               # tell the generation side of a request when its prefill starts
 
     @property
     def url(self) -> str:
@@ -331,7 +338,8 @@ def _router(d: dict) -> RouterSpec:
                    context_timeout_s=_get(d, "context_timeout_s", float, "router", 120.0),
                    health_interval_s=_get(d, "health_interval_s", float, "router", 2.0),
                    connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
-                   api_keys=_api_keys(d.get("api_keys", [])))
+                   api_keys=_api_keys(d.get("api_keys", [])),
+                   overlap=_get(d, "overlap", bool, "router", True))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:
