@@ -4,8 +4,9 @@ With router.overlap (the default) a context hop asks for the early handover (ove
 context worker answers NDJSON, line 1 as soon as the prefill is admitted (the request's generation_only
 disaggregated_params without the first token), line 2 when the prefill ended (the usual answer). On line 1
 the router posts POST /internal/prefetch to the generation worker it picked before the prefill, so the
-generation side allocates and pulls each layer group while the prefill runs; the usual generation hop then
-carries the first token and claims the prefetch.
+generation side allocates and pulls each layer group while the prefill runs. On line 2 it posts the first
+token straight away (POST /internal/join, a few hundred bytes: decoding starts), then the usual generation
+hop carries the request and claims the prefetch.
 
 Owns that hop's reading and its failure paths: anything that goes wrong after line 1 (the context worker
 dies, errs, or its deadline passes) first releases the prefetch on the generation worker (POST
@@ -73,6 +74,11 @@ async def context_early(router, request: Request, w: WorkerRef, path: str, body:
             if isinstance(final, dict) and "error" in final:
                 status = final.pop("status", 502)
                 return status if type(status) is int and 400 <= status < 600 else 502, final
+            dp = final.get("disaggregated_params") if isinstance(final, dict) else None
+            if isinstance(dp, dict):  # (line 2 leaves out the prompt's token ids: line 1 had them)
+                dp.setdefault("prompt_token_ids", handover.get("prompt_token_ids"))
+                if prefetched:  # decoding starts now, before the generation request is even sent
+                    await _join(router, gen_w, handover.get("ctx_params"), dp.get("first_token"))
             kb = final.get("kvbridge") if isinstance(final, dict) else None
             if isinstance(kb, dict):
                 kb["prefill_start_unix_ms"] = first.get("prefill_start_unix_ms")
@@ -138,6 +144,16 @@ async def _prefetch(router, request: Request, gen_w: WorkerRef, path: str, body:
                  r.status_code)
         return False
     return True
+
+
+async def _join(router, gen_w: WorkerRef, ctx_params: Any, first_token: Any) -> None:
+    """The first token to the prefetched request (best effort: the generation request joins it otherwise)."""
+    try:
+        await router.client.post(gen_w.url + "/internal/join", timeout=router._tmo(PREFETCH_TIMEOUT_S),
+                                 json={"ctx_params": ctx_params, "first_token": first_token})
+    except httpx.HTTPError as e:
+        log.info("router: join on %s failed (%s); the generation request joins it", gen_w.name,
+                 type(e).__name__)
 
 
 async def release_prefetch(router, gen_w: WorkerRef, dp: dict) -> None:

@@ -12,9 +12,10 @@ the context worker for an early handover (header x-kvbridge-handover: early) and
     router           on line 1 posts POST /internal/prefetch to the generation worker it already picked.
     generation       submits the request generation-only WITHOUT its first token (engine.py: overlap): its
                      blocks are allocated and its ranks fetch and read each layer group as the context ranks
-                     mark it ready. The later generation request (with the first token) claims it by handle
-                     and secret (`claim`): the first token joins (Executor.join) and decoding starts as soon as
-                     the KV is in too.
+                     mark it ready. On line 2 the router posts the first token at once (POST /internal/join:
+                     Executor.join; decoding starts as soon as the KV is in too), then sends the usual
+                     generation request, which claims the prefetch by handle and secret (`claim`) and follows
+                     it (line 2 leaves out the prompt's token ids: the router has them from line 1).
 
 Failure paths: a prefetch nobody claims is aborted at its deadline (the request's, at most the context hop's
 bound later) by the housekeeping loop, or at once by POST /internal/release on the generation worker (the
@@ -46,8 +47,7 @@ from .protocol import ApiError, DisaggRequest, parse_disagg, parse_request
 
 log = logging.getLogger("kvbridge.serving.overlap")
 
-__all__ = ["HANDOVER_HEADER", "Prefetches", "context_early", "prefetch", "claim", "release_prefetch",
-           "timing_extra"]
+__all__ = ["Prefetches", "context_early", "prefetch", "join", "claim", "release_prefetch", "timing_extra"]
 
 CLAIM_SLACK_S = 10.0  # a prefetch waits for its claim at most the context hop's bound plus this
 
@@ -58,6 +58,7 @@ class _Prefetched:
     secret: bytes
     key: tuple  # (prompt, max_tokens, sampling): a claim must match
     deadline: float
+    joined: int | None = None  # the first token, once POST /internal/join gave it
 
 
 class Prefetches:
@@ -72,12 +73,15 @@ class Prefetches:
     def add(self, handle: int, p: _Prefetched) -> None:
         self._by_handle[handle] = p
 
-    def take(self, handle: int, secret: bytes) -> _Prefetched | None:
-        """The prefetch of `handle` if `secret` is its secret (constant time), removed; else None."""
+    def get(self, handle: int, secret: bytes) -> _Prefetched | None:
+        """The prefetch of `handle` if `secret` is its secret (constant time); else None."""
         p = self._by_handle.get(handle)
-        if p is None or not hmac.compare_digest(p.secret, secret):
-            return None
-        return self._by_handle.pop(handle)
+        return p if p is not None and hmac.compare_digest(p.secret, secret) else None
+
+    def take(self, handle: int, secret: bytes) -> _Prefetched | None:
+        """`get`, removed from the table."""
+        p = self.get(handle, secret)
+        return None if p is None else self._by_handle.pop(handle)
 
     def expired(self, now: float) -> list[int]:
         """Executor ids of the prefetches whose deadline passed, removed."""
@@ -123,7 +127,9 @@ async def context_early(st, req, deadline: float, end) -> StreamingResponse:
                 return
             settled = True
             be.pin(rid)
-            yield _line(_context_answer(st, req, prompt, seed, res, t0))
+            answer = _context_answer(st, req, prompt, seed, res, t0)
+            answer["disaggregated_params"].pop("prompt_token_ids")  # the router has them from line 1
+            yield _line(answer)
             outcome = "ok"
         finally:
             if not settled:  # the router went away (or the deadline passed) before the prefill ended
@@ -200,17 +206,40 @@ def claim(st, d: DisaggRequest, prompt: list[int], max_tokens: int, sampling) ->
     if p is None:
         return None
     be = st.backend
-    if p.key != (tuple(prompt), max_tokens, sampling):
+    if p.key != (tuple(prompt), max_tokens, sampling) or p.joined not in (None, d.first_token):
         log.warning("%s: a prefetched request does not match its generation request; running it afresh",
                     st.spec.name)
         be.abort(p.rid)
         return None
+    if p.joined is not None:  # the router's join came first (the usual order)
+        return p.rid
     try:
         be.ex.join(p.rid, int(d.first_token))
     except KvBridgeError as e:
         be.abort(p.rid)
         raise be.error(e, "generation") from None
     return p.rid
+
+
+def join(st, body: Any) -> bool:
+    """POST /internal/join {"ctx_params": <the handover's>, "first_token": t}: the first token of a prefetched
+    request, sent by the router the moment the prefill ended, so decoding starts before the generation
+    request (which carries the whole prompt again) is even parsed. False when no such prefetch is here."""
+    if not isinstance(body, dict) or type(body.get("first_token")) is not int or body["first_token"] < 0:
+        raise ApiError(400, "join: expected {\"ctx_params\": {...}, \"first_token\": <token id>}")
+    try:
+        params = DisaggParams.from_dict(body.get("ctx_params"))
+    except KvBridgeError as e:
+        raise ApiError(400, f"join: ctx_params: {e}", code="invalid_disaggregated_params") from None
+    p = st.prefetched.get(params.ctx_request_id, params.secret)
+    if p is None or p.joined is not None:
+        return False
+    try:
+        st.backend.ex.join(p.rid, body["first_token"])
+    except KvBridgeError:
+        return False  # the executor failed: the generation request reports it
+    p.joined = body["first_token"]
+    return True
 
 
 def release_prefetch(st, d: Any) -> bool:

@@ -49,7 +49,8 @@ from .inflight import Admission
 from .metrics import WorkerMetrics, render
 from .context_side import (_context, _kv_bytes_per_token, _prompt_ids,  # noqa: F401
                            _sampling)
-from .overlap_worker import HANDOVER_HEADER, claim, context_early, prefetch, release_prefetch, timing_extra
+from .overlap_router import HANDOVER_HEADER
+from .overlap_worker import claim, context_early, join, prefetch, release_prefetch, timing_extra
 from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, add_common_routes, chunk,
                        logprobs_object, new_id, parse_request, read_json, response, sse, usage_chunk)
 from .stops import TextCutter
@@ -107,6 +108,7 @@ class WorkerApp:
         app.get("/debug/free_blocks")(self.free_blocks)
         app.post("/internal/release")(self.release)
         app.post("/internal/prefetch")(self.prefetch)
+        app.post("/internal/join")(self.join)
         app.get("/internal/kv_digests")(self.kv_digests)
 
         @app.post("/v1/completions")
@@ -149,6 +151,9 @@ class WorkerApp:
     async def prefetch(self, request: Request) -> JSONResponse:
         deadline = time.monotonic() + _timeout(request, self.st.cfg.router.request_timeout_s)
         return JSONResponse(await prefetch(self.st, await read_json(request), deadline))
+
+    async def join(self, request: Request) -> JSONResponse:
+        return JSONResponse({"joined": join(self.st, await read_json(request))})
 
     async def kv_digests(self, handle: str | None = None) -> dict:
         return await kv_digest_answer(self.st, handle)
