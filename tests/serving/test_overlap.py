@@ -10,12 +10,17 @@ hand-offs before the first read are a small part of it on any machine; layers ar
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import httpx
 import pytest
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 
-from .cluster import PATIENT, launch, sse_events, streamed_tokens, wait_pool_full
+from .cluster import PATIENT, free_blocks, launch, sse_events, streamed_tokens, wait_pool_full
 from .kvcheck import assert_kv_positional, handles_of
 
 MODEL = "seeded:tiny3,layers=16,hidden=384,ffn=1024,seed=7"
@@ -78,3 +83,45 @@ def test_overlapped_streams_and_short_prompts_answer_exactly(cluster, want):
     assert streamed_tokens(events) == want[1] and events[-1] == "[DONE]"
     assert wait_pool_full(cluster.cfg.context[0].url, BLOCKS, 1) == [BLOCKS]
     assert wait_pool_full(cluster.cfg.generation[0].url, BLOCKS, 1) == [BLOCKS]
+
+
+@pytest.fixture(scope="module")
+def two_contexts(tmp_path_factory):
+    cfg = {**CFG, "context_servers": {**CFG["context_servers"], "instances": 2},
+           "router": {**CFG["router"], "policy": "round_robin", "health_interval_s": 0.5}}
+    c = launch(cfg, str(tmp_path_factory.mktemp("logs2")))
+    yield c
+    c.stop()
+
+
+def test_a_context_worker_killed_after_the_handover_costs_nothing(two_contexts, want):
+    """kill -9 of the context worker while it prefills a request the generation worker already took (its
+    blocks allocated for the prefetch): the router releases the prefetch, runs the request on the other
+    context worker, and the answer is exact; the generation pool ends full."""
+    c = two_contexts
+    gen = c.cfg.generation[0].url
+    box: dict = {}
+
+    def ask():
+        box["r"] = httpx.post(c.router_url + "/v1/completions", timeout=300,
+                              json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+
+    t = threading.Thread(target=ask)
+    t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while free_blocks(gen) == [BLOCKS]:  # the prefetch holds blocks once the handover reached gen0
+            assert time.monotonic() < deadline and t.is_alive(), "the generation worker never took the request"
+            time.sleep(0.05)
+        busy = [w for w in c.cfg.context
+                if httpx.get(w.url + "/health", headers=c.headers, timeout=10).json()["in_flight"]]
+        assert len(busy) == 1
+        victim = next(ch for ch in c.children if ch.url == busy[0].url)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+    finally:
+        t.join(300)
+    r = box["r"]
+    assert r.status_code == 200, r.text
+    kb = r.json()["kvbridge"]
+    assert kb["token_ids"] == want[0] and kb["context_worker"] != victim.name
+    assert wait_pool_full(gen, BLOCKS, 1) == [BLOCKS]
