@@ -11,6 +11,7 @@ BENCHES = {  # name: (module, one line)
     "control": ("kvbridge.bench.control", "the control plane's cost per request (p50/p99, requests/s)"),
     "prefix": ("kvbridge.bench.prefix", "multi-turn chat through the router, prefix reuse on vs off"),
     "soak": ("kvbridge.bench.soak", "the reliability soak: mutated frames, a hammered live rank, requests"),
+    "serve": ("kvbridge.bench.serve", "TTFT aggregated vs disaggregated through router and workers, overlap on/off"),
 }
 
 

@@ -58,6 +58,8 @@ def leader_loop(run, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
             plan = StepPlan.empty(eng.step, free_before=run.kv.get_num_free_blocks())
         else:
             plan = replace(eng.next_plan(), free_before=run.kv.get_num_free_blocks())
+            for ev in eng.take_started():  # overlap: the parent hands the request over while it prefills
+                pipes.send(ev)
             if post:
                 plan = replace(plan, post=plan.post + tuple(post))
         run.comm.broadcast_plan(plan.encode())
@@ -150,6 +152,7 @@ def _write(eng: Engine, c: pm.WriteKv, post: list) -> None:
 
 _COMMANDS = {
     pm.Add: _add,
+    pm.Join: lambda eng, c, post: eng.join(c.rid, c.first_token),
     pm.KvReady: lambda eng, c, post: eng.kv_ready(c.rid),
     pm.Release: lambda eng, c, post: eng.release(c.rid),
     pm.Abort: lambda eng, c, post: eng.abort(c.rid),

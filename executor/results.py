@@ -74,6 +74,7 @@ class ContextResult:
     first_token: int
     reused_tokens: int = 0  # leading prompt tokens served from the prefix cache (not computed)
     first_logprob: TokenLogprob | None = None  # when the sampling params asked for logprobs
+    prefill_end: float = 0.0  # unix seconds: the prefill's step ended (its forward and sampling)
 
 
 @dataclass(frozen=True)
@@ -94,3 +95,4 @@ class Completion:
     loaded_tokens: int = 0  # prompt tokens whose KV the KV connector loaded instead of computing them
     reused_tokens: int = 0  # prompt tokens served from this executor's prefix cache (block reuse)
     logprobs: tuple[TokenLogprob, ...] = ()  # of each token sampled by this executor, when asked for
+    decode_at: float = 0.0  # generation-only: unix seconds when it started decoding (KV and first token in)

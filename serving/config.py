@@ -50,7 +50,8 @@ _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype":
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
-           "health_interval_s", "health_timeout_s", "health_failures", "connect_timeout_s", "api_keys"}
+           "health_interval_s", "health_timeout_s", "health_failures", "connect_timeout_s", "api_keys",
+           "overlap"}
 _GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
 
 
@@ -87,8 +88,14 @@ class ServerSpec:
         from ..executor.transceiver_hook import hooked_executor_config  # only where an executor starts
 
         executor = {"enable_block_reuse": True, **self.executor}  # block reuse is on by default in serving
+        if self.role == "context" and "stream_layers" not in self.executor and \
+                not self.transceiver.get("staging_arena_bytes"):  # layer-wise streaming too (docs/overlap.md)
+            executor["stream_layers"] = DEFAULT_STREAM_LAYERS
         return hooked_executor_config(self.role, instance, run_dir, self.transceiver, model=model, tp=self.tp,
                                       pp=self.pp, layers_per_stage=self.layers_per_stage, **executor)
+
+
+DEFAULT_STREAM_LAYERS = 4  # serving's context executors mark layers ready every 4 (0 in the config: off)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,7 @@ class RouterSpec:
     health_failures: int = 3           # consecutive missed probes before a worker is out (refused: at once)
     connect_timeout_s: float = 5.0     # opening a connection to a worker
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
+    overlap: bool = True               # tell the generation side of a request when its prefill starts
 
     @property
     def url(self) -> str:
@@ -335,7 +343,8 @@ def _router(d: dict) -> RouterSpec:
                    health_timeout_s=_get(d, "health_timeout_s", float, "router", 5.0),
                    health_failures=_get(d, "health_failures", int, "router", 3),
                    connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
-                   api_keys=_api_keys(d.get("api_keys", [])))
+                   api_keys=_api_keys(d.get("api_keys", [])),
+                   overlap=_get(d, "overlap", bool, "router", True))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:

@@ -43,6 +43,7 @@ from .fanout import Part, expand, merge, merge_streams
 from .health import HealthRule, probe
 from .inflight import Admission, in_flight
 from .metrics import RouterMetrics, render
+from .overlap_router import ContextFailed, context_early, release_prefetch
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
 from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
 
@@ -205,13 +206,15 @@ class Router:
         avoid: set[str] = set()
         for attempt in range(MAX_HANDOVERS):
             gen_w = self._pick_generation(body)
-            ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid)
+            ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid, gen_w)
             gen_body = {**body, "disaggregated_params": ctx_data["disaggregated_params"]}
             try:
                 return await self._generation_hop(request, path, gen_body, stream, deadline, gen_w,
                                                   decoration(ctx_data, ctx_w))
             except ApiError as e:
                 await self._release(ctx_w, ctx_data)
+                if (ctx_data.get("kvbridge") or {}).get("overlap"):  # its prefetch, if not claimed
+                    await release_prefetch(self, gen_w, ctx_data["disaggregated_params"])
                 last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
                 if e.code not in RERUN_CODES or last:
                     raise
@@ -239,8 +242,9 @@ class Router:
 
     # --- hops -----------------------------------------------------------------------------------------
     async def _context_hop(self, request: Request, path: str, body: dict, deadline: float,
-                           avoid: set[str]) -> tuple[dict, WorkerRef]:
-        """Prefill on a context worker (one not in `avoid` if any is left); retried on another on failure."""
+                           avoid: set[str], gen_w: WorkerRef) -> tuple[dict, WorkerRef]:
+        """Prefill on a context worker (one not in `avoid` if any is left); retried on another on failure.
+        With router.overlap, `gen_w` is told of the request as its prefill starts (overlap_router.py)."""
         tried: set[str] = set()
         errors: list[str] = []
         while True:
@@ -252,20 +256,24 @@ class Router:
             if tried:
                 self.metrics.retries.inc()
             tried.add(w.name)
+            hop = min(left, self.rc.context_timeout_s)
             try:
-                r = await self._post_context(request, w, path, body, min(left, self.rc.context_timeout_s))
-            except _HopFailed as e:
+                if self.rc.overlap:
+                    status, data = await context_early(self, request, w, path, body, hop, gen_w)
+                else:
+                    r = await self._post_context(request, w, path, body, hop)
+                    status, data = r.status_code, json_or_none(r.content)
+            except (_HopFailed, ContextFailed) as e:
                 errors.append(str(e))
                 continue
-            data = json_or_none(r.content)
             handed_over = isinstance(data, dict) and isinstance(data.get("disaggregated_params"), dict)
-            if r.status_code == 200 and handed_over:
+            if status == 200 and handed_over:
                 return data, w
-            if 400 <= r.status_code < 500 and r.status_code != 429:
-                raise ApiError.from_body(r.status_code, data, f"context worker {w.name}: ")
-            if r.status_code == 503:
+            if 400 <= status < 500 and status != 429:
+                raise ApiError.from_body(status, data, f"context worker {w.name}: ")
+            if status == 503:
                 w.mark(False, "503")
-            errors.append(f"{w.name}: {ApiError.from_body(r.status_code, data).message}")
+            errors.append(f"{w.name}: {ApiError.from_body(status, data).message}")
 
     async def _post_context(self, request: Request, w: WorkerRef, path: str, body: dict,
                             hop: float) -> httpx.Response:

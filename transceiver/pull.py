@@ -209,6 +209,7 @@ class Pull:
         remote = leg.remote
         if leg.remote_slot >= 0:  # staged: the whole packed piece is one descriptor
             if not leg.handles:
+                self.marks.setdefault("first_read_unix", time.time())
                 one = np.ones(1, dtype=np.int64)
                 leg.handles.append(agent.read(
                     leg.peer_name, DescriptorList(one * leg.slot, one * leg.slot_bytes, local.kind, local.device),
@@ -228,6 +229,7 @@ class Pull:
         frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens,
                                       self.from_token)
         self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + time.monotonic() - t0
+        self.marks.setdefault("first_read_unix", time.time())
         h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
                        DescriptorList(frags.src, frags.length, remote.kind, remote.device))
         leg.handles.append(h)
@@ -263,5 +265,7 @@ class Pull:
         if "read_done" in self.marks and "fetched" in self.marks:
             t["read"] = (self.marks["read_done"] - self.marks["fetched"]) * 1e3
             t["confirm"] = (end - self.marks["read_done"]) * 1e3
+        if "first_read_unix" in self.marks:  # a wall-clock time (ms since the epoch), comparable across hosts'
+            t["first_read_unix_ms"] = self.marks["first_read_unix"] * 1e3  # synchronised clocks: overlap proofs
         ok = self.state is PullState.DONE and not self.error
         return ReceiveResult(self.request_id, ok, self.error, self.error_type, self.nbytes, self.fragments, agents, t)
