@@ -47,11 +47,14 @@ def _rank(conn, role: str, tp: int, rank: int, device: int, instance: str, cfg: 
 
     from kvbridge.transceiver import CacheTransceiver, TransceiverConfig
 
-    torch.cuda.set_device(device)
+    where = "cpu" if device < 0 else f"cuda:{device}"  # device -1: host memory (a smoke run without GPUs)
+    if device >= 0:
+        torch.cuda.set_device(device)
     layout = _layout(tp)
-    pool = torch.empty(layout.block_bytes(rank) * NB, dtype=torch.uint8, device=f"cuda:{device}")
+    pool = torch.empty(layout.block_bytes(rank) * NB, dtype=torch.uint8, device=where)
     _fill(pool, (1 + rank) << 40 if role == "context" else 7 << 40)
-    torch.cuda.synchronize()
+    if device >= 0:
+        torch.cuda.synchronize()
     make = CacheTransceiver.context if role == "context" else CacheTransceiver.generation
     tr = make(pool, layout, rank, NB, TransceiverConfig(**cfg), instance=instance)
     conn.send(tr.endpoint if role == "context" else "ready")
@@ -113,12 +116,12 @@ class _Proc:
             self.p.kill()
 
 
-def run_split(ctx_tp: int, gen_tp: int, cfg: dict, requests: int) -> list[dict]:
+def run_split(ctx_tp: int, gen_tp: int, cfg: dict, requests: int, cpu: bool = False) -> list[dict]:
     from kvbridge.transceiver import DisaggParams
 
     inst = f"direct-ctx-{time.monotonic_ns()}"
-    ctx = [_Proc("context", ctx_tp, r, 1, inst, cfg) for r in range(ctx_tp)]
-    gen = [_Proc("generation", gen_tp, r, 0, "direct-gen", cfg) for r in range(gen_tp)]
+    ctx = [_Proc("context", ctx_tp, r, -1 if cpu else 1, inst, cfg) for r in range(ctx_tp)]
+    gen = [_Proc("generation", gen_tp, r, -1 if cpu else 0, "direct-gen", cfg) for r in range(gen_tp)]
     rows = []
     try:
         endpoints = tuple(p.ready().hello for p in ctx)
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--splits", default="2:1,1:2", help="ctx_tp:gen_tp pairs")
     ap.add_argument("--option", action="append", default=[], help="agent option key=value (repeatable)")
+    ap.add_argument("--cpu", action="store_true", help="pools in host memory (a smoke run of the harness)")
     ap.add_argument("--json", help="append the rows here (JSON lines)")
     args = ap.parse_args(argv)
     cfg = {"agents": (args.agent,), "transfer_timeout_s": 120, "lease_s": 60, "heartbeat_s": 1, "verify": True}
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for split in args.splits.split(","):
         c, g = (int(x) for x in split.split(":"))
-        rows += run_split(c, g, cfg, args.requests)
+        rows += run_split(c, g, cfg, args.requests, args.cpu)
     for c, g in {(r["ctx_tp"], r["gen_tp"]) for r in rows}:
         later = [r for r in rows if (r["ctx_tp"], r["gen_tp"]) == (c, g) and r["request"] > 1 and r["ok"]]
         if later:

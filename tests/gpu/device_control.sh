@@ -21,8 +21,9 @@ for round in ${ROUNDS:-1 2}; do
       --window 64 --json $R/control_${side}_$round.json 2>&1 | tail -4; keep
   done
 done
-if [ -n "${CONTROL_VARIANTS:-}" ]; then  # new code only: the classic pull, the polling owner
-  for v in "--no-read-ahead" "--owner poll"; do
+if [ -n "${CONTROL_VARIANTS:-}" ]; then  # new code only, e.g. "--no-read-ahead|--owner poll"
+  IFS='|' read -ra VS <<< "$CONTROL_VARIANTS"
+  for v in "${VS[@]}"; do
     echo "== new control $v"
     PYTHONPATH=$(pp new) timeout 120 python3 -m kvbridge.bench control --gens 1 --requests 2000 --window 64 $v 2>&1 | tail -2
   done
@@ -32,13 +33,20 @@ if [ -n "${RECORD_GENS:-}" ]; then  # the run of record (bench/results/control.j
   PYTHONPATH=$(pp new) timeout 200 python3 -m kvbridge.bench control --gens $RECORD_GENS --requests 3000 --window 64 \
     --json $R/control.json 2>&1 | tail -6; keep
 fi
+if [ -n "${TRACE:-}" ]; then  # per-hop time stamps of one request at a time
+  for side in base new; do
+    echo "== $side control trace"
+    PYTHONPATH=$(pp $side) timeout 90 python3 "$NEWSRC/bench/control_trace.py" --requests 300 2>&1 | tail -16 \
+      | tee $R/trace_$side.txt; keep
+  done
+fi
 for side in base new; do
   echo "== $side direct ($DIRECT)"
-  PYTHONPATH=$(pp $side) timeout 200 python3 "$DIRECT" --requests 4 --json $R/direct.jsonl 2>&1 | grep -v '^{'; keep
+  PYTHONPATH=$(pp $side) timeout 200 python3 "$DIRECT" --requests ${REQUESTS:-3} --json $R/direct.jsonl 2>&1 | grep -v '^{'; keep
 done
 for opt in ${DIRECT_OPTIONS:-}; do
   echo "== new direct --option $opt"
-  PYTHONPATH=$(pp new) timeout 200 python3 "$DIRECT" --requests 4 --option $opt --json $R/direct.jsonl 2>&1 | grep -v '^{'; keep
+  PYTHONPATH=$(pp new) timeout 200 python3 "$DIRECT" --requests ${REQUESTS:-3} --option $opt --json $R/direct.jsonl 2>&1 | grep -v '^{'; keep
 done
 for side in base new; do
   echo "== $side transfer_cuda"
