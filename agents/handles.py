@@ -142,14 +142,9 @@ class TransferHandle(_Releasable, ABC):
 
 
 def chunk_bounds(n: int, chunk: int) -> list[int]:
-    """End offsets of pipelined chunks: a first chunk of chunk/8 (data moves early), each next one twice the one
-    before up to `chunk` (so each is prepared while the one before moves: no gap after a small first one)."""
-    out, end, size = [], 0, max(1, chunk // 8)
-    while end + size < n:
-        end += size
-        out.append(end)
-        size = min(chunk, 2 * size)
-    return out + [n]
+    """End offsets of pipelined chunks: a first chunk of chunk/8 (data moves early), then `chunk` each."""
+    first = max(1, chunk // 8)
+    return [first] + list(range(first + chunk, n, chunk)) + [n] if n > first else [n]
 
 
 def settle_all(parts: list["TransferHandle"], timeout: float = 30.0) -> None:

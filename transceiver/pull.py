@@ -31,25 +31,7 @@ from .fsm import move
 
 log = logging.getLogger("kvbridge.transceiver.receiver")
 
-__all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult", "layer_groups"]
-
-_PIPELINE_MIN = 4096  # layers x blocks from which a read goes out in growing layer groups
-
-
-def layer_groups(start: int, stop: int, blocks: int) -> list[tuple[int, int]]:
-    """The layer ranges [lo, hi) a read of layers [start, stop) over `blocks` blocks is planned and posted in,
-    one after another. A small read is one range. A large one goes out as 1, 2, 4, ... layers (the last takes
-    the rest): the first copy starts after planning one layer instead of all, and each next group is planned
-    and posted while the one before copies (host work per layer is a fraction of the copy's)."""
-    n = stop - start
-    if n < 4 or n * blocks < _PIPELINE_MIN:
-        return [(start, stop)]
-    out, lo, size = [], start, 1
-    while lo < stop:
-        hi = stop if stop - lo < 3 * size else lo + size
-        out.append((lo, hi))
-        lo, size = hi, size * 2
-    return out
+__all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult"]
 
 
 class PullState(str, Enum):
@@ -250,19 +232,19 @@ class Pull:
         start = max(leg.read_upto, leg.piece.layers.start)
         if ready_stop <= start:
             return
-        for lo, hi in layer_groups(start, ready_stop, self.blocks.size):  # the copy starts after one layer's plan
-            t0 = time.monotonic()
-            frags: Fragments = plan_piece(Piece(leg.ctx_rank, range(lo, hi), leg.piece.heads), remote, local,
-                                          leg.ctx_blocks, self.blocks, self.num_tokens, self.from_token)
-            t1 = time.monotonic()
-            leg.handles.append(agent.read(leg.peer_name,
-                                          DescriptorList(frags.dst, frags.length, local.kind, local.device),
-                                          DescriptorList(frags.src, frags.length, remote.kind, remote.device)))
-            self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + t1 - t0
-            self.marks["post_s"] = self.marks.get("post_s", 0.0) + time.monotonic() - t1
-            leg.read_upto = hi
-            self.nbytes += frags.nbytes
-            self.fragments += len(frags)
+        sub = Piece(leg.ctx_rank, range(start, ready_stop), leg.piece.heads)
+        t0 = time.monotonic()
+        frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens,
+                                      self.from_token)
+        t1 = time.monotonic()
+        h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
+                       DescriptorList(frags.src, frags.length, remote.kind, remote.device))
+        self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + t1 - t0
+        self.marks["post_s"] = self.marks.get("post_s", 0.0) + time.monotonic() - t1
+        leg.handles.append(h)
+        leg.read_upto = ready_stop
+        self.nbytes += frags.nbytes
+        self.fragments += len(frags)
 
     def release(self, arena, unpack_timeout_s: float) -> None:
         """Terminal: release every transfer handle and free the staging slots into `arena`; a slot whose
