@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+
 import numpy as np
 import zmq
 
@@ -38,8 +39,6 @@ from .receiver_work import PullFinisher, StagingPolicy
 log = logging.getLogger(__name__)
 
 __all__ = ["Receiver", "ReceiveResult"]
-
-
 
 _POLLED = frozenset({PullState.READ, PullState.DRAIN})  # states whose step polls transfer handles every tick
 _SWEEP_S = 0.005  # every pull is stepped at least this often

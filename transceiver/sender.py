@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 import uuid
+
 import numpy as np
 import zmq
 
