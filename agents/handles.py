@@ -17,9 +17,6 @@ from typing import Callable, Protocol
 from ..errors import TransferFailed, TransferTimeout
 from .memory import MemoryRegion, XferState
 
-_SPIN_S = 0.02  # `wait` spins (yielding) this long before it backs off: a transfer of milliseconds is seen
-# the moment it ends, not up to a sleep later
-
 __all__ = ["Registration", "TransferHandle", "FutureTransfer", "ChunkedTransfer", "chunk_bounds", "settle_all"]
 
 
@@ -117,8 +114,8 @@ class TransferHandle(_Releasable, ABC):
             timeout: seconds to wait at most (required: no unbounded waits in kvbridge).
             poll_interval: seconds to sleep between polls; 0 spins with a yield (lowest latency).
         """
-        start = time.monotonic()
-        deadline = start + max(0.0, float(timeout))
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        spins = 0
         while True:
             st = self.state()
             if st is XferState.DONE:
@@ -126,16 +123,16 @@ class TransferHandle(_Releasable, ABC):
             if st is XferState.FAILED:
                 raise TransferFailed(f"transfer of {self.nbytes} bytes in {self.num_descriptors} descriptors "
                                      f"failed: {self.error or 'backend reported an error'}")
-            now = time.monotonic()
-            if now >= deadline:
+            if time.monotonic() >= deadline:
                 raise TransferTimeout(f"transfer of {self.nbytes} bytes in {self.num_descriptors} descriptors "
                                       f"not done after {timeout:.3g} s")
+            spins += 1
             if poll_interval > 0:
                 time.sleep(poll_interval)
-            elif now - start > _SPIN_S:
-                time.sleep(50e-6)  # a long wait backs off (each sleep costs ~100 us of latency)
+            elif spins > 1000:
+                time.sleep(50e-6)  # back off after a burst of spinning; keeps the GIL available
             else:
-                time.sleep(0)  # yields the GIL
+                time.sleep(0)
 
     def _do_release(self) -> None:
         pass
