@@ -227,6 +227,7 @@ class CudaIpcAgent(TransferAgent):
         kernel: the copy kernel variant (CopyKernel.ANY; ALIGNED only where every fragment is 16-byte
             aligned on both ends, as in benchmarks).
         timing: time each transfer on the GPU (descriptor upload + kernel) into `handle.gpu_seconds`.
+        post_chunk: descriptors per pipelined kernel (None: the class default); for tuning and tests.
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -243,8 +244,12 @@ class CudaIpcAgent(TransferAgent):
     post_chunk = 32768
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
-                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False) -> None:
+                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
+        if post_chunk is not None:
+            if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
+                raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
+            self.post_chunk = post_chunk
         super().__init__(name)
         self._kvb_regions = FastRegionTable()  # the base class's table, same checks, faster for one pool
         drv.load()
