@@ -11,7 +11,8 @@ anything and never touches the network.
                                         # kv_digests: true records positional KV digests (tests, debugging;
                                         # served by a worker's GET /internal/kv_digests?handle=H)
     transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
-    router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded, prefix_aware
+    router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded,
+                                        # prefix_aware, kv_aware (+ kv_aware: {...}: docs/routing.md)
     internal_token: null       # workers on other hosts: the deployment's token (or KVBRIDGE_INTERNAL_TOKEN)
     insecure: false            # true: a worker without a token may listen on a non-loopback address
     keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)
@@ -37,7 +38,7 @@ from ..transceiver.config import TransceiverConfig
 __all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_config", "ROLES", "POLICIES"]
 
 ROLES = ("context", "generation")
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 FAILURE_MODES = ("fail", "recompute")
 EXIT_POLICIES = ("restart", "stop")
 
@@ -50,7 +51,7 @@ _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype":
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
-           "health_interval_s", "connect_timeout_s", "api_keys"}
+           "health_interval_s", "connect_timeout_s", "api_keys", "kv_aware"}
 _GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
 
 
@@ -104,6 +105,7 @@ class RouterSpec:
     health_interval_s: float = 2.0     # how often every worker's /health is polled
     connect_timeout_s: float = 5.0     # opening a connection to a worker
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
+    kv_aware: dict = field(default_factory=dict)  # policy kv_aware's settings (serving/kv_policy.py)
 
     @property
     def url(self) -> str:
@@ -331,7 +333,7 @@ def _router(d: dict) -> RouterSpec:
                    context_timeout_s=_get(d, "context_timeout_s", float, "router", 120.0),
                    health_interval_s=_get(d, "health_interval_s", float, "router", 2.0),
                    connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
-                   api_keys=_api_keys(d.get("api_keys", [])))
+                   api_keys=_api_keys(d.get("api_keys", [])), kv_aware=_kv_aware(d.get("kv_aware")))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:
@@ -340,6 +342,12 @@ def _router(d: dict) -> RouterSpec:
         if getattr(r, k) <= 0:
             raise ServeConfigError(f"router.{k}: must be > 0 seconds, got {getattr(r, k)}")
     return r if r.bind_host else RouterSpec(**{**r.__dict__, "bind_host": r.host})
+
+
+def _kv_aware(v: Any) -> dict:
+    from .kv_policy import parse_settings  # checked here, so a bad setting stops `serve --check`
+
+    return parse_settings(v)
 
 
 def _api_keys(v: Any) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
 from .fanout import Part, expand, merge, merge_streams
 from .inflight import Admission, in_flight
+from .kv_policy import KvRouting
 from .metrics import RouterMetrics, render
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
 from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
@@ -80,6 +81,7 @@ class Router:
         self.admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
         self.client = make_client(cfg)
         self._codec = None
+        self.kv = KvRouting(cfg) if self.rc.policy == "kv_aware" else None  # by the workers' KV events
         self.app = self._build_app()
 
     # --- application ----------------------------------------------------------------------------------
@@ -92,6 +94,8 @@ class Router:
             finally:
                 task.cancel()
                 await self.client.aclose()
+                if self.kv is not None:
+                    self.kv.close()
 
         app = FastAPI(title="kvbridge router", docs_url=None, redoc_url=None, lifespan=lifespan)
         install_api_keys(app, self.cfg, api_keys(self.cfg))  # /v1/* needs a key when any is configured
@@ -130,8 +134,12 @@ class Router:
             cap = json_or_none(r.content)
             cap = cap.get("capacity_tokens") if isinstance(cap, dict) else None
             w.capacity_tokens = cap if type(cap) is int and cap > 0 else None
+            if self.kv is not None:
+                self.kv.on_health(w, json_or_none(r.content) if r.status_code == 200 else None)
         except httpx.HTTPError as e:
             w.mark(False, f"/health: {type(e).__name__}")
+            if self.kv is not None:
+                self.kv.on_health(w, None)
 
     async def _health_loop(self) -> None:
         while True:
@@ -209,13 +217,16 @@ class Router:
         """One choice: capacity check, context hop, generation hop; a failed KV pull runs it again from
         another context worker. Returns the answer (dict) or, streaming, an iterator of event objects."""
         avoid: set[str] = set()
+        route: dict | None = {"policy": "kv_aware"} if self.kv is not None else None
         for attempt in range(MAX_HANDOVERS):
-            gen_w = self._pick_generation(body)
-            ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid)
+            gen_w = self._pick_generation(body, route)
+            ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid, route)
             gen_body = {**body, "disaggregated_params": ctx_data["disaggregated_params"]}
+            deco = decoration(ctx_data, ctx_w)
+            if route is not None:
+                deco["route"] = {k: v for k, v in route.items() if k != "tokens"}
             try:
-                return await self._generation_hop(request, path, gen_body, stream, deadline, gen_w,
-                                                  decoration(ctx_data, ctx_w))
+                return await self._generation_hop(request, path, gen_body, stream, deadline, gen_w, deco)
             except ApiError as e:
                 await self._release(ctx_w, ctx_data)
                 last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
@@ -227,10 +238,14 @@ class Router:
                 self.metrics.retries.inc()
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _pick_generation(self, body: dict) -> WorkerRef:
+    def _pick_generation(self, body: dict, route: dict | None = None) -> WorkerRef:
         """A healthy generation worker whose pool can hold what is known of the request before the prefill
         (max_tokens, and a token-id prompt's length); 503 when none is healthy, 400 when it cannot fit."""
-        w = self.gen.pick(key=routing_key(body), healthy_only=True)
+        if route is not None:  # kv_aware: `route` collects the decisions (kvbridge.route of the answer)
+            route["tokens"] = self.kv.tokens(body)
+            w, route["generation"] = self.kv.pick(self.gen, "generation", route["tokens"], healthy_only=True)
+        else:
+            w = self.gen.pick(key=routing_key(body), healthy_only=True)
         if w is None:
             raise ApiError(503, f"no generation worker is healthy ({self.gen.describe()}); nothing was "
                                 f"prefilled", "server_error", "no_generation_worker", retry_after=2)
@@ -245,13 +260,19 @@ class Router:
 
     # --- hops -----------------------------------------------------------------------------------------
     async def _context_hop(self, request: Request, path: str, body: dict, deadline: float,
-                           avoid: set[str]) -> tuple[dict, WorkerRef]:
+                           avoid: set[str], route: dict | None = None) -> tuple[dict, WorkerRef]:
         """Prefill on a context worker (one not in `avoid` if any is left); retried on another on failure."""
         tried: set[str] = set()
         errors: list[str] = []
         while True:
             key = routing_key(body)
-            w = self.ctx.pick(tried | avoid, key) or self.ctx.pick(tried, key)
+            if route is not None:
+                for ex in (tried | avoid, tried):
+                    w, route["context"] = self.kv.pick(self.ctx, "context", route.get("tokens"), ex)
+                    if w is not None:
+                        break
+            else:
+                w = self.ctx.pick(tried | avoid, key) or self.ctx.pick(tried, key)
             left = deadline - time.monotonic()
             if w is None or left <= 0:
                 raise _no_context(errors, self.ctx.describe(), left <= 0)
@@ -263,6 +284,9 @@ class Router:
             except _HopFailed as e:
                 errors.append(str(e))
                 continue
+            finally:
+                if route is not None:
+                    self.kv.settle(w, route.get("context"))
             data = json_or_none(r.content)
             handed_over = isinstance(data, dict) and isinstance(data.get("disaggregated_params"), dict)
             if r.status_code == 200 and handed_over:

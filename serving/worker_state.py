@@ -75,6 +75,7 @@ class WorkerState:
     started: float = field(default_factory=time.time)
     failed: str | None = None
     digests: DigestIndex = field(default_factory=DigestIndex)
+    kv_events: dict | None = None  # {pub, replay, incarnation}: its KV event endpoints (kv_worker.py)
 
     def record_handle(self, handle: int, request_id: int) -> None:
         """Remember a disaggregated request's wire handle (only when its executor records KV digests)."""
