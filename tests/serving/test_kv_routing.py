@@ -1,0 +1,94 @@
+"""`policy: kv_aware` through real serving processes (2 context workers, 1 generation worker, tcp agent): the
+turns of a conversation go where its history is cached (the decision and its inputs in `kvbridge.route`),
+answers equal aggregated decoding, the router's metrics show its index, and an index fed from the workers'
+advertised endpoints (/health, with the internal token) equals every worker's own dump, evictions included."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+from kvbridge.executor.kv_events import derive_secret
+from kvbridge.serving.kv_index import KvIndex
+from kvbridge.serving.kv_subscriber import KvEventsClient
+
+from .cluster import HEADERS, MODEL, PATIENT, TOKEN, launch, reference
+
+TPB = 4
+CFG = {
+    "model": MODEL,
+    "executor": {"num_blocks": 40, "tokens_per_block": TPB, "threads_per_rank": 1, "timeout_s": 120},
+    "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
+    "router": {"port": 0, "request_timeout_s": 120, "policy": "kv_aware", "health_interval_s": 0.5},
+    "context_servers": {"instances": 2, "tp": 1},
+    "generation_servers": {"instances": 1, "tp": 1},
+}
+ANSWER = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = launch(CFG, str(tmp_path_factory.mktemp("logs")))
+    yield c
+    c.stop()
+
+
+def _ask(router: str, prompt: list[int]) -> dict:
+    r = httpx.post(router + "/v1/completions", json={"prompt": prompt, "max_tokens": ANSWER, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["kvbridge"]
+
+
+def test_turns_of_a_conversation_follow_their_cache_and_answers_equal_aggregated(cluster):
+    rng = random.Random(5)
+    convs = [[rng.randrange(1, 200) for _ in range(4 * TPB + 1)] for _ in range(3)]
+    sent, got, first = [], [], {}
+    for turn in range(3):
+        for c, prompt in enumerate(convs):
+            kb = _ask(cluster.router_url, prompt)
+            route = kb["route"]
+            ctx = route["context"]
+            assert set(ctx["candidates"]) == {s.name for s in cluster.cfg.context} and ctx["prompt_tokens"] == \
+                len(prompt)
+            if turn == 0:
+                first[c] = ctx["worker"]
+            else:  # its history is cached where it went first; the other worker holds none of it
+                assert ctx["worker"] == first[c], route
+                assert ctx["candidates"][ctx["worker"]]["hit_tokens"] + \
+                    ctx["candidates"][ctx["worker"]]["spec_tokens"] >= (len(prompt) - 2 * TPB) // TPB * TPB
+            sent.append(prompt)
+            got.append(kb["token_ids"])
+            convs[c] = prompt + kb["token_ids"] + [rng.randrange(1, 200) for _ in range(3)]
+    assert got == reference(sent, ANSWER)
+    metrics = httpx.get(cluster.router_url + "/metrics", timeout=30).text
+    assert 'kvbridge_router_kv_index{what="entries"}' in metrics
+    assert 'kvbridge_router_kv_tokens_total{kind="hit",role="context"}' in metrics
+
+
+def test_an_index_from_the_advertised_endpoints_equals_every_workers_dump(cluster):
+    client = KvEventsClient(KvIndex(), derive_secret(TOKEN), replay_timeout_s=10)
+    try:
+        names = []
+        for s in cluster.cfg.context + cluster.cfg.generation:
+            h = httpx.get(s.url + "/health", headers=HEADERS, timeout=30).json()
+            client.sync_worker(s.name, h["kv_events"])
+            names.append(s.name)
+        rng = random.Random(11)
+        for _ in range(12):  # 40-block pools: these prompts overflow them, so blocks are evicted
+            _ask(cluster.router_url, [rng.randrange(1, 200) for _ in range(rng.randrange(9, 40))])
+        for name in names:
+            deadline = time.monotonic() + 60
+            while True:
+                d = client._ask(client._conns[name], {"op": "dump"}) if name in client._conns else None
+                truth = {bytes(b[0]): b[1] for b in d["blocks"]} if d else None
+                if d and client.last_seq(name) == d["seq"] and client.index.blocks_of(name) == truth:
+                    break
+                assert time.monotonic() < deadline, f"{name}: the index never matched the worker's dump"
+                time.sleep(0.1)
+        assert client.stats["rejected"] == 0 and client.stats["batches"] > 0
+    finally:
+        client.close()
