@@ -120,6 +120,10 @@ class KVEventPublisher:
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:  # nobody will snapshot the tree any more: waiting dumps fail now, not in 10 s
+            waiting, self._dumps = self._dumps, []
+        for ev, _box in waiting:
+            ev.set()
         self._thread.join(timeout=2 * POLL_MS / 1000 + DUMP_WAIT_S)
         self._pub.close(0)
         self._auth.stop()

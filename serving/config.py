@@ -10,6 +10,7 @@ anything and never touches the network.
     executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}  # enable_block_reuse
                                         # kv_digests: true records positional KV digests (tests, debugging;
                                         # served by a worker's GET /internal/kv_digests?handle=H)
+                                        # kv_events: true publishes its KV events under any policy
     transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
     router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded,
                                         # prefix_aware, kv_aware (+ kv_aware: {...}: docs/routing.md)
@@ -47,7 +48,7 @@ _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver",
         "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
-             "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool}
+             "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool, "kv_events": bool}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",

@@ -47,7 +47,8 @@ class _Conn:
         self.name, self.info, self.sub, self.dealer = name, info, sub, dealer
         self.next = 1           # the seq expected next
         self.synced = False     # a dump was loaded
-        self.last = 0.0         # monotonic time of the last batch or check
+        self.last = 0.0         # monotonic time of the last batch or check (future: backing off)
+        self.fails = 0          # replay exchanges failed in a row
 
 
 class KvEventsClient:
@@ -81,6 +82,13 @@ class KvEventsClient:
 
     def remove_worker(self, name: str) -> None:
         self._cmds.put(("remove", name, None))
+
+    def barrier(self, timeout: float) -> bool:
+        """Wait (bounded) until every worker's replay socket was asked for anything after the last batch
+        applied: the index then reflects every event published before the call. False on timeout."""
+        done = threading.Event()
+        self._cmds.put(("barrier", "", done))
+        return done.wait(timeout)
 
     def synced(self, name: str) -> bool:
         c = self._conns.get(name)
@@ -123,6 +131,12 @@ class KvEventsClient:
                 op, name, info = self._cmds.get_nowait()
             except queue.Empty:
                 return
+            if op == "barrier":
+                for c in list(self._conns.values()):
+                    self._drain(c)
+                    self._catch_up(c)
+                info.set()
+                continue
             old = self._conns.get(name)
             if op == "sync" and old is not None and old.info == info:
                 continue
@@ -133,7 +147,12 @@ class KvEventsClient:
                 del self._conns[name]
                 self.index.remove_worker(name)
             if op == "sync":
-                c = _Conn(name, info, self._socket(zmq.SUB, info["pub"]), self._socket(zmq.DEALER, info["replay"]))
+                try:
+                    c = _Conn(name, info, self._socket(zmq.SUB, info["pub"]),
+                              self._socket(zmq.DEALER, info["replay"]))
+                except zmq.ZMQError as e:
+                    log.warning("kv events: cannot follow %s at %s: %s", name, info, e)
+                    continue
                 c.sub.setsockopt(zmq.SUBSCRIBE, b"")
                 poller.register(c.sub, zmq.POLLIN)
                 self._conns[name] = c
@@ -278,6 +297,9 @@ class KvEventsClient:
             if "error" in body:
                 log.warning("kv replay from %s: %s", c.name, str(body["error"])[:200])
                 return None
+            c.fails = 0
             return body
         log.warning("kv replay from %s: no answer within %.1f s", c.name, self.replay_timeout_s)
+        c.fails += 1  # a silent worker is asked less and less often (its health check drops it meanwhile)
+        c.last = time.monotonic() + min(30.0, 2.0 ** c.fails)
         return None

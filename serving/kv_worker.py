@@ -22,15 +22,15 @@ __all__ = ["kv_events_settings", "advertised"]
 
 def kv_events_settings(cfg, spec, instance: str, run_dir: str) -> dict | None:
     """The ExecutorConfig.kv_events of worker `spec` (None: the router does not route by KV events)."""
-    if cfg.router.policy != "kv_aware":
-        return None
+    if cfg.router.policy != "kv_aware" and not spec.executor.get("kv_events"):
+        return None  # executor.kv_events: true publishes them under any policy (another router, the bench)
     token = internal_token(cfg)
     if not token:
-        raise ServeConfigError(f"{spec.name}: router.policy kv_aware needs the deployment's internal token (KV "
-                               f"events are signed with a key derived from it): set KVBRIDGE_INTERNAL_TOKEN or "
+        raise ServeConfigError(f"{spec.name}: KV events (router.policy kv_aware) need the deployment's internal "
+                               f"token (they are signed with a key derived from it): set KVBRIDGE_INTERNAL_TOKEN or "
                                f"internal_token")
     if spec.executor.get("enable_block_reuse") is False:
-        raise ServeConfigError(f"{spec.name}: router.policy kv_aware needs executor.enable_block_reuse (a worker "
+        raise ServeConfigError(f"{spec.name}: KV events (router.policy kv_aware) need executor.enable_block_reuse (a worker "
                                f"without a prefix cache has no KV to route by)")
     return {"secret": derive_secret(token).hex(), "incarnation": instance, "host": spec.bind_host,
             "endpoint_file": os.path.join(run_dir, "kv-events.json")}

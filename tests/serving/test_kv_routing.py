@@ -92,3 +92,17 @@ def test_an_index_from_the_advertised_endpoints_equals_every_workers_dump(cluste
         assert client.stats["rejected"] == 0 and client.stats["batches"] > 0
     finally:
         client.close()
+
+
+def test_kv_aware_settings_are_checked_by_name():
+    from kvbridge.errors import ServeConfigError
+    from kvbridge.serving.config import parse_config
+
+    d = {**CFG, "router": {**CFG["router"], "kv_aware": {"prefill_weight": -1}}}
+    with pytest.raises(ServeConfigError, match=r"router\.kv_aware\.prefill_weight: expected a number >= 0"):
+        parse_config(d)
+    d = {**CFG, "router": {**CFG["router"], "kv_aware": {"spec_tll_s": 1}}}
+    with pytest.raises(ServeConfigError, match=r"router\.kv_aware\.spec_tll_s: unknown key"):
+        parse_config(d)
+    assert parse_config({**CFG, "router": {**CFG["router"], "kv_aware": {"spec_ttl_s": 0.5}}}).router.kv_aware == \
+        {"spec_ttl_s": 0.5}
