@@ -35,8 +35,8 @@ from .kv_subscriber import KvEventsClient
 
 __all__ = ["KvRouting", "parse_settings", "DEFAULTS"]
 
-DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 1.0, "request_weight": 2.0,
-                              "pull_weight": 0.25, "decode_weight": 4.0, "spec_ttl_s": 2.0,
+DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5, "request_weight": 1.0,
+                              "pull_weight": 1.0, "decode_weight": 2.0, "spec_ttl_s": 2.0,
                               "max_index_entries": 1_000_000, "replay_timeout_s": 5.0}
 
 
