@@ -36,9 +36,23 @@ from .. import codec
 from ..errors import ExecutorError, ProtocolError
 from .prefix_tree import KEY_VERSION, chain_keys, root_key
 
-__all__ = ["KV_EVENTS_VERSION", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch",
-           "encode_batch", "decode_batch", "derive_secret", "subscriber_password", "sign", "make_topic",
-           "parse_topic", "KVEventLog", "check_deterministic", "REFERENCE"]
+__all__ = [
+    "KV_EVENTS_VERSION",
+    "REFERENCE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEventBatch",
+    "KVEventLog",
+    "check_deterministic",
+    "decode_batch",
+    "derive_secret",
+    "encode_batch",
+    "make_topic",
+    "parse_topic",
+    "sign",
+    "subscriber_password",
+]
 
 KV_EVENTS_VERSION = 1  # bump when the batch, topic, replay or signature format changes
 TOPIC_PREFIX = b"kvbridge-kv|"

@@ -33,11 +33,17 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from .. import codec
 from ..errors import ProtocolError
-from .kv_events import KV_EVENTS_VERSION, KVEventLog, check_deterministic, make_topic, sign, \
-    subscriber_password
+from .kv_events import (
+    KV_EVENTS_VERSION,
+    KVEventLog,
+    check_deterministic,
+    make_topic,
+    sign,
+    subscriber_password,
+)
 from .prefix_tree import PrefixTree
 
-__all__ = ["KVEventPublisher", "ZAP_DOMAIN", "ZAP_USER"]
+__all__ = ["ZAP_DOMAIN", "ZAP_USER", "KVEventPublisher"]
 
 log = logging.getLogger("kvbridge.executor.kv_events")
 

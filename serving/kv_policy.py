@@ -33,7 +33,7 @@ from .balancer import Pool, WorkerRef
 from .kv_index import KvIndex
 from .kv_subscriber import KvEventsClient
 
-__all__ = ["KvRouting", "parse_settings", "DEFAULTS"]
+__all__ = ["DEFAULTS", "KvRouting", "parse_settings"]
 
 DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5, "request_weight": 1.0,
                               "pull_weight": 1.0, "decode_weight": 2.0, "spec_ttl_s": 2.0,

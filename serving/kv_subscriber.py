@@ -33,7 +33,7 @@ from ..executor.kv_events import KV_EVENTS_VERSION, decode_batch, parse_topic, s
 from ..executor.kv_publisher import ZAP_USER
 from .kv_index import KvIndex
 
-__all__ = ["KvEventsClient", "IDLE_CHECK_S"]
+__all__ = ["IDLE_CHECK_S", "KvEventsClient"]
 
 log = logging.getLogger("kvbridge.serving.kv_events")
 
@@ -117,7 +117,7 @@ class KvEventsClient:
                     if now - c.last > IDLE_CHECK_S:
                         c.last = now
                         self._catch_up(c)
-        except Exception:  # noqa: BLE001 - the router keeps routing (by load) without an index
+        except Exception:  # the router keeps routing (by load) without an index
             log.exception("kv events: the subscriber thread failed")
         finally:
             for c in self._conns.values():

@@ -17,7 +17,7 @@ from ..errors import ServeConfigError
 from ..executor.kv_events import derive_secret
 from .auth import internal_token
 
-__all__ = ["kv_events_settings", "advertised"]
+__all__ = ["advertised", "kv_events_settings"]
 
 
 def kv_events_settings(cfg, spec, instance: str, run_dir: str) -> dict | None:

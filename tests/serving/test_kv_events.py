@@ -15,16 +15,25 @@ import time
 
 import pytest
 import zmq
-from zmq.utils.monitor import recv_monitor_message
-
 from kvbridge.errors import ProtocolError
-from kvbridge.executor.kv_events import (REFERENCE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
-                                         decode_batch, derive_secret, encode_batch, make_topic, parse_topic,
-                                         subscriber_password)
+from kvbridge.executor.kv_events import (
+    REFERENCE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    derive_secret,
+    encode_batch,
+    make_topic,
+    parse_topic,
+    subscriber_password,
+)
 from kvbridge.executor.prefix_tree import chain_keys
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 from kvbridge.serving.kv_index import KvIndex
 from kvbridge.serving.kv_subscriber import KvEventsClient
+from zmq.utils.monitor import recv_monitor_message
 
 MODEL = "seeded:tiny3"
 SECRET = derive_secret("the-deployment-token")
@@ -199,7 +208,7 @@ def test_block_hashes_are_the_same_in_two_processes_and_equal_the_reference_vect
     outs = []
     for seed in ("1", "2"):  # a different Python hash seed each: Python's hash() would differ
         r = subprocess.run([sys.executable, "-c", code, "fp"], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, PYTHONHASHSEED=seed))
+                           env=dict(os.environ, PYTHONHASHSEED=seed), check=False)
         assert r.returncode == 0, r.stderr
         outs.append(r.stdout.strip())
     assert outs[0] == outs[1] == ",".join(k.hex() for k in chain_keys("fp", list(range(40)), 4))
@@ -246,3 +255,14 @@ def test_the_index_is_bounded_and_speculative_entries_expire():
     assert idx2.match("a", keys) == (0, 3)
     idx2.remove_worker("a")
     assert idx2.match("a", keys) == (0, 0) and idx2.size == 0
+
+
+def test_a_worker_whose_hashes_would_not_be_deterministic_refuses_naming_why():
+    from kvbridge.errors import ExecutorError
+    from kvbridge.executor.kv_events import check_deterministic
+
+    check_deterministic("layout-fp:seeded:tiny3")
+    with pytest.raises(ExecutorError, match="not the same in every process"):
+        check_deterministic("layout-fp:<model object at 0x7f00>")
+    with pytest.raises(ExecutorError, match="needs the layout and a model id"):
+        check_deterministic("layout-fp:")

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from kvbridge.executor.kv_events import derive_secret
 from kvbridge.serving.kv_index import KvIndex
 from kvbridge.serving.kv_subscriber import KvEventsClient
@@ -106,3 +105,35 @@ def test_kv_aware_settings_are_checked_by_name():
         parse_config(d)
     assert parse_config({**CFG, "router": {**CFG["router"], "kv_aware": {"spec_ttl_s": 0.5}}}).router.kv_aware == \
         {"spec_ttl_s": 0.5}
+
+
+def test_the_cost_prefers_the_cached_worker_until_its_load_outweighs_the_cache(monkeypatch):
+    from kvbridge.executor.kv_events import BlockStored, KVEventBatch
+    from kvbridge.executor.prefix_tree import chain_keys
+    from kvbridge.serving.auth import TOKEN_ENV
+    from kvbridge.serving.balancer import Pool, WorkerRef
+    from kvbridge.serving.config import parse_config
+    from kvbridge.serving.kv_policy import KvRouting
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    kv = KvRouting(parse_config(CFG))
+    try:
+        pool = Pool([WorkerRef("a", "http://a", "context", True), WorkerRef("b", "http://b", "context", True)],
+                    "kv_aware")
+        prompt = list(range(1, 42))  # 10 full blocks
+        keys = chain_keys("fp", prompt, TPB)
+        for w in ("a", "b"):
+            kv.index.add_worker(w, "fp", TPB, "i")
+        kv.index.apply("b", 1, KVEventBatch(0.0, (BlockStored(tuple(keys[:8]), None, tuple(prompt[:32]), TPB),)))
+        w, d = kv.pick(pool, "context", prompt)
+        assert w.name == "b" and d["hit_tokens"] == 32 and d["candidates"]["a"]["uncached_blocks"] == 10
+        assert d["candidates"]["b"]["cost"] == 2.0 and d["candidates"]["a"]["cost"] == 10.0
+        kv.settle(w, d)
+        w, d = kv.pick(pool, "context", prompt)  # the 2 blocks routed there count as held for spec_ttl_s
+        assert w.name == "b" and d["candidates"]["b"]["spec_tokens"] == 8 and d["candidates"]["b"]["cost"] == 0
+        kv.settle(w, d)
+        pool.workers[1].in_flight = 11  # b is busy: 11 x request_weight > the 10 blocks a would compute
+        w, d = kv.pick(pool, "context", prompt)
+        assert w.name == "a" and d["candidates"]["b"]["cost"] == 11.0
+    finally:
+        kv.close()
