@@ -10,6 +10,10 @@ subscription in step (a worker that stops answering is dropped from the index). 
     generation hop  cost(w) = prompt blocks w lacks (it pulls only those) x pull_weight
                               + requests in flight on w x decode_weight
 
+With `local_prefill_tokens` N > 0, a request whose chosen generation worker already holds all but at most N
+of its prompt tokens skips the context hop: the generation worker prefills that short tail itself (no hop,
+no pull); `kvbridge.route.local_prefill` says so.
+
 A block counts as cached when the worker's events say so, or when a prompt with it was routed there within
 spec_ttl_s (speculative: a burst of one prefix then lands together instead of scattering before the first
 prefill's events arrive). Ties go to the less loaded worker, then in turn. A prompt the router cannot tokenize
@@ -17,7 +21,7 @@ is routed least-loaded. The decision and its inputs go into the answer's `kvbrid
 (hit and prompt tokens per role, index entries and evictions, event lag, gaps repaired, events refused).
 
 Settings (router.kv_aware): prefill_weight, load_weight, request_weight, pull_weight, decode_weight,
-spec_ttl_s, max_index_entries, replay_timeout_s. Needs the deployment's internal token (event signatures and
+spec_ttl_s, max_index_entries, replay_timeout_s, local_prefill_tokens (0: off). Needs the deployment's internal token (event signatures and
 the subscriber's password derive from it). Never touches KV; opens sockets only through KvEventsClient.
 """
 
@@ -33,11 +37,17 @@ from .balancer import Pool, WorkerRef
 from .kv_index import KvIndex
 from .kv_subscriber import KvEventsClient
 
-__all__ = ["DEFAULTS", "KvRouting", "parse_settings"]
+__all__ = ["DEFAULTS", "KvRouting", "parse_settings", "shown"]
 
 DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5, "request_weight": 1.0,
                               "pull_weight": 1.0, "decode_weight": 2.0, "spec_ttl_s": 2.0,
-                              "max_index_entries": 1_000_000, "replay_timeout_s": 5.0}
+                              "max_index_entries": 1_000_000, "replay_timeout_s": 5.0,
+                              "local_prefill_tokens": 0}
+
+
+def shown(route: dict) -> dict:
+    """What the answer's `kvbridge` field shows of a request's routing ({"route": decisions}, no token ids)."""
+    return {"route": {k: v for k, v in route.items() if k != "tokens"}}
 
 
 def parse_settings(v: Any) -> dict:
@@ -161,6 +171,20 @@ class KvRouting:
             r.pop("_keys")
         return best, {"worker": best.name, "cost": row["cost"], "hit_tokens": row["hit_tokens"],
                       "prompt_tokens": len(tokens), "candidates": rows}
+
+    def local_prefill(self, route: dict) -> bool:
+        """Whether the generation worker chosen in `route` should prefill the prompt's uncached tail itself
+        (it holds all but at most local_prefill_tokens of it); marks `route` when so."""
+        n, g = int(self.s["local_prefill_tokens"]), route.get("generation") or {}
+        row = (g.get("candidates") or {}).get(g.get("worker"))
+        if n <= 0 or row is None or not g.get("prompt_tokens"):
+            return False
+        tail = g["prompt_tokens"] - row["hit_tokens"] - row["spec_tokens"]
+        if tail > n or not row["hit_tokens"] + row["spec_tokens"]:
+            return False
+        route["local_prefill"] = {"tail_tokens": tail}
+        self.tokens_c.labels("generation", "local_prefill").inc(tail)
+        return True
 
     def settle(self, w: WorkerRef, decision: dict | None) -> None:
         """`w`'s context hop for `decision` ended: its blocks no longer count as load."""

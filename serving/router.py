@@ -41,7 +41,7 @@ from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
 from .fanout import Part, expand, merge, merge_streams
 from .inflight import Admission, in_flight
-from .kv_policy import KvRouting
+from .kv_policy import KvRouting, shown
 from .metrics import RouterMetrics, render
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
 from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
@@ -220,11 +220,11 @@ class Router:
         route: dict | None = {"policy": "kv_aware"} if self.kv is not None else None
         for attempt in range(MAX_HANDOVERS):
             gen_w = self._pick_generation(body, route)
+            if route is not None and self.kv.local_prefill(route):  # a short tail: no context hop at all
+                return await self._generation_hop(request, path, body, stream, deadline, gen_w, shown(route))
             ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid, route)
             gen_body = {**body, "disaggregated_params": ctx_data["disaggregated_params"]}
-            deco = decoration(ctx_data, ctx_w)
-            if route is not None:
-                deco["route"] = {k: v for k, v in route.items() if k != "tokens"}
+            deco = {**decoration(ctx_data, ctx_w), **(shown(route) if route is not None else {})}
             try:
                 return await self._generation_hop(request, path, gen_body, stream, deadline, gen_w, deco)
             except ApiError as e:

@@ -137,3 +137,29 @@ def test_the_cost_prefers_the_cached_worker_until_its_load_outweighs_the_cache(m
         assert w.name == "a" and d["candidates"]["b"]["cost"] == 11.0
     finally:
         kv.close()
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tmp_path_factory):
+    cfg = {**CFG, "router": {**CFG["router"], "kv_aware": {"local_prefill_tokens": 2 * TPB}},
+           "context_servers": {"instances": 1, "tp": 1}}
+    c = launch(cfg, str(tmp_path_factory.mktemp("logs-local")))
+    yield c
+    c.stop()
+
+
+def test_a_short_uncached_tail_is_prefilled_by_the_generation_worker_itself(local_cluster):
+    rng = random.Random(8)
+    prompt = [rng.randrange(1, 200) for _ in range(6 * TPB + 1)]
+    first = _ask(local_cluster.router_url, prompt)
+    assert "local_prefill" not in first["route"] and first["context_worker"]  # nothing cached yet
+    second_prompt = prompt + first["token_ids"] + [rng.randrange(1, 200) for _ in range(3)]
+    deadline = time.monotonic() + 60
+    while True:  # the generation worker's events (its decoded blocks) reach the router, bounded
+        kb = _ask(local_cluster.router_url, second_prompt)
+        if "local_prefill" in kb["route"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert kb["route"]["local_prefill"]["tail_tokens"] <= 2 * TPB and "context" not in kb["route"], kb["route"]
+    assert not kb.get("context_worker")
+    assert [first["token_ids"], kb["token_ids"]] == reference([prompt, second_prompt], ANSWER)
