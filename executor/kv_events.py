@@ -4,10 +4,14 @@ A worker tells routers which KV blocks its pool holds, so they can send a prompt
 sits. The shape is vLLM's (`vllm/distributed/kv_events.py`), so a vLLM-side subscriber reads ours:
 
     KVEventBatch = [ts: float, events: [event, ...], data_parallel_rank: int | None]
-    BlockStored  = ["BlockStored", block_hashes: [bytes], parent_block_hash: bytes | None,
-                    token_ids: [int], block_size: int, lora_id: None, medium: str]
-    BlockRemoved = ["BlockRemoved", block_hashes: [bytes], medium: str]
-    AllBlocksCleared = ["AllBlocksCleared"]
+    BlockStored  = {"type": "BlockStored", "block_hashes": [bytes], "parent_block_hash": bytes | None,
+                    "token_ids": [int], "block_size": int, "lora_id": None, "medium": str, "lora_name": None}
+    BlockRemoved = {"type": "BlockRemoved", "block_hashes": [bytes], "medium": str}
+    AllBlocksCleared = {"type": "AllBlocksCleared"}
+
+(the batch is an array, each event a map tagged by "type": msgspec's encoding of vLLM's structs, checked by
+decoding our bytes with vLLM's own `KVEventBatch`; older vLLM sent events as tagged arrays, which
+`decode_batch` also reads).
 
 A block hash is the prefix tree's chained key (prefix_tree.py: blake2b over the parent key and the block's
 tokens as little-endian int64, the chain rooted at a layout/model fingerprint): the same on every process
@@ -93,13 +97,18 @@ class KVEventBatch:
     data_parallel_rank: int | None = None
 
 
-def _event_wire(e: Event) -> list:
+def _event_wire(e: Event) -> dict:
     if isinstance(e, BlockStored):
-        return ["BlockStored", list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size,
-                e.lora_id, e.medium]
+        return {"type": "BlockStored", "block_hashes": list(e.block_hashes), "parent_block_hash":
+                e.parent_block_hash, "token_ids": list(e.token_ids), "block_size": e.block_size,
+                "lora_id": e.lora_id, "medium": e.medium, "lora_name": None}
     if isinstance(e, BlockRemoved):
-        return ["BlockRemoved", list(e.block_hashes), e.medium]
-    return ["AllBlocksCleared"]
+        return {"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": e.medium}
+    return {"type": "AllBlocksCleared"}
+
+
+_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+           "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
 
 
 def encode_batch(b: KVEventBatch) -> bytes:
@@ -123,8 +132,13 @@ def _medium(v: Any, what: str) -> str:
 
 def _event(w: Any, i: int) -> Event:
     what = f"events[{i}]"
+    if isinstance(w, dict) and isinstance(w.get("type"), str) and w["type"] in _FIELDS:
+        miss = [k for k in _FIELDS[w["type"]] if k not in w]
+        if miss:
+            raise ProtocolError(f"{what}: {w['type']} lacks {', '.join(miss)}")
+        w = [w["type"], *(w[k] for k in _FIELDS[w["type"]])]
     if not isinstance(w, list) or not w or not isinstance(w[0], str):
-        raise ProtocolError(f"{what}: expected [tag, fields...]")
+        raise ProtocolError(f"{what}: expected {{'type': tag, fields...}}")
     tag = w[0]
     if tag == "BlockStored":
         if len(w) < 7:

@@ -231,8 +231,8 @@ def test_event_batches_round_trip_in_vllm_shape_and_bad_fields_are_named():
     from kvbridge import codec
 
     w = codec.unpack(raw)
-    assert w[1][0][0] == "BlockStored" and w[1][2] == ["AllBlocksCleared"] and w[2] is None  # vLLM's arrays
-    w[1][0][3] = [1, 2]  # token_ids no longer cover the blocks
+    assert w[1][0]["type"] == "BlockStored" and w[1][2] == {"type": "AllBlocksCleared"} and w[2] is None
+    w[1][0]["token_ids"] = [1, 2]  # token_ids no longer cover the blocks
     with pytest.raises(ProtocolError, match=r"events\[0\]\.token_ids"):
         decode_batch(codec.pack(w))
     topic = make_topic(SECRET, "inc", 7, raw)
@@ -266,3 +266,22 @@ def test_a_worker_whose_hashes_would_not_be_deterministic_refuses_naming_why():
         check_deterministic("layout-fp:<model object at 0x7f00>")
     with pytest.raises(ExecutorError, match="needs the layout and a model id"):
         check_deterministic("layout-fp:")
+
+
+def test_vllms_own_decoder_reads_our_event_batches(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    py = os.path.join(root, ".venv-vllm", "bin", "python")
+    if not os.path.exists(py):
+        pytest.skip("no vLLM environment (.venv-vllm) on this machine")
+    path = str(tmp_path / "batch.bin")
+    with open(path, "wb") as f:
+        f.write(encode_batch(KVEventBatch(1.0, (BlockStored((b"a" * 16,), None, (1, 2, 3, 4), 4, None, "CPU"),
+                                                BlockRemoved((b"a" * 16,), "CPU"), AllBlocksCleared()))))
+    code = ("import sys, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
+            "b = msgspec.msgpack.Decoder(type=KVEventBatch).decode(open(sys.argv[1], 'rb').read()); "
+            "print([type(e).__name__ for e in b.events], b.events[0].token_ids, b.events[0].block_hashes)")
+    r = subprocess.run([py, "-c", code, path], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                       check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == \
+        "['BlockStored', 'BlockRemoved', 'AllBlocksCleared'] [1, 2, 3, 4] [b'aaaaaaaaaaaaaaaa']"
