@@ -39,6 +39,9 @@ class ExecutorConfig:
             0 = off, a context-only request is published once its prefill is done; N > 0 = it is published
             when its blocks are allocated and every rank marks its local layers ready every N layers as the
             prefill's forward pass writes them, so the generation side reads layer L while L+1 computes.
+        kv_events: publish the prefix cache's KV events from rank 0 (kv_publisher.py; needs block reuse):
+            {"secret": hex key (kv_events.derive_secret), "incarnation": str, "host": bind address,
+            "endpoint_file": where the bound endpoints are written}; None = off.
     """
 
     model: str = "seeded:tiny"
@@ -59,6 +62,7 @@ class ExecutorConfig:
     kv_digests: bool = False
     enable_block_reuse: bool = False
     stream_layers: int = 0
+    kv_events: dict | None = None
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")

@@ -90,6 +90,7 @@ class Executor:
             "rank_hook": cfg.rank_hook, "rank_hook_args": cfg.rank_hook_args,
             "kv_connector": connector_wire(cfg.kv_connector_config), "kv_digests": bool(cfg.kv_digests),
             "enable_block_reuse": bool(cfg.enable_block_reuse), "stream_layers": int(cfg.stream_layers),
+            "kv_events": dict(cfg.kv_events) if cfg.kv_events else None,
         })
         ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
         ex._pipes = [Pipes(rx, tx, pm.decode_reply) for rx, tx in zip(from_rank, to_rank)]

@@ -49,15 +49,24 @@ def _capacity(r: httpx.Response) -> int | None:
     return cap if type(cap) is int and cap > 0 else None
 
 
-async def probe(client: httpx.AsyncClient, w: WorkerRef, timeout: httpx.Timeout, rule: HealthRule) -> None:
-    """GET the worker's /health once, bounded by `timeout`, and apply `rule` to the outcome."""
+async def probe(client: httpx.AsyncClient, w: WorkerRef, timeout: httpx.Timeout, rule: HealthRule
+                ) -> dict | None:
+    """GET the worker's /health once, bounded by `timeout`, and apply `rule` to the outcome; returns the
+    answer's JSON object when it answered 200 (None otherwise)."""
     try:
         r = await client.get(w.url + "/health", timeout=timeout)
     except httpx.ConnectError as e:  # refused (or unroutable): nothing is listening
         rule.saw(w, False, f"/health: {type(e).__name__}", refused=True)
-        return
+        return None
     except httpx.HTTPError as e:
         rule.saw(w, False, f"/health: {type(e).__name__}")
-        return
+        return None
     rule.saw(w, r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}")
     w.capacity_tokens = _capacity(r)
+    if r.status_code != 200:
+        return None
+    try:
+        info = r.json()
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None

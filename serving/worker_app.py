@@ -131,6 +131,8 @@ class WorkerApp:
                 "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid(),
                 "capacity_tokens": be.ex.cfg.num_blocks * be.ex.cfg.tokens_per_block,
                 "device": be.ex.cfg.device, "layout": be.ex.layout.to_wire()}
+        if st.kv_events:
+            body["kv_events"] = st.kv_events
         if err:
             body["error"] = err.splitlines()[0]
         return JSONResponse(body, status_code=503 if err else 200)

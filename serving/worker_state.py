@@ -77,6 +77,7 @@ class WorkerState:
     failed: str | None = None
     digests: DigestIndex = field(default_factory=DigestIndex)
     prefetched: Prefetches = field(default_factory=Prefetches)  # overlap: generation requests prefetched
+    kv_events: dict | None = None  # {pub, replay, incarnation}: its KV event endpoints (kv_worker.py)
 
     def record_handle(self, handle: int, request_id: int) -> None:
         """Remember a disaggregated request's wire handle (only when its executor records KV digests)."""
