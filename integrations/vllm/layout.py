@@ -156,13 +156,13 @@ def _num_blocks(t: torch.Tensor, order: str) -> int:
 
 
 def kv_digest(pool: CachePool, block_ids, num_tokens: int) -> dict[str, str]:
-    """Positional digest of one request on this worker: "layer.head.K|V" (global ids) -> xxh3-64 of that head's
-    token rows over the request's whole blocks, in block order (for the CPU backend: its regions' bytes).
-    Two engines agree on every key exactly when every block of KV sits where it belongs, whatever their TP."""
+    """Positional digest of one request on this worker: "layer.head.K|V.i" (global layer and head ids, i the
+    i-th block of the request in token order) -> xxh3-64 of that block's token rows of that head (for the CPU
+    backend: the region's bytes). Two engines of one block size agree on every key exactly when every block of
+    KV sits where it belongs, whatever their TP split; keys from i on compare a partial pull."""
     lay, a = pool.layout, pool.addressing
     T = lay.shape.tokens_per_block
-    nb = -(-int(num_tokens) // T)
-    blocks = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)[:nb])
+    blocks = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)[:-(-int(num_tokens) // T)])
     tp_rank, pp_rank = lay.coords(pool.rank)
     out: dict[str, str] = {}
     for li, layer in enumerate(lay.stage_layers(pp_rank)):
@@ -171,6 +171,7 @@ def kv_digest(pool: CachePool, block_ids, num_tokens: int) -> dict[str, str]:
             for k in range(lay.shape.kv_factor):
                 v = torch.as_strided(flat, (a.num_blocks, T, a.row_bytes), (a.block_stride, a.token_stride, 1),
                                      flat.storage_offset() + k * a.kv_stride + hi * a.head_stride)
-                rows = v.index_select(0, blocks.to(v.device)).reshape(-1, a.row_bytes)
-                out[f"{layer}.{head}.{'KV'[k]}"] = xxhash.xxh3_64_hexdigest(rows.cpu().contiguous().numpy())
+                rows = v.index_select(0, blocks.to(v.device)).cpu().contiguous().numpy()
+                for i in range(rows.shape[0]):
+                    out[f"{layer}.{head}.{'KV'[k]}.{i}"] = xxhash.xxh3_64_hexdigest(rows[i])
     return out

@@ -19,7 +19,7 @@ from .pd import wait_log, wait_no_blocks_held
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(skip_reason() is not None, reason=f"vLLM not available: {skip_reason()}")]
 
-KV_KEYS = 4 * 2 * 2  # tiny Llama: 4 layers x 2 kv heads x (K, V)
+KV_KEYS = 4 * 2 * 2  # tiny Llama: 4 layers x 2 kv heads x (K, V), per block
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def servers(tmp_path_factory):
     s.define("d2", Cell(tp=2, block=32, cpus="1|1"))  # three busy-waiting vLLM processes
     s.define("p64", Cell(tp=1, block=64, cpus="0"))
     s.define("d64", Cell(tp=1, block=64, cpus="1"))
+    s.define("dpc", Cell(tp=1, block=32, cpus="1", prefix_cache=True))
     yield s
     s.close()
 
@@ -46,7 +47,7 @@ def exact_pd(servers: Servers, pre: str, dec: str, lengths, seed: int) -> None:
         assert got == want, f"{n}-token prompt: disaggregated {got} != aggregated {want}"
         handle = params["kvbridge"]["ctx_request_id"]
         ctx, gen = digests(servers.digest_dir(pre), "ctx", handle), digests(servers.digest_dir(dec), "gen", handle)
-        assert len(ctx) == KV_KEYS and ctx == gen, (
+        assert len(ctx) == KV_KEYS * -(-n // 32) and ctx == gen, (
             f"{n}-token prompt: KV differs at {sorted(k for k in ctx if ctx[k] != gen.get(k))[:6]}")
     assert wait_no_blocks_held(P.url) == 0, "the prefill server still holds KV blocks"
     assert wait_no_blocks_held(D.url) == 0, "the decode server still holds KV blocks"
@@ -83,3 +84,24 @@ def test_different_block_sizes_are_refused_by_name_and_nothing_is_held(servers, 
     assert tokens(completion(D.url, p, 8))  # the decode engine still serves
     # the prefill's blocks wait for a reader until pickup_timeout_s; the decode engine holds none
     assert wait_no_blocks_held(D.url) == 0
+
+
+def test_decode_prefix_cache_hit_pulls_only_the_blocks_after_it(servers):
+    """A decode engine whose own prefix cache holds the first 3 blocks of a prompt pulls only the rest
+    (kvbridge's partial pull from the first uncached token): fewer bytes, the same tokens, and every pulled
+    block equal to the prefill's."""
+    P, D = servers.use("p1", "dpc")
+    first = prompt(96, 600)  # 3 whole blocks of 32
+    assert tokens(decode(D.url, first, prefill(P.url, first))) == tokens(completion(P.url, first, 8))
+    longer = first + prompt(70, 601)  # 166 tokens: blocks 0-2 cached on the decode side, 3-5 to pull
+    params = prefill(P.url, longer)
+    r = decode(D.url, longer, params)
+    assert tokens(r) == tokens(completion(P.url, longer, 8))
+    moved = r.json()["kv_transfer_params"]["kvbridge_transfer"]["bytes"]
+    per_token = 2 * 4 * 2 * 32 * 4  # K and V x 4 layers x 2 kv heads x head_dim 32 x fp32
+    assert moved == (6 * 32 - 3 * 32) * per_token, f"moved {moved} bytes"
+    h = params["kvbridge"]["ctx_request_id"]
+    ctx, gen = digests(servers.digest_dir("p1"), "ctx", h), digests(servers.digest_dir("dpc"), "gen", h)
+    pulled = {k for k in ctx if int(k.rsplit(".", 1)[1]) >= 3}
+    assert len(pulled) == KV_KEYS * 3 and all(ctx[k] == gen[k] for k in pulled)
+    assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
