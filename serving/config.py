@@ -43,12 +43,12 @@ EXIT_POLICIES = ("restart", "stop")
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens", "internal_token", "insecure",
-        "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes"}
+        "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes", "vllm"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
              "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
-          "executor", "transceiver"}
+          "executor", "transceiver", "engine", "vllm"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
            "health_interval_s", "connect_timeout_s", "api_keys"}
 _GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
@@ -73,6 +73,8 @@ class ServerSpec:
     layers_per_stage: tuple[int, ...] | None
     executor: dict[str, Any]
     transceiver: dict[str, Any]
+    engine: str = "kvbridge"   # or vllm: vLLM's own OpenAI server with a KV connector (vllm_workers.py)
+    vllm: dict[str, Any] = field(default_factory=dict)  # the merged `vllm:` section of an engine: vllm group
 
     @property
     def name(self) -> str:
@@ -133,6 +135,11 @@ class ServeConfig:
 
     def servers(self) -> tuple[ServerSpec, ...]:
         return self.context + self.generation
+
+    @property
+    def engine(self) -> str:
+        """What serves the requests: kvbridge (its reference executor) or vllm (both groups agree)."""
+        return self.context[0].engine
 
     def server(self, role: str, index: int) -> ServerSpec:
         """The server `index` of `role`; ServeConfigError naming what exists otherwise."""
@@ -212,7 +219,11 @@ def parse_config(d: Any) -> ServeConfig:
     for role, key in _GROUP_KEY.items():
         if key not in top:
             raise ServeConfigError(f"{key}: missing (each config names its context and generation servers)")
-        groups[role] = _group(role, _map(top[key], key), key, executor, transceiver)
+        groups[role] = _group(role, _map(top[key], key), key, executor, transceiver, top.get("vllm"))
+    if groups["context"][0].engine != groups["generation"][0].engine:
+        raise ServeConfigError(f"generation_servers.engine: {groups['generation'][0].engine!r} differs from "
+                               f"context_servers.engine {groups['context'][0].engine!r} (KV moves only between "
+                               f"servers of one engine)")
     router = _router(_map(top.get("router", {}), "router"))
     startup = _get(top, "startup_timeout_s", float, "", 300.0)
     max_tokens = _get(top, "default_max_tokens", int, "", 256)
@@ -280,7 +291,8 @@ def _transceiver(d: dict, path: str) -> None:
         raise ServeConfigError(f"{path}: {e}") from None
 
 
-def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> tuple[ServerSpec, ...]:
+def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict,
+           vllm: Any = None) -> tuple[ServerSpec, ...]:
     _known(d, _GROUP, path)
     if "instances" in d and "num_instances" in d:
         raise ServeConfigError(f"{path}: give instances or num_instances, not both")
@@ -309,6 +321,7 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> 
     ex = _executor(_map(d.get("executor", {}), f"{path}.executor"), f"{path}.executor", executor)
     tr = {**transceiver, **_map(d.get("transceiver", {}), f"{path}.transceiver")}
     _transceiver(tr, f"{path}.transceiver")
+    engine, vl = _engine(d, path, vllm, n)
     out = []
     for i, u in enumerate(urls):
         host, port = _host_port(u, f"{path}.urls[{i}]")
@@ -317,8 +330,22 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> 
         tri = tr
         if tr.get("bind_host") in ("0.0.0.0", "::") and not tr.get("advertise_host"):
             tri = {**tr, "advertise_host": host}  # reachable where the router reaches the worker
-        out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tri))
+        out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tri, engine, vl))
     return tuple(out)
+
+
+def _engine(d: dict, path: str, vllm: Any, n: int) -> tuple[str, dict[str, Any]]:
+    """A group's engine and, for engine: vllm, its merged `vllm:` section (vllm_workers.py validates it)."""
+    from .vllm_workers import ENGINES, vllm_section
+
+    engine = _get(d, "engine", str, path, "kvbridge")
+    if engine not in ENGINES:
+        raise ServeConfigError(f"{path}.engine: {engine!r} is not one of {ENGINES}")
+    if engine != "vllm":
+        if "vllm" in d:
+            raise ServeConfigError(f"{path}.vllm: only for engine: vllm (this group's engine is {engine})")
+        return engine, {}
+    return engine, vllm_section(d.get("vllm"), f"{path}.vllm", vllm_section(vllm, "vllm", None, n), n)
 
 
 def _router(d: dict) -> RouterSpec:

@@ -79,6 +79,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
         self.client = make_client(cfg)
+        self.engine = engine_backend(self)  # None: kvbridge workers; else the engine's own hops
         self._codec = None
         self.app = self._build_app()
 
@@ -170,6 +171,8 @@ class Router:
         if body.get("model") not in (None, self.cfg.model_name, self.cfg.model):
             raise ApiError(404, f"model {body['model']!r:.100} is not served here; this deployment serves "
                                 f"{self.cfg.model_name!r}", code="model_not_found", param="model")
+        if self.engine is not None:
+            return self.engine.parts(body, kind)
         if "disaggregated_params" in body:
             raise ApiError(400, "disaggregated_params is set by the router, not by clients",
                            param="disaggregated_params")
@@ -208,6 +211,8 @@ class Router:
     async def run_part(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
         """One choice: capacity check, context hop, generation hop; a failed KV pull runs it again from
         another context worker. Returns the answer (dict) or, streaming, an iterator of event objects."""
+        if self.engine is not None:
+            return await self.engine.run_part(request, path, body, stream, deadline)
         avoid: set[str] = set()
         for attempt in range(MAX_HANDOVERS):
             gen_w = self._pick_generation(body)
@@ -343,6 +348,15 @@ class Router:
                                    json={"disaggregated_params": ctx_data["disaggregated_params"]})
         except httpx.HTTPError as e:
             log.warning("router: could not release a prefilled request on %s: %s", w.name, type(e).__name__)
+
+
+def engine_backend(router: Router):
+    """The hops of a config whose workers are another engine's servers (`engine: vllm`), else None."""
+    if router.cfg.engine == "vllm":
+        from .vllm_backend import VllmBackend
+
+        return VllmBackend(router)
+    return None
 
 
 async def _all(coros) -> list:

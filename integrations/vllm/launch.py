@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VllmServerSpec", "VllmServer", "VllmStartError", "vllm_python", "vllm_missing", "free_port",
-           "group_pids", "pin_group", "parse_cpus", "PYTHON_ENV"]
+           "group_pids", "pin_group", "parse_cpus", "health", "PYTHON_ENV"]
 
 PYTHON_ENV = "KVBRIDGE_VLLM_PYTHON"
 _REPO = Path(__file__).resolve().parents[2]
@@ -165,6 +165,14 @@ class VllmServerSpec:
         env.update(dict(self.env))
         return env
 
+    def popen_args(self, base_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+        """argv and environment for subprocess.Popen (start it with start_new_session=True): the command behind
+        a trampoline that ties the server to this process (SIGTERM when it dies) and to `cpus` from the start."""
+        env = self.environment(base_env)
+        env["KVBRIDGE_VLLM_PARENT"] = str(os.getpid())
+        cmd = self.command()
+        return [cmd[0], "-c", _TRAMPOLINE, *cmd[1:]], env
+
 
 class VllmServer:
     """One running vLLM server (its own process group). Use as a context manager, or start() ... stop().
@@ -192,15 +200,12 @@ class VllmServer:
 
     def start(self) -> "VllmServer":
         """Start the process in a new process group (returns at once; wait_healthy() waits)."""
-        env = self.spec.environment()
-        env["KVBRIDGE_VLLM_PARENT"] = str(os.getpid())
-        cmd = self.spec.command()
+        argv, env = self.spec.popen_args()
         with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.write(f"$ {' '.join(self.spec.command())}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([cmd[0], "-c", _TRAMPOLINE, *cmd[1:]], stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
         self.started_at = time.monotonic()
         return self
 
