@@ -11,6 +11,7 @@ BENCHES = {
     "soak": "kvbridge.bench.soak",
     "control": "kvbridge.bench.control",
     "prefix": "kvbridge.bench.prefix",
+    "vllm": "kvbridge.bench.vllm",
 }
 
 

@@ -201,6 +201,7 @@ class VllmServer:
     def start(self) -> "VllmServer":
         """Start the process in a new process group (returns at once; wait_healthy() waits)."""
         argv, env = self.spec.popen_args()
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.spec.command())}\n".encode())
             log.flush()
