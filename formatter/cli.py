@@ -61,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gen-block", type=int, default=16, help="generation tokens per block")
     ap.add_argument("--ctx-layers", default=None, help="explicit context layers per stage, e.g. 8,8,7,7")
     ap.add_argument("--gen-layers", default=None, help="explicit generation layers per stage")
-    ap.add_argument("--ctx-order", default="block_major", choices=POOL_ORDERS)
-    ap.add_argument("--gen-order", default="block_major", choices=POOL_ORDERS)
+    orders = f"pool memory order: {' or '.join(POOL_ORDERS)}, or any permutation of lbkhn (e.g. lbhkn: vLLM's CPU cache)"
+    ap.add_argument("--ctx-order", default="block_major", help=orders)
+    ap.add_argument("--gen-order", default="block_major", help=orders)
     ap.add_argument("--tokens", type=int, default=None, help="request length (default: 4 blocks + 3 tokens)")
     ap.add_argument("--seed", type=int, default=0, help="picks the block ids on both sides")
     ap.add_argument("--path", default="both", choices=("direct", "staged", "both"))

@@ -9,12 +9,18 @@ Terms:
     KVLayout     KVShape + ParallelSplit + pool memory order: one executor's layout
     rank         pp_rank * tp + tp_rank (TP fastest, the Megatron / TensorRT-LLM convention)
 
-Pool memory orders (per rank):
-    "block_major"  one pool [num_blocks, local_layers, kv_factor, local_heads, tokens_per_block, head_dim]:
-                   a block holds every local layer; inside a layer heads are outside tokens, so a head range
-                   of a token range is contiguous. kvbridge's executor uses it; one registration per rank.
-    "layer_pools"  one pool per local layer, [num_blocks, kv_factor, tokens_per_block, local_heads, head_dim]
-                   (TensorRT-LLM's per-layer view); bases are given per layer.
+Pool memory orders (per rank). An order is the physical order of the five axes l (local layer), b (block),
+k (K/V), h (local kv head), n (token in block), outermost first, written as a permutation of "lbkhn"; a
+token's head_dim elements are always innermost and contiguous. Two have names:
+    "block_major"  = "blkhn": one pool [num_blocks, local_layers, kv_factor, local_heads, tokens_per_block,
+                   head_dim]: a block holds every local layer; inside a layer heads are outside tokens, so a
+                   head range of a token range is contiguous. kvbridge's executor uses it.
+    "layer_pools"  = "lbknh": one pool per local layer, [num_blocks, kv_factor, tokens_per_block, local_heads,
+                   head_dim] (TensorRT-LLM's per-layer view).
+Others describe an engine's own cache, e.g. vLLM's CPU backend "lbhkn" (per layer [blocks, heads, K/V,
+tokens, head_dim]) or its flash-attention layout "lkbnh" (per layer [K/V, blocks, tokens, heads, head_dim]).
+When l is outermost each layer may be its own allocation (one base per local layer, or one base for all);
+otherwise the rank has one pool and one base.
 MLA keeps one latent cache per layer (kv_factor 1, one "head" of head_dim = latent width) replicated on every
 TP rank.
 """
@@ -29,12 +35,22 @@ import numpy as np
 
 from ..errors import LayoutError, ProtocolError
 
-__all__ = ["KVShape", "ParallelSplit", "KVLayout", "PoolAddressing", "DTYPE_SIZES", "POOL_ORDERS"]
+__all__ = ["KVShape", "ParallelSplit", "KVLayout", "PoolAddressing", "DTYPE_SIZES", "POOL_ORDERS", "order_axes"]
 
 DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
 }
-POOL_ORDERS = ("block_major", "layer_pools")
+POOL_ORDERS = ("block_major", "layer_pools")  # the named orders; any permutation of "lbkhn" is accepted too
+_ORDER_AXES = {"block_major": "blkhn", "layer_pools": "lbknh"}
+
+
+def order_axes(order: str) -> str:
+    """The axis permutation ("lbkhn" letters, outermost first) of a pool order; LayoutError if it is none."""
+    axes = _ORDER_AXES.get(order, order)
+    if not isinstance(axes, str) or sorted(axes) != sorted("lbkhn"):
+        raise LayoutError(f"pool order {order!r} is neither one of {POOL_ORDERS} nor a permutation of 'lbkhn' "
+                          f"(physical axis order: l layer, b block, k K/V, h kv head, n token)")
+    return axes
 # Bounds on splits (layouts arrive from peers; the mapping is built for every generation rank up front).
 MAX_TP = MAX_PP = 1024
 MAX_WORLD = 4096
@@ -121,8 +137,7 @@ class KVLayout:
     order: str = "block_major"
 
     def __post_init__(self) -> None:
-        if self.order not in POOL_ORDERS:
-            raise LayoutError(f"pool order {self.order!r} is not one of {POOL_ORDERS}")
+        order_axes(self.order)
         s, tp = self.shape, self.split.tp
         self.split.stage_sizes(s.num_layers)  # validates the layer split
         if not s.mla and s.num_kv_heads % tp and tp % s.num_kv_heads:
@@ -171,13 +186,18 @@ class KVLayout:
     def local_layers(self, rank: int) -> int:
         return len(self.stage_layers(self.coords(rank)[1]))
 
+    @property
+    def per_layer_pools(self) -> bool:
+        """True when the layer axis is outermost: each local layer's pool may be its own allocation."""
+        return order_axes(self.order)[0] == "l"
+
     def pool_shape(self, rank: int, num_blocks: int) -> tuple[int, ...]:
-        """Element shape of the rank's pool ("block_major") or of each layer pool ("layer_pools")."""
+        """Element shape of the rank's pool, or of each layer pool when the layer axis is outermost."""
         s = self.shape
-        if self.order == "block_major":
-            return (num_blocks, self.local_layers(rank), s.kv_factor, self.local_kv_heads,
-                    s.tokens_per_block, s.head_dim)
-        return (num_blocks, s.kv_factor, s.tokens_per_block, self.local_kv_heads, s.head_dim)
+        size = {"l": self.local_layers(rank), "b": num_blocks, "k": s.kv_factor, "h": self.local_kv_heads,
+                "n": s.tokens_per_block}
+        axes = order_axes(self.order)
+        return tuple(size[a] for a in axes if not (a == "l" and axes[0] == "l")) + (s.head_dim,)
 
     def block_bytes(self, rank: int) -> int:
         """Bytes of one block on `rank`, all its local layers included."""
@@ -248,23 +268,27 @@ class PoolAddressing:
     @classmethod
     def for_rank(cls, layout: KVLayout, rank: int, bases: list[int] | tuple[int, ...], num_blocks: int
                  ) -> "PoolAddressing":
-        """Addressing of `rank`'s pool(s): one base for "block_major", one per local layer for "layer_pools"."""
+        """Addressing of `rank`'s pool(s): one base, or one per local layer where the layer axis is outermost."""
         s = layout.shape
-        e, D, T, H, K = s.itemsize, s.head_dim, s.tokens_per_block, layout.local_kv_heads, s.kv_factor
         L = layout.local_layers(rank)
-        row = D * e
-        if layout.order == "block_major":
-            if len(bases) != 1:
-                raise LayoutError(f"a block_major pool has one base address, got {len(bases)}")
-            layer = K * H * T * row
-            return cls(np.int64(bases[0]) + np.arange(L, dtype=np.int64) * layer, L * layer, H * T * row, T * row,
-                       row, num_blocks, row)
-        if len(bases) != L:
-            raise LayoutError(f"layer_pools needs one base per local layer ({L}), got {len(bases)}")
-        return cls(np.asarray(bases, dtype=np.int64), K * T * H * row, T * H * row, row, H * row, num_blocks, row)
+        size = {"l": L, "b": num_blocks, "k": s.kv_factor, "h": layout.local_kv_heads, "n": s.tokens_per_block}
+        row = s.head_dim * s.itemsize
+        stride, step = {}, row
+        for a in reversed(order_axes(layout.order)):
+            stride[a] = step
+            step *= size[a]
+        if layout.per_layer_pools and len(bases) == L:
+            layer_base = np.asarray(bases, dtype=np.int64)
+        elif len(bases) == 1:
+            layer_base = np.int64(bases[0]) + np.arange(L, dtype=np.int64) * stride["l"]
+        else:
+            want = f"one base per local layer ({L}) or one" if layout.per_layer_pools else "one base"
+            raise LayoutError(f"a {layout.order} pool needs {want}, got {len(bases)}")
+        return cls(layer_base, stride["b"], stride["k"], stride["h"], stride["n"], num_blocks, row)
 
     def pool_bytes(self, layout: KVLayout, rank: int) -> list[tuple[int, int]]:
         """(base, length) of each contiguous pool, for registration and remote bounds checks."""
-        if layout.order == "block_major":
-            return [(int(self.layer_base[0]), self.num_blocks * self.block_stride)]
-        return [(int(b), self.num_blocks * self.block_stride) for b in self.layer_base]
+        if not layout.per_layer_pools:
+            return [(int(self.layer_base[0]), layout.block_bytes(rank) * self.num_blocks)]
+        per_layer = layout.block_bytes(rank) // layout.local_layers(rank) * self.num_blocks
+        return [(int(b), per_layer) for b in self.layer_base]

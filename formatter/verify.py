@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import KVLayout
+from .layout import KVLayout, order_axes
 from .mapping import mapping_for
 from .planner import Fragments, RankPool, plan_pieces
 from .staging import plan_pack, plan_unpack, staged_read, staging_nbytes, staging_pool
@@ -68,10 +68,9 @@ def _image(layout: KVLayout, layers: range, heads: range, num_blocks: int, tok_o
     L, H = np.arange(layers.start, layers.stop), np.arange(heads.start, heads.stop)
     K, T, D = np.arange(s.kv_factor), np.arange(s.tokens_per_block), np.arange(s.head_dim)
     B = np.arange(num_blocks)
-    if layout.order == "block_major":  # [B, L, K, H, T, D]
-        b, l, k, h, t, d = np.ix_(B, L, K, H, T, D)
-    else:  # layer_pools, stacked as [L, B, K, T, H, D]
-        l, b, k, t, h, d = np.ix_(L, B, K, T, H, D)
+    axes = order_axes(layout.order)  # e.g. "blkhn" (block_major); layer pools (l outermost) stacked in layer order
+    grid = dict(zip(axes + "d", np.ix_(*({"l": L, "b": B, "k": K, "h": H, "n": T}[a] for a in axes), D)))
+    b, l, k, h, t, d = (grid[a] for a in "blkhnd")
     tok = tok_of[b] + t
     real = (tok_of[b] >= 0) & (tok < n_of[b])
     codes = element_codes(l, k, h, np.where(real, tok, 0), d, s.itemsize, salt=salt_of[b] * 1000 + 17)
@@ -121,16 +120,15 @@ class _GlobalImage:
     def rank(self, rank: int) -> np.ndarray:
         tp_rank, pp_rank = self.layout.coords(rank)
         ls, hs = self.layout.stage_layers(pp_rank), self.layout.head_range(tp_rank)
-        ls, hs = slice(ls.start, ls.stop), slice(hs.start, hs.stop)
-        if self.layout.order == "block_major":
-            part = self.img[:, ls, :, hs]
-        else:
-            part = self.img[ls, :, :, :, hs]
-        return np.ascontiguousarray(part).reshape(-1)
+        axes = order_axes(self.layout.order)
+        index = [slice(None)] * self.img.ndim
+        index[axes.index("l")] = slice(ls.start, ls.stop)
+        index[axes.index("h")] = slice(hs.start, hs.stop)
+        return np.ascontiguousarray(self.img[tuple(index)]).reshape(-1)
 
 
 def pool_nbytes(layout: KVLayout, rank: int, num_blocks: int) -> int:
-    """Bytes of all of a rank's pool memory (every layer pool for "layer_pools")."""
+    """Bytes of all of a rank's pool memory (every layer pool where the layer axis is outermost)."""
     return layout.block_bytes(rank) * num_blocks
 
 
@@ -182,7 +180,7 @@ def verify_split(ctx: KVLayout, gen: KVLayout, num_tokens: int, *, seed: int = 0
     arena, sizes, stage_at = _arena(ctx, gen, mapping, nb_ctx, nb_gen, num_tokens, path)
 
     def bases(layout: KVLayout, rank: int, i: int, nb: int) -> list[int]:
-        if layout.order == "block_major":
+        if not layout.per_layer_pools:
             return [arena.addr(i)]
         per = int(np.prod(layout.pool_shape(rank, nb))) * layout.shape.itemsize
         return [arena.addr(i) + j * per for j in range(layout.local_layers(rank))]

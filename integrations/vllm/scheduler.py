@@ -1,0 +1,157 @@
+"""The connector's scheduler side: which request publishes, which pulls, and what the client is told.
+
+Runs in vLLM's engine-core process, called by vLLM's scheduler thread only (no locks). Never touches KV or
+sockets: it decides, and the workers (worker.py) act on the `StepWork` it hands them through vLLM's
+connector metadata. Request handles and secrets come from one RequestKey per engine start, so they are
+unguessable and a restarted prefill engine's old handles name nothing.
+
+    prefill: request_finished(do_remote_decode) -> Publish (blocks stay vLLM's until every worker reports
+             the request finished sending: read and confirmed, lease expired, or cancelled)
+    decode:  matched_tokens -> after_alloc -> Pull (or Refuse: bad params fail the load, nothing is pulled)
+             request_finished while pulling -> cancel
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import xxhash
+
+from ...errors import ProtocolError
+from ...formatter.layout import KVLayout
+from ...formatter.mapping import mapping_for
+from ...transceiver.handles import RequestKey
+from ...transceiver.params import DisaggParams
+from .params import KEY, RemotePrefill, prefill_answer, remote_prefill_of, wants_remote_decode
+from .work import Publish, Pull, PullStats, Refuse, StepWork
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SchedulerSide", "prompt_hash"]
+
+
+def prompt_hash(token_ids, n: int) -> str:
+    """xxh3-64 of the first n prompt token ids (int64 little-endian): a decode request must hold the prompt its
+    KV was computed for."""
+    import numpy as np
+
+    return xxhash.xxh3_64_hexdigest(np.asarray(list(token_ids)[:n], dtype="<i8").tobytes())
+
+
+class SchedulerSide:
+    """Scheduler-side state of one vLLM engine.
+
+    Args:
+        instance: the engine's kvbridge instance id (the same on every worker).
+        local_layout: this engine's KV layout (a decode request's remote layout must map onto it).
+    """
+
+    def __init__(self, instance: str, local_layout: KVLayout) -> None:
+        self.instance, self.local_layout = instance, local_layout
+        self.endpoints: tuple[str, ...] = ()
+        self.ctx_layout: KVLayout | None = None
+        self._key = RequestKey.new()
+        self._next = 1
+        self._work = StepWork()
+        self._seen: dict[str, tuple[RemotePrefill | None, str]] = {}  # decode req -> (parsed, refusal)
+        self._local: dict[str, int] = {}  # decode req -> tokens its local prefix cache held when asked
+        self._pulling: set[str] = set()
+        self._stats: dict[str, PullStats] = {}
+
+    # --- set-up --------------------------------------------------------------------------------------
+    def set_workers(self, endpoints: dict[int, str], layouts: dict[int, dict]) -> None:
+        """Every worker's control endpoint and layout wire form, by kvbridge rank (from vLLM's handshake)."""
+        world = self.local_layout.world_size
+        if sorted(endpoints) != list(range(world)):
+            raise ProtocolError(f"kvbridge workers reported ranks {sorted(endpoints)}; the engine has {world}")
+        fps = {KVLayout.from_wire(w).fingerprint() for w in layouts.values()}
+        if len(fps) != 1:
+            raise ProtocolError(f"kvbridge workers disagree on the KV layout (fingerprints {sorted(fps)})")
+        self.endpoints = tuple(endpoints[r] for r in range(world))
+        self.ctx_layout = KVLayout.from_wire(layouts[0])
+
+    # --- decode side ---------------------------------------------------------------------------------
+    def matched_tokens(self, req_id: str, params: Any, prompt: list[int], num_computed: int) -> tuple[int, bool]:
+        """vLLM's get_num_new_matched_tokens: tokens a remote prefill provides beyond the local prefix."""
+        if req_id not in self._seen:
+            self._seen[req_id] = self._parse(params, prompt)
+        remote, refusal = self._seen[req_id]
+        if remote is None and not refusal:
+            return 0, False
+        self._local[req_id] = num_computed
+        n = remote.num_tokens if remote is not None else len(prompt)
+        count = n - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def _parse(self, params: Any, prompt: list[int]) -> tuple[RemotePrefill | None, str]:
+        try:
+            remote = remote_prefill_of(params)
+        except ProtocolError as e:
+            return None, str(e)
+        if remote is None:
+            return None, ""
+        n = remote.num_tokens
+        if n > len(prompt):
+            return None, f"the remote prefill holds {n} tokens, this request's prompt has {len(prompt)}"
+        want = params[KEY].get("prompt_hash")
+        if want is not None and want != prompt_hash(prompt, n):
+            return None, ("this request's prompt is not the one the remote prefill computed (prompt_hash "
+                          "differs): its KV would be another text's")
+        try:
+            mapping_for(remote.disagg.ctx_layout, self.local_layout)
+        except Exception as e:  # noqa: BLE001 - any layout the formatter cannot map is refused by name
+            return None, f"the prefill's KV layout cannot map onto this engine's: {e}"
+        return remote, ""
+
+    def after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM's update_state_after_alloc: the blocks a load lands in are known; queue the pull or refusal."""
+        if num_external_tokens <= 0 or req_id not in self._seen or req_id in self._pulling:
+            return
+        remote, refusal = self._seen[req_id]
+        self._pulling.add(req_id)
+        if remote is None:
+            log.warning("kvbridge: request %s: kv_transfer_params refused: %s", req_id, refusal)
+            self._work.refusals.append(Refuse(req_id, refusal))
+            return
+        self._work.pulls.append(Pull(req_id, remote.disagg.to_dict(), tuple(int(b) for b in block_ids),
+                                     remote.num_tokens, self._local.get(req_id, 0)))
+
+    def worker_reports(self, stats: dict[str, PullStats], finished_recving) -> None:
+        """vLLM's update_connector_output: pulls the workers finished (their stats merged over workers)."""
+        for req_id, s in stats.items():
+            self._stats[req_id] = self._stats[req_id].merge(s) if req_id in self._stats else s
+        for req_id in finished_recving or ():
+            self._pulling.discard(req_id)
+            self._seen.pop(req_id, None)
+            self._local.pop(req_id, None)
+
+    # --- both ----------------------------------------------------------------------------------------
+    def request_finished(self, req_id: str, params: Any, prompt: list[int], num_computed: int,
+                         finished_ok: bool, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """vLLM's request_finished: (keep the blocks for a decode instance, kv_transfer_params to answer)."""
+        if req_id in self._pulling:  # aborted while its KV arrives: the workers cancel, vLLM frees on finish
+            self._work.cancels.append(req_id)
+        self._seen.pop(req_id, None)
+        self._local.pop(req_id, None)
+        stats = self._stats.pop(req_id, None)
+        if not wants_remote_decode(params):
+            if stats is None:
+                return False, None
+            return False, {"kvbridge_transfer": {"bytes": stats.nbytes, "ms": round(stats.ms, 3),
+                                                 "error": stats.error}}
+        if not finished_ok or not block_ids or num_computed <= 0 or not self.endpoints:
+            return False, None
+        n = min(num_computed, len(prompt))
+        rid, self._next = self._next, self._next + 1
+        handle, secret = self._key.handle(rid), self._key.secret(rid)
+        self._work.publishes.append(Publish(req_id, handle, secret, tuple(int(b) for b in block_ids), n))
+        disagg = DisaggParams(handle, self.instance, self.endpoints, self.ctx_layout, secret)
+        answer = prefill_answer(disagg, n)
+        answer[KEY]["prompt_hash"] = prompt_hash(prompt, n)
+        return True, answer
+
+    def take_work(self) -> StepWork:
+        """vLLM's build_connector_meta: this step's work for every worker (and a fresh list for the next)."""
+        work, self._work = self._work, StepWork()
+        return work

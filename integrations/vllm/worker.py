@@ -1,0 +1,154 @@
+"""The connector's worker side: one kvbridge rank over vLLM's KV tensors, driven once per engine step.
+
+Runs in each vLLM worker process, called from the model runner's thread only; the transceiver's own I/O
+threads do the talking and the transports move the bytes straight into and out of vLLM's cache tensors.
+Owns the Sender (prefill role) and Receiver (decode role) of this rank and the map between vLLM's request
+ids and kvbridge's ids. Never frees a block: it reports a request finished and vLLM frees it, so a block
+under a read in flight is never handed back (the Sender reports a request only once its readers confirmed,
+its lease ran out or it was cancelled; a failed pull is reported only after its reads settled).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from itertools import count
+
+from ...transceiver.config import TransceiverConfig
+from ...transceiver.params import DisaggParams
+from ...transceiver.pool import LocalPool
+from ...transceiver.receiver import Receiver
+from ...transceiver.sender import Sender
+from .layout import CachePool, kv_digest
+from .work import PullStats, StepWork
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WorkerSide"]
+
+
+class WorkerSide:
+    """One vLLM worker's kvbridge rank.
+
+    Args:
+        pool: the worker's KV tensors as kvbridge sees them (layout.describe_caches).
+        config: the transceiver's settings (kv_connector_extra_config["transceiver"]).
+        instance: the engine's instance id (the same on all its workers).
+        produce / consume: start a Sender (prefill role) / a Receiver (decode role).
+        digest_dir: when set, write each request's positional KV digest there (tests, debugging).
+    """
+
+    def __init__(self, pool: CachePool, config: TransceiverConfig, instance: str, produce: bool, consume: bool,
+                 digest_dir: str | None = None) -> None:
+        self.cache, self.config, self.digest_dir = pool, config, digest_dir
+        self.pool = LocalPool(pool.layout, pool.rank, list(pool.buffers), pool.num_blocks, config)
+        try:
+            self.sender = Sender(self.pool, config, instance) if produce else None
+            self.receiver = Receiver(self.pool, config, instance) if consume else None
+        except BaseException:
+            self.pool.close()
+            raise
+        self._ids = count(1)
+        self._sent: dict[int, str] = {}  # handle -> vLLM request id
+        self._pulls: dict[int, tuple[str, int, int, list[int]]] = {}  # kvbridge id -> (req, handle, n, blocks)
+        self._pull_of: dict[str, int] = {}
+        self._done_recv: set[str] = set()
+        self._failed: set[str] = set()
+        self._stats: dict[str, PullStats] = {}
+        self._release: set[str] = set()  # prefill requests that could not be published: free at once
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.sender.endpoint if self.sender is not None else None
+
+    def apply(self, work: StepWork) -> None:
+        """Act on one step's work: publish, start pulls, refuse, cancel. Never raises for one request."""
+        for p in work.publishes:
+            if self.sender is None:
+                log.error("kvbridge: request %s asks for remote decode but this engine is not a producer", p.req_id)
+                continue
+            try:
+                self.sender.publish(p.handle, p.block_ids, p.num_tokens, None, p.secret)
+                self._sent[p.handle] = p.req_id
+                self._digest("ctx", p.handle, p.block_ids, p.num_tokens)
+            except Exception as e:  # noqa: BLE001 - one request fails, the worker keeps serving
+                log.error("kvbridge: publishing request %s failed (its blocks go back): %s", p.req_id, e)
+                self._release.add(p.req_id)
+        for r in work.refusals:
+            self._fail(r.req_id, r.reason)
+        for p in work.pulls:
+            self._start_pull(p)
+        for req_id in work.cancels:
+            rid = self._pull_of.get(req_id)
+            if rid is not None and self.receiver is not None:
+                self.receiver.cancel(rid)
+
+    def _start_pull(self, p) -> None:
+        if self.receiver is None:
+            self._fail(p.req_id, "this engine is not a consumer (kv_role kv_producer)")
+            return
+        rid = next(self._ids)
+        try:
+            disagg = DisaggParams.from_dict(p.disagg)
+            self.receiver.submit(rid, disagg, list(p.block_ids), p.num_tokens, None, p.from_token)
+        except Exception as e:  # noqa: BLE001
+            self._fail(p.req_id, f"{type(e).__name__}: {e}")
+            return
+        self._pulls[rid] = (p.req_id, disagg.ctx_request_id, p.num_tokens, list(p.block_ids))
+        self._pull_of[p.req_id] = rid
+
+    def _fail(self, req_id: str, why: str) -> None:
+        log.error("kvbridge: KV load of request %s failed: %s", req_id, why)
+        self._done_recv.add(req_id)
+        self._failed.add(req_id)
+        self._stats[req_id] = PullStats(error=why)
+
+    def poll(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) vLLM request ids since the last poll."""
+        sending, self._release = self._release, set()
+        if self.sender is not None:
+            for r in self.sender.poll_finished():
+                req_id = self._sent.pop(r.ctx_request_id, None)
+                if req_id is None:
+                    continue
+                sending.add(req_id)
+                if r.status != "complete":
+                    log.info("kvbridge: request %s released on rank %d as %s %s", req_id, self.cache.rank,
+                             r.status, r.detail)
+        if self.receiver is not None:
+            for r in self.receiver.poll_finished():
+                entry = self._pulls.pop(r.request_id, None)
+                if entry is None:
+                    continue
+                req_id, handle, n, blocks = entry
+                self._pull_of.pop(req_id, None)
+                if r.ok:
+                    self._digest("gen", handle, blocks, n)
+                    self._done_recv.add(req_id)
+                    self._stats[req_id] = PullStats(r.nbytes, float(r.timings_ms.get("total", 0.0)))
+                else:
+                    self._fail(req_id, f"{r.error_type}: {r.error}")
+        recving, failed = self._done_recv, self._failed
+        self._done_recv, self._failed = set(), set()
+        return sending, recving, failed
+
+    def take_stats(self) -> dict[str, PullStats]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def _digest(self, side: str, handle: int, block_ids, n: int) -> None:
+        if not self.digest_dir:
+            return
+        d = kv_digest(self.cache, block_ids, n)
+        path = os.path.join(self.digest_dir, f"{side}-{handle}-r{self.cache.rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"tokens": n, "rank": self.cache.rank, "at": time.time(), "digest": d}, f)
+        os.replace(path + ".tmp", path)
+
+    def close(self) -> None:
+        for part in (self.sender, self.receiver):
+            if part is not None:
+                part.close()
+        self.pool.close()
