@@ -4,8 +4,9 @@ The same tiny random Llama (integrations/vllm/tiny_model.py) and the same token-
 tokens, unique per request so no prefix cache hides a transfer), greedy. Per connector and prompt length:
 TTFT p50/p90 (aggregated: to the first streamed token; disaggregated: the prefill hop + the decode hop's
 first token, the protocol of serving/vllm_backend.py), the KV transfer's own time (p50) and bytes per
-request (from the decode server's /metrics, one request at a time: vLLM's `vllm:nixl_*` histograms, the
-connector's `kvbridge_*` ones), requests/s at a fixed concurrency, and whether every prompt's tokens equal
+request (NixlConnector: the decode server's `vllm:nixl_*` histograms in /metrics, one request at a time;
+KVBridgeConnector: the `kvbridge_transfer` {bytes, ms} it answers in a non-streamed decode's
+`kv_transfer_params`, from one more unique prompt per repetition), requests/s at a fixed concurrency, and whether every prompt's tokens equal
 the aggregated server's. Servers run one configuration at a time (the aggregated reference alone, as
 ../shared/vllm/ measured it): NixlConnector in its best configuration here (prefill on core 0, decode on
 core 1, every thread pinned once up); KVBridgeConnector with vLLM's OpenMP threads on those cores but no
@@ -41,9 +42,8 @@ __all__ = ["main", "run", "CONNECTORS"]
 CONNECTORS = ("aggregated", "nixl", "kvbridge")
 CONNECTOR_MODULE = Path(__file__).resolve().parents[1] / "integrations" / "vllm" / "connector.py"
 DEFAULT_JSON = str(Path(__file__).resolve().parent / "results" / "vllm.json")
-# decode-side histograms of one pull: (seconds, bytes) per connector; summed over label sets
-TRANSFER_METRICS = {"nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
-                    "kvbridge": ("kvbridge_transfer_seconds", "kvbridge_transfer_bytes")}
+# NixlConnector's decode-side histograms of one pull: (seconds, bytes); summed over label sets
+TRANSFER_METRICS = {"nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred")}
 MAX_MODEL_LEN = 4096
 
 
@@ -76,6 +76,21 @@ def _stream(client: httpx.Client, url: str, body: dict, timeout: float) -> tuple
                     ttft = time.perf_counter() - t0
                 ids += ch.get("token_ids") or []
     return ttft, ids
+
+
+def kvbridge_transfer(client: httpx.Client, servers: dict, prompt: list[int], max_tokens: int,
+                      timeout: float = 300.0) -> tuple[float | None, int | None]:
+    """(ms, bytes) of one prefill -> decode whose decode is not streamed: KVBridgeConnector answers them in
+    the decode's kv_transfer_params (`kvbridge_transfer`)."""
+    r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(_body(prompt, max_tokens, False)),
+                    timeout=timeout)
+    kvp = r.json().get("kv_transfer_params")
+    r = client.post(servers["decode"] + "/v1/completions", json=decode_body(_body(prompt, max_tokens, False), kvp),
+                    timeout=timeout)
+    t = (r.json().get("kv_transfer_params") or {}).get("kvbridge_transfer") or {}
+    if r.status_code != 200 or t.get("error"):
+        raise RuntimeError(f"decode: HTTP {r.status_code}: {str(r.json())[:300]}")
+    return t.get("ms"), t.get("bytes")
 
 
 def one_request(client: httpx.Client, servers: dict, prompt: list[int], max_tokens: int,
@@ -153,6 +168,9 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
             tokens[(n, rep)] = ids
             if names:
                 ms, nb = _transfer(client, servers["decode"], names, before, a.settle_s)
+            elif name == "kvbridge":
+                ms, nb = kvbridge_transfer(client, servers, prompt_ids(n, 300_000 + 1000 * rep + n), a.max_tokens)
+            if name != "aggregated":
                 xfer_ms.append(ms)
                 xfer_bytes.append(nb)
         rps = throughput(servers, n, a)

@@ -202,8 +202,10 @@ class VllmBackend:
                 if not isinstance(data, dict) or not isinstance(data.get("choices"), list) or not data["choices"]:
                     raise ApiError.from_body(502, data, f"decode server {w.name}: ")
                 self.r.metrics.hop.labels("generation").observe(time.monotonic() - t0)
-                data.pop("kv_transfer_params", None)
-                data["kvbridge"] = {**(data.get("kvbridge") or {}), **deco}
+                kvp = data.pop("kv_transfer_params", None)  # KVBridgeConnector: the pull's bytes and ms
+                transfer = kvp.get("kvbridge_transfer") if isinstance(kvp, dict) else None
+                data["kvbridge"] = {**(data.get("kvbridge") or {}), **deco,
+                                    **({"transfer": transfer} if isinstance(transfer, dict) else {})}
                 return data
             lines = resp.aiter_lines()
             first = await _next_event(lines, w, deadline)  # the first token, or the failure, decides the status

@@ -137,12 +137,15 @@ def _auto_cpus(cfg) -> dict[str, str]:
 
 
 def kv_transfer_config(s) -> dict[str, Any]:
-    """The `--kv-transfer-config` of server `s` (every server is kv_both: the router decides who prefills)."""
+    """The `--kv-transfer-config` of server `s`: context servers produce KV, generation servers consume it;
+    KVBridgeConnector gets the group's `transceiver:` settings (CurveZMQ keys of `kvbridge serve` included)."""
     v = s.vllm
-    out: dict[str, Any] = {"kv_connector": v["kv_connector"], "kv_role": "kv_both",
+    out: dict[str, Any] = {"kv_connector": v["kv_connector"],
+                           "kv_role": "kv_producer" if s.role == "context" else "kv_consumer",
                            "kv_connector_extra_config": dict(v["kv_connector_extra_config"])}
     if v["kv_connector"] == "KVBridgeConnector":
         out["kv_connector_module_path"] = CONNECTOR_MODULE
+        out["kv_connector_extra_config"] = {"transceiver": dict(s.transceiver), **out["kv_connector_extra_config"]}
     else:
         out["kv_buffer_device"] = v["kv_buffer_device"]
     return out
