@@ -4,11 +4,15 @@ vLLM hands a worker one tensor per attention layer (`register_kv_caches`). Their
 the attention backend; this module names the physical order (formatter/layout.py: a permutation of
 "lbkhn") and checks every stride against it, so a cache kvbridge does not understand is refused by name at
 start instead of moved wrongly. Known shapes per layer:
-    CPU backend           [blocks, heads, tokens, 2 * head_dim], read as [blocks, heads, K/V, tokens, head_dim]
+    CPU backend           [blocks, heads, tokens, 2 * head_dim]: per (block, head) a K region of block_size x
+                          head_dim elements, then a V region of the same size ("lbhkn" at region granularity)
     flash-attention like  [2, blocks, tokens, heads, head_dim] or [blocks, 2, tokens, heads, head_dim], any
                           stride order (NHD / HND)
     MLA                   [blocks, tokens, latent]
-Owns no memory: the tensors stay vLLM's. Imports torch, never vllm.
+Inside a region the CPU backend packs elements its own way (its vector kernel keeps K column-major,
+[head_dim, block_size], and V row-major): so kvbridge moves whole (block, head, K|V) regions between two
+engines of the SAME block size (`moved_tokens`), never token rows, and the positional digest is taken per
+region in the request's block order. Owns no memory: the tensors stay vLLM's. Imports torch, never vllm.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ import xxhash
 from ...errors import LayoutError
 from ...formatter.layout import KVLayout, KVShape, ParallelSplit, PoolAddressing
 
-__all__ = ["EngineShape", "CachePool", "describe_caches", "kv_digest", "DTYPE_NAMES"]
+__all__ = ["EngineShape", "CachePool", "describe_caches", "kv_digest", "moved_tokens", "PACKED_ORDERS",
+           "DTYPE_NAMES"]
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2", torch.int8: "int8",
                torch.uint8: "uint8"}
+# orders whose (block, head, K|V) regions an engine packs its own way: moved as whole regions, same block size
+PACKED_ORDERS = frozenset({"lbhkn"})
 # logical axis labels of a 5-D per-layer cache, in the backends' shape order; the first that fits wins
 _FIVE_D = ("kbnh", "bknh", "kbhn", "bkhn")
 
@@ -60,6 +67,15 @@ class CachePool:
     def addressing(self) -> PoolAddressing:
         return PoolAddressing.for_rank(self.layout, self.rank, [b.data_ptr() for b in self.buffers],
                                        self.num_blocks)
+
+
+def moved_tokens(num_tokens: int, layout: KVLayout) -> int:
+    """Tokens a request of `num_tokens` moves in `layout`: whole blocks, the last one included, for a packed
+    order (PACKED_ORDERS); exactly `num_tokens` otherwise."""
+    if layout.order not in PACKED_ORDERS:
+        return int(num_tokens)
+    tpb = layout.shape.tokens_per_block
+    return -(-int(num_tokens) // tpb) * tpb
 
 
 def describe_caches(shape: EngineShape, tp_rank: int, pp_rank: int, kv_caches: Mapping[str, torch.Tensor],
@@ -141,11 +157,12 @@ def _num_blocks(t: torch.Tensor, order: str) -> int:
 
 def kv_digest(pool: CachePool, block_ids, num_tokens: int) -> dict[str, str]:
     """Positional digest of one request on this worker: "layer.head.K|V" (global ids) -> xxh3-64 of that head's
-    first `num_tokens` token rows in token order. Equal across any TP/PP split and block size exactly when
-    every token's KV sits where it belongs."""
+    token rows over the request's whole blocks, in block order (for the CPU backend: its regions' bytes).
+    Two engines agree on every key exactly when every block of KV sits where it belongs, whatever their TP."""
     lay, a = pool.layout, pool.addressing
     T = lay.shape.tokens_per_block
-    blocks = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)[:-(-int(num_tokens) // T)])
+    nb = -(-int(num_tokens) // T)
+    blocks = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)[:nb])
     tp_rank, pp_rank = lay.coords(pool.rank)
     out: dict[str, str] = {}
     for li, layer in enumerate(lay.stage_layers(pp_rank)):
@@ -154,6 +171,6 @@ def kv_digest(pool: CachePool, block_ids, num_tokens: int) -> dict[str, str]:
             for k in range(lay.shape.kv_factor):
                 v = torch.as_strided(flat, (a.num_blocks, T, a.row_bytes), (a.block_stride, a.token_stride, 1),
                                      flat.storage_offset() + k * a.kv_stride + hi * a.head_stride)
-                rows = v.index_select(0, blocks.to(v.device)).reshape(-1, a.row_bytes)[:num_tokens]
+                rows = v.index_select(0, blocks.to(v.device)).reshape(-1, a.row_bytes)
                 out[f"{layer}.{head}.{'KV'[k]}"] = xxhash.xxh3_64_hexdigest(rows.cpu().contiguous().numpy())
     return out

@@ -23,6 +23,7 @@ from ...formatter.layout import KVLayout
 from ...formatter.mapping import mapping_for
 from ...transceiver.handles import RequestKey
 from ...transceiver.params import DisaggParams
+from .layout import PACKED_ORDERS
 from .params import KEY, RemotePrefill, prefill_answer, remote_prefill_of, wants_remote_decode
 from .work import Publish, Pull, PullStats, Refuse, StepWork
 
@@ -98,6 +99,12 @@ class SchedulerSide:
         if want is not None and want != prompt_hash(prompt, n):
             return None, ("this request's prompt is not the one the remote prefill computed (prompt_hash "
                           "differs): its KV would be another text's")
+        ctx, mine = remote.disagg.ctx_layout, self.ctx_layout or self.local_layout
+        if ({ctx.order, mine.order} & PACKED_ORDERS) and ctx.shape.tokens_per_block != mine.shape.tokens_per_block:
+            return None, (f"the prefill's KV blocks hold {ctx.shape.tokens_per_block} tokens, this engine's "
+                          f"{mine.shape.tokens_per_block}: vLLM's CPU attention packs each block its own way "
+                          f"(K column-major), so kvbridge moves whole blocks and needs one block size on both "
+                          f"sides (--block-size)")
         try:
             mapping_for(remote.disagg.ctx_layout, self.local_layout)
         except Exception as e:  # noqa: BLE001 - any layout the formatter cannot map is refused by name

