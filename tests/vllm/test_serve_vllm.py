@@ -76,7 +76,7 @@ def _alone(server: str, **body) -> openai.types.Completion:
 
 
 _PARTIAL = pytest.mark.xfail(reason="KVBridgeConnector decodes wrong tokens when the prompt's last KV block is "
-                                     "partial (vLLM's CPU block: 128 tokens); found by this test", strict=False)
+                                     "partial at block size 128 (vLLM CPU default; block 32 is exact); found here", strict=False)
 
 
 @pytest.mark.parametrize("n", [128, 384, pytest.param(16, marks=_PARTIAL), pytest.param(300, marks=_PARTIAL),
