@@ -1,4 +1,4 @@
-"""`kvbridge bench vllm`: real vLLM three ways on one machine: aggregated, + NixlConnector, + KVBridgeConnector.
+"""`kvbridge bench vllm`: real vLLM three ways on one machine: aggregated, + NixlConnector, + KVBridge.
 
 The same tiny random Llama (integrations/vllm/tiny_model.py) and the same token-id prompts (128 / 512 / 2048
 tokens, unique per request so no prefix cache hides a transfer), greedy. Per connector and prompt length:
@@ -6,11 +6,12 @@ TTFT p50/p90 (aggregated: to the first streamed token; disaggregated: the prefil
 first token, the protocol of serving/vllm_backend.py), the KV transfer's own time (p50) and bytes per
 request (NixlConnector: the decode server's `vllm:nixl_*` histograms in /metrics, one request at a time;
 KVBridgeConnector: the `kvbridge_transfer` {bytes, ms} it answers in a non-streamed decode's
-`kv_transfer_params`, from one more unique prompt per repetition), requests/s at a fixed concurrency, and whether every prompt's tokens equal
-the aggregated server's. Servers run one configuration at a time (the aggregated reference alone, as
-../shared/vllm/ measured it): NixlConnector in its best configuration here (prefill on core 0, decode on
-core 1, every thread pinned once up); KVBridgeConnector with vLLM's OpenMP threads on those cores but no
-re-pinning (`--kvbridge-pin` adds it). Rows go to bench/results/vllm.json, a plot beside it.
+`kv_transfer_params`, from one more unique prompt per repetition), requests/s at a fixed concurrency, and
+whether every prompt's tokens equal the aggregated server's. Servers run one configuration at a time (the
+aggregated reference alone, as ../shared/vllm/ measured it): NixlConnector in its best configuration here
+(prefill on core 0, decode on core 1, every thread pinned once up); KVBridgeConnector with vLLM's OpenMP
+threads on those cores but no re-pinning (`--kvbridge-pin` adds it). Rows go to bench/results/vllm.json,
+a plot beside it.
 
     kvbridge bench vllm [--quick] [--json PATH] [--lens 128 512 2048] [--reps 8] [--concurrency 4]
 """
@@ -27,7 +28,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -82,11 +82,10 @@ def kvbridge_transfer(client: httpx.Client, servers: dict, prompt: list[int], ma
                       timeout: float = 300.0) -> tuple[float | None, int | None]:
     """(ms, bytes) of one prefill -> decode whose decode is not streamed: KVBridgeConnector answers them in
     the decode's kv_transfer_params (`kvbridge_transfer`)."""
-    r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(_body(prompt, max_tokens, False)),
-                    timeout=timeout)
+    body = _body(prompt, max_tokens, False)
+    r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(body), timeout=timeout)
     kvp = r.json().get("kv_transfer_params")
-    r = client.post(servers["decode"] + "/v1/completions", json=decode_body(_body(prompt, max_tokens, False), kvp),
-                    timeout=timeout)
+    r = client.post(servers["decode"] + "/v1/completions", json=decode_body(body, kvp), timeout=timeout)
     t = (r.json().get("kv_transfer_params") or {}).get("kvbridge_transfer") or {}
     if r.status_code != 200 or t.get("error"):
         raise RuntimeError(f"decode: HTTP {r.status_code}: {str(r.json())[:300]}")
@@ -100,8 +99,8 @@ def one_request(client: httpx.Client, servers: dict, prompt: list[int], max_toke
         ttft, ids = _stream(client, servers["agg"], _body(prompt, max_tokens, True), timeout)
         return ttft, ids
     t0 = time.perf_counter()
-    r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(_body(prompt, max_tokens, False)),
-                    timeout=timeout)
+    body = _body(prompt, max_tokens, False)
+    r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(body), timeout=timeout)
     data = r.json()
     if r.status_code != 200 or not isinstance(data.get("kv_transfer_params"), dict):
         raise RuntimeError(f"prefill: HTTP {r.status_code}: {str(data)[:300]}")
@@ -132,11 +131,12 @@ def metric_sums(client: httpx.Client, url: str, names: tuple[str, ...]) -> dict[
 
 
 def _transfer(client: httpx.Client, url: str, names: tuple[str, str], before: dict, settle_s: float):
-    """(ms, bytes) the decode server recorded for the request since `before` (waits, bounded, for its stats)."""
+    """(ms, bytes) the decode server recorded for the request since `before` (waits, bounded, for them)."""
     deadline = time.monotonic() + settle_s
     while True:
         now = metric_sums(client, url, names)
-        if now.get(names[0] + "_count", 0) > before.get(names[0] + "_count", 0) or time.monotonic() > deadline:
+        seen = now.get(names[0] + "_count", 0) > before.get(names[0] + "_count", 0)
+        if seen or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     if now.get(names[0] + "_count", 0) <= before.get(names[0] + "_count", 0):
@@ -169,7 +169,8 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
             if names:
                 ms, nb = _transfer(client, servers["decode"], names, before, a.settle_s)
             elif name == "kvbridge":
-                ms, nb = kvbridge_transfer(client, servers, prompt_ids(n, 300_000 + 1000 * rep + n), a.max_tokens)
+                extra = prompt_ids(n, 300_000 + 1000 * rep + n)
+                ms, nb = kvbridge_transfer(client, servers, extra, a.max_tokens)
             if name != "aggregated":
                 xfer_ms.append(ms)
                 xfer_bytes.append(nb)
@@ -213,7 +214,8 @@ def _specs(name: str, model: str, a) -> dict[str, VllmServerSpec]:
         pin = True
     else:
         kv = {"kv_connector": "KVBridgeConnector", "kv_role": "kv_both",
-              "kv_connector_module_path": "kvbridge.integrations.vllm.connector", "kv_connector_extra_config": {}}
+              "kv_connector_module_path": "kvbridge.integrations.vllm.connector",
+              "kv_connector_extra_config": {}}
         pin = a.kvbridge_pin
     return {role: VllmServerSpec(port=free_port(), cpus=core, pin=pin, kv_transfer_config=kv,
                                  side_channel_port=free_port(), **common)
@@ -251,12 +253,13 @@ def plot(rows: list[dict], path: str) -> None:
     def draw(fig):
         lens = sorted({r["prompt_tokens"] for r in rows})
         names = [c for c in CONNECTORS if any(r["connector"] == c for r in rows)]
-        for i, (key, label) in enumerate((("ttft_p50_ms", "TTFT p50 (ms)"), ("transfer_ms_p50", "KV transfer p50 (ms)"),
-                                          ("req_per_s", "requests/s"))):
+        panels = (("ttft_p50_ms", "TTFT p50 (ms)"), ("transfer_ms_p50", "KV transfer p50 (ms)"),
+                  ("req_per_s", "requests/s"))
+        for i, (key, label) in enumerate(panels):
             ax = fig.add_subplot(1, 3, i + 1)
             w = 0.8 / max(1, len(names))
             for j, c in enumerate(names):
-                vals = [next((r[key] or 0 for r in rows if r["connector"] == c and r["prompt_tokens"] == n), 0)
+                vals = [next((r[key] or 0 for r in rows if (r["connector"], r["prompt_tokens"]) == (c, n)), 0)
                         for n in lens]
                 ax.bar([k + j * w for k in range(len(lens))], vals, w, label=c)
             ax.set_xticks([k + w * (len(names) - 1) / 2 for k in range(len(lens))], [str(n) for n in lens])
@@ -281,7 +284,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--kvbridge-pin", action="store_true", help="pin KVBridgeConnector's servers like NIXL's")
     ap.add_argument("--settle-s", type=float, default=3.0, help="wait (bounded) for a transfer's metrics")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--python", default=None, help="vLLM's interpreter (default $KVBRIDGE_VLLM_PYTHON or .venv-vllm)")
+    ap.add_argument("--python", default=None,
+                    help="vLLM's interpreter (default $KVBRIDGE_VLLM_PYTHON or .venv-vllm)")
     ap.add_argument("--log-dir", default=None, help="the servers' logs (default: a temporary folder)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -297,8 +301,8 @@ def main(argv: list[str]) -> int:
         a.connectors = ["aggregated", *a.connectors]  # the reference tokens
     a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-vllm-")
     rows = run(a)
-    print(table(rows, ["connector", "prompt_tokens", "ttft_p50_ms", "ttft_p90_ms", "transfer_ms_p50", "kv_bytes",
-                       "req_per_s", "tokens_identical"]))
+    print(table(rows, ["connector", "prompt_tokens", "ttft_p50_ms", "ttft_p90_ms", "transfer_ms_p50",
+                       "kv_bytes", "req_per_s", "tokens_identical"]))
     path = a.json or (None if a.quick else DEFAULT_JSON)
     if path:
         write_json(path, rows)

@@ -91,12 +91,13 @@ class VllmBackend:
             raise ApiError(400, f"n={n!r:.40} is not supported with engine: vllm (one choice per request)",
                            code="unsupported", param="n")
         if body.get("best_of") not in (None, 1):
-            raise ApiError(400, "best_of is not supported with engine: vllm", code="unsupported", param="best_of")
+            raise ApiError(400, "best_of is not supported with engine: vllm", code="unsupported",
+                           param="best_of")
         p = body.get("prompt")
         if kind == "completion" and isinstance(p, list) and p and not all(type(t) is int for t in p):
             if len(p) != 1:
-                raise ApiError(400, "a list of prompts is not supported with engine: vllm (one prompt per request)",
-                               code="unsupported", param="prompt")
+                raise ApiError(400, "a list of prompts is not supported with engine: vllm (one prompt per "
+                                    "request)", code="unsupported", param="prompt")
             body = {**body, "prompt": p[0]}
         return [Part(0, 0, {**body, "model": self.r.cfg.model_name}, None)]
 
@@ -112,9 +113,11 @@ class VllmBackend:
             kvp, ctx_w, pre_ms = await self._prefill(request, path, body, deadline, avoid)
             deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "prefill_ms": pre_ms}
             try:
-                return await self._decode(request, path, decode_body(body, kvp), stream, deadline, gen_w, deco)
+                return await self._decode(request, path, decode_body(body, kvp), stream, deadline, gen_w,
+                                          deco)
             except ApiError as e:
-                if e.code != "kv_transfer_failed" or attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline:
+                last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
+                if e.code != "kv_transfer_failed" or last:
                     raise
                 log.warning("router: decode on %s failed after the prefill on %s (%s); running it again",
                             gen_w.name, ctx_w.name, e.message)
@@ -185,8 +188,8 @@ class VllmBackend:
             try:
                 resp = await until_gone(request, self.r.client.send(req, stream=True))
             except httpx.TimeoutException:
-                raise ApiError(504, f"decode server {w.name} did not answer within {left:.1f}s", "timeout_error",
-                               "timeout") from None
+                raise ApiError(504, f"decode server {w.name} did not answer within {left:.1f}s",
+                               "timeout_error", "timeout") from None
             except httpx.TransportError as e:
                 w.mark(False, type(e).__name__)
                 raise ApiError(502, f"decode server {w.name} failed: {type(e).__name__} {e}".rstrip(),
@@ -199,7 +202,8 @@ class VllmBackend:
                     raise _failed(w, stream_error(data) or f"HTTP {resp.status_code}")
                 if resp.status_code != 200:
                     raise ApiError.from_body(resp.status_code, data, f"decode server {w.name}: ")
-                if not isinstance(data, dict) or not isinstance(data.get("choices"), list) or not data["choices"]:
+                if not isinstance(data, dict) or not isinstance(data.get("choices"), list) or \
+                        not data["choices"]:
                     raise ApiError.from_body(502, data, f"decode server {w.name}: ")
                 self.r.metrics.hop.labels("generation").observe(time.monotonic() - t0)
                 kvp = data.pop("kv_transfer_params", None)  # KVBridgeConnector: the pull's bytes and ms
@@ -208,7 +212,7 @@ class VllmBackend:
                                     **({"transfer": transfer} if isinstance(transfer, dict) else {})}
                 return data
             lines = resp.aiter_lines()
-            first = await _next_event(lines, w, deadline)  # the first token, or the failure, decides the status
+            first = await _next_event(lines, w, deadline)  # the first token or the failure: the status
             if first is None or first is _DONE:
                 raise _failed(w, "the stream ended before the first token")
             if stream_error(first) is not None:
@@ -217,19 +221,20 @@ class VllmBackend:
 
     async def _read(self, request: Request, resp: httpx.Response, w: WorkerRef, deadline: float) -> bytes:
         try:
-            return await until_gone(request, asyncio.wait_for(resp.aread(), max(0.05, deadline - time.monotonic())))
+            left = max(0.05, deadline - time.monotonic())
+            return await until_gone(request, asyncio.wait_for(resp.aread(), left))
         except (asyncio.TimeoutError, httpx.TimeoutException):
             raise ApiError(504, f"decode server {w.name} did not finish before the deadline", "timeout_error",
                            "timeout") from None
         except httpx.TransportError as e:
             w.mark(False, type(e).__name__)
-            raise ApiError(502, f"decode server {w.name} failed: {type(e).__name__} {e}".rstrip(), "server_error",
-                           "generation_failed") from None
+            raise ApiError(502, f"decode server {w.name} failed: {type(e).__name__} {e}".rstrip(),
+                           "server_error", "generation_failed") from None
 
 
 def _failed(w: WorkerRef, why: str) -> ApiError:
-    return ApiError(502, f"decode server {w.name} failed the request before its first token (vLLM: {why}); the KV "
-                         f"transfer from the prefill server or the decode failed", "server_error",
+    return ApiError(502, f"decode server {w.name} failed the request before its first token (vLLM: {why}); "
+                         f"the KV transfer from the prefill server or the decode failed", "server_error",
                     "kv_transfer_failed")
 
 
@@ -271,8 +276,8 @@ async def _events(first: dict, lines: AsyncIterator[str], w: WorkerRef, deadline
     obj: dict | None = first
     while obj is not _DONE:
         if obj is None:
-            raise ApiError(502, f"decode server {w.name} closed the stream before it finished", "server_error",
-                           "generation_failed")
+            raise ApiError(502, f"decode server {w.name} closed the stream before it finished",
+                           "server_error", "generation_failed")
         msg = stream_error(obj)
         if msg is not None:
             raise ApiError(502, f"decode server {w.name} failed mid-stream (vLLM: {msg})", "server_error",

@@ -39,7 +39,8 @@ from typing import Any
 from ..errors import ServeConfigError
 from ..integrations.vllm.launch import VllmServerSpec, free_port, health, parse_cpus, pin_group, vllm_python
 
-__all__ = ["ENGINES", "CONNECTORS", "vllm_section", "server_spec", "with_ports", "spawn_args", "resolve_model",
+__all__ = ["ENGINES", "CONNECTORS", "vllm_section", "server_spec", "with_ports", "spawn_args",
+           "resolve_model",
            "TINY_MODEL", "CONNECTOR_MODULE"]
 
 ENGINES = ("kvbridge", "vllm")
@@ -47,7 +48,8 @@ CONNECTORS = ("KVBridgeConnector", "NixlConnector")
 CONNECTOR_MODULE = "kvbridge.integrations.vllm.connector"
 TINY_MODEL = "tiny-llama"
 
-_DEFAULTS: dict[str, Any] = {"python": None, "kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {},
+_DEFAULTS: dict[str, Any] = {"python": None, "kv_connector": "KVBridgeConnector",
+                             "kv_connector_extra_config": {},
                              "kv_buffer_device": "cpu", "block_size": None, "max_model_len": 2048,
                              "max_num_seqs": 8, "gpu_memory_utilization": 0.1, "dtype": "float32",
                              "enforce_eager": True, "cpus": "auto", "pin": True, "extra_args": [], "env": {}}
@@ -75,7 +77,8 @@ def vllm_section(d: Any, path: str, base: dict | None, instances: int) -> dict[s
             v = float(v)
         types = t if isinstance(t, tuple) else (t,)
         if type(v) is bool and bool not in types or not isinstance(v, types):
-            raise ServeConfigError(f"{path}.{k}: expected {' or '.join(x.__name__ for x in types)}, got {v!r}")
+            names = " or ".join(x.__name__ for x in types)
+            raise ServeConfigError(f"{path}.{k}: expected {names}, got {v!r}")
         out[k] = v
     if out["kv_connector"] not in CONNECTORS:
         raise ServeConfigError(f"{path}.kv_connector: {out['kv_connector']!r} is not one of {CONNECTORS}")
@@ -96,7 +99,8 @@ def vllm_section(d: Any, path: str, base: dict | None, instances: int) -> dict[s
         cpus = [cpus] * instances
     if isinstance(cpus, list):
         if len(cpus) != instances or not all(isinstance(c, str) for c in cpus):
-            raise ServeConfigError(f"{path}.cpus: give auto, none, or one core list per instance ({instances}), "
+            raise ServeConfigError(f"{path}.cpus: give auto, none, or one core list per instance "
+                                   f"({instances}), "
                                    f"e.g. ['0', '1'] or ['0|1'] for TP2; got {out['cpus']!r}")
         for c in cpus:
             try:
@@ -117,7 +121,7 @@ def resolve_model(model: str) -> str:
 
 
 def with_ports(cfg):
-    """`cfg` with every port 0 of a vLLM server replaced by a free port (vLLM binds the number it is given)."""
+    """`cfg` with each port 0 of a vLLM server replaced by a free port (vLLM binds the number it is given)."""
     ports = {s.name: free_port(s.bind_host if s.bind_host not in ("", "0.0.0.0") else "127.0.0.1")
              for s in cfg.servers() if s.port == 0}
     return cfg.resolved(ports) if ports else cfg
@@ -138,14 +142,15 @@ def _auto_cpus(cfg) -> dict[str, str]:
 
 def kv_transfer_config(s) -> dict[str, Any]:
     """The `--kv-transfer-config` of server `s`: context servers produce KV, generation servers consume it;
-    KVBridgeConnector gets the group's `transceiver:` settings (CurveZMQ keys of `kvbridge serve` included)."""
+    KVBridgeConnector gets the group's `transceiver:` settings (serve's CurveZMQ keys included)."""
     v = s.vllm
     out: dict[str, Any] = {"kv_connector": v["kv_connector"],
                            "kv_role": "kv_producer" if s.role == "context" else "kv_consumer",
                            "kv_connector_extra_config": dict(v["kv_connector_extra_config"])}
     if v["kv_connector"] == "KVBridgeConnector":
         out["kv_connector_module_path"] = CONNECTOR_MODULE
-        out["kv_connector_extra_config"] = {"transceiver": dict(s.transceiver), **out["kv_connector_extra_config"]}
+        out["kv_connector_extra_config"] = {"transceiver": dict(s.transceiver),
+                                            **out["kv_connector_extra_config"]}
     else:
         out["kv_buffer_device"] = v["kv_buffer_device"]
     return out
@@ -161,7 +166,8 @@ def server_spec(cfg, s, token: str | None) -> VllmServerSpec:
         extra += ["--pipeline-parallel-size", str(s.pp)]
     return VllmServerSpec(model=resolve_model(cfg.model), port=s.port, host=s.bind_host or s.host,
                           python=v["python"] or vllm_python(), kv_transfer_config=kv_transfer_config(s),
-                          served_model_name=cfg.model_name, block_size=v["block_size"], tensor_parallel_size=s.tp,
+                          served_model_name=cfg.model_name, block_size=v["block_size"],
+                          tensor_parallel_size=s.tp,
                           max_model_len=v["max_model_len"], max_num_seqs=v["max_num_seqs"],
                           gpu_memory_utilization=v["gpu_memory_utilization"], dtype=v["dtype"],
                           enforce_eager=v["enforce_eager"], cpus=bind, pin=v["pin"], api_key=token,

@@ -60,8 +60,9 @@ def describe(cfg: ServeConfig) -> str:
     for s in cfg.servers():
         if s.engine == "vllm":
             v = s.vllm
-            lines.append(f"{s.name}: {s.role} vLLM server at {s.url}, tp={s.tp} pp={s.pp}, {v['kv_connector']}, "
-                         f"cpus {v['cpus'] if isinstance(v['cpus'], str) else v['cpus'][s.index]}")
+            cpus = v["cpus"] if isinstance(v["cpus"], str) else v["cpus"][s.index]
+            lines.append(f"{s.name}: {s.role} vLLM server at {s.url}, tp={s.tp} pp={s.pp}, "
+                         f"{v['kv_connector']}, cpus {cpus}")
             continue
         ex = s.executor
         agents = s.transceiver.get("agents", s.transceiver.get("agent", ["auto"]))

@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from kvbridge.integrations.vllm.launch import VllmServer, VllmServerSpec, VllmStartError, free_port, group_pids
+from kvbridge.integrations.vllm.launch import (VllmServer, VllmServerSpec, VllmStartError, free_port,
+                                               group_pids)
 
 from .conftest import needs_vllm
 
@@ -35,10 +36,10 @@ def server(tiny_model, tmp_path_factory):
 
 def test_the_openai_client_gets_text_chat_and_streams(server):
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=120)
-    full = c.completions.create(model="tiny", prompt="Write a haiku about the sea.", max_tokens=8, temperature=0)
+    text = "Write a haiku about the sea."
+    full = c.completions.create(model="tiny", prompt=text, max_tokens=8, temperature=0)
     assert full.usage.completion_tokens == 8 and full.usage.prompt_tokens > 1
-    streamed = c.completions.create(model="tiny", prompt="Write a haiku about the sea.", max_tokens=8, temperature=0,
-                                    stream=True)
+    streamed = c.completions.create(model="tiny", prompt=text, max_tokens=8, temperature=0, stream=True)
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == full.choices[0].text
     chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                      temperature=0)
@@ -49,7 +50,8 @@ def test_the_openai_client_gets_text_chat_and_streams(server):
 
 def test_v1_needs_the_api_key_and_health_does_not(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                   timeout=30)
     assert r.status_code == 401
 
 

@@ -43,11 +43,13 @@ class FakeVllm:
                         "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
                         "kv_transfer_params": {"handle": len(self.got), "secret": "s"}}
             if self.mode == "500" and not body.get("stream"):
-                return JSONResponse({"error": {"message": "Internal server error", "code": 500}}, status_code=500)
-            return StreamingResponse(self._events(body), media_type="text/event-stream") if body.get("stream") \
-                else {"id": "cmpl-d", "object": "text_completion", "model": body["model"],
-                      "choices": [{"index": 0, "text": "abc", "finish_reason": "length"}],
-                      "kv_transfer_params": {"kvbridge_transfer": {"bytes": 4096, "ms": 1.5, "error": ""}}}
+                return JSONResponse({"error": {"message": "Internal server error", "code": 500}},
+                                    status_code=500)
+            if body.get("stream"):
+                return StreamingResponse(self._events(body), media_type="text/event-stream")
+            return {"id": "cmpl-d", "object": "text_completion", "model": body["model"],
+                    "choices": [{"index": 0, "text": "abc", "finish_reason": "length"}],
+                    "kv_transfer_params": {"kvbridge_transfer": {"bytes": 4096, "ms": 1.5, "error": ""}}}
 
         self.app = app
 

@@ -47,8 +47,8 @@ def serve(tiny_model, tmp_path_factory):
            "context_servers": group("ctx0"), "generation_servers": group("gen0")}
     log = tmp / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "serve", config(tmp, "c", cfg)], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
+        proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "serve", config(tmp, "c", cfg)],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, KVBRIDGE_INTERNAL_TOKEN=TOKEN))
     try:
         router = wait_log(log, r"OpenAI API at (\S+)/v1", proc, timeout=700).group(1)
@@ -75,8 +75,8 @@ def _alone(server: str, **body) -> openai.types.Completion:
     return c.completions.create(model="tiny-llama", temperature=0, **body)
 
 
-_PARTIAL = pytest.mark.xfail(reason="KVBridgeConnector decodes wrong tokens when the prompt's last KV block is "
-                                     "partial at block size 128 (vLLM CPU default; block 32 is exact); found here", strict=False)
+_PARTIAL = pytest.mark.xfail(strict=False, reason="KVBridgeConnector decodes wrong tokens when the prompt's "
+                             "last KV block is partial at block size 128 (vLLM's CPU default; 32 is exact)")
 
 
 @pytest.mark.parametrize("n", [128, 384, pytest.param(16, marks=_PARTIAL), pytest.param(300, marks=_PARTIAL),
@@ -93,7 +93,8 @@ def test_completions_streamed_and_not_equal_the_prefill_servers_own_tokens(serve
                                     stream=True)
     text = "".join(ch.choices[0].text for ch in streamed if ch.choices)
     assert got.choices[0].text == ref, f"{n}-token prompt"
-    assert text == _alone("ctx0", prompt=prompt[::-1], max_tokens=12).choices[0].text, f"{n}-token prompt, streamed"
+    ref = _alone("ctx0", prompt=prompt[::-1], max_tokens=12).choices[0].text
+    assert text == ref, f"{n}-token prompt, streamed"
 
 
 def test_chat_streamed_and_not(serve):

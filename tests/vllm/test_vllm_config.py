@@ -29,7 +29,8 @@ def _cfg(**over) -> dict:
     ({"vllm": {"cpus": "a-b"}}, "cpus"),
     ({"vllm": {"gpu_memory_utilization": 2}}, "vllm.gpu_memory_utilization"),
     ({"context_servers": {"engine": "sglang"}}, "context_servers.engine"),
-    ({"context_servers": {"vllm": {}, "urls": ["127.0.0.1:1"]}, "generation_servers": {"urls": ["127.0.0.1:2"]}},
+    ({"context_servers": {"vllm": {}, "urls": ["127.0.0.1:1"]},
+      "generation_servers": {"urls": ["127.0.0.1:2"]}},
      "context_servers.vllm: only for engine: vllm"),
 ])
 def test_a_bad_vllm_config_is_refused_naming_the_key(change, named):
@@ -42,11 +43,12 @@ def test_each_server_gets_its_role_connector_cores_and_token_out_of_argv():
     assert cfg.engine == "vllm" and cfg.generation[0].vllm["cpus"] == "auto"
     ctx = server_spec(cfg, cfg.context[0], "tok-123")
     gen = server_spec(cfg, cfg.generation[0], "tok-123")
-    kv = json.loads(ctx.command()[ctx.command().index("--kv-transfer-config") + 1])
-    assert kv["kv_role"] == "kv_producer" and kv["kv_connector_module_path"].endswith("integrations.vllm.connector")
+    kv = json.loads(_arg(ctx, "--kv-transfer-config"))
+    assert kv["kv_role"] == "kv_producer"
+    assert kv["kv_connector_module_path"].endswith("integrations.vllm.connector")
     assert kv["kv_connector_extra_config"]["transceiver"] == {"transfer_timeout_s": 30}
-    assert "--tensor-parallel-size" in gen.command() and gen.command()[gen.command().index("--tensor-parallel-size") + 1] == "2"
-    assert json.loads(gen.command()[gen.command().index("--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"
+    assert _arg(gen, "--tensor-parallel-size") == "2"
+    assert json.loads(_arg(gen, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
     cores = sorted(os.sched_getaffinity(0))
     assert ctx.cpus == str(cores[0]) and gen.cpus.count("|") == 1  # one core list per TP rank, round robin
     assert all("tok-123" not in a for a in ctx.command()) and ctx.environment({})["VLLM_API_KEY"] == "tok-123"
@@ -59,6 +61,12 @@ def test_nixl_servers_get_a_cpu_buffer_and_port_zero_becomes_a_free_port():
     cfg = with_ports(cfg)
     s = server_spec(cfg, cfg.context[0], None)
     assert s.port > 0 and s.cpus is None and "VLLM_API_KEY" not in s.environment({"VLLM_API_KEY": "stale"})
-    kv = json.loads(s.command()[s.command().index("--kv-transfer-config") + 1])
+    kv = json.loads(_arg(s, "--kv-transfer-config"))
     assert kv["kv_connector"] == "NixlConnector" and kv["kv_buffer_device"] == "cpu"
-    assert s.side_channel_port and s.environment({})["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(s.side_channel_port)
+    assert s.side_channel_port
+    assert s.environment({})["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(s.side_channel_port)
+
+
+def _arg(spec, flag: str) -> str:
+    cmd = spec.command()
+    return cmd[cmd.index(flag) + 1]
