@@ -14,8 +14,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvbridge.demo:main", "run the end-to-end demo (what `make demo` runs)"),
     "generate": ("kvbridge.executor.generate:main", "run a prompt on the reference executor"),
     "keys": ("kvbridge.transceiver.keys:main", "create a CurveZMQ key pair for the control plane"),
-    "bench": ("kvbridge.bench.__main__:main", "benchmarks: `kvbridge bench transfer|plan ...` (JSON with --json)"),
-    "serve": ("kvbridge.serving.launcher:main", "launch every worker and the router of a serving config (YAML)"),
+    "bench": ("kvbridge.bench.__main__:main",
+              "benchmarks: transfer, plan, control, prefix, soak (kvbridge bench --help)"),
+    "serve": ("kvbridge.serving.launcher:main",
+              "launch every worker and the router of a serving config (YAML); --check: validate it only"),
     "worker": ("kvbridge.serving.worker:main", "one context or generation worker of a serving config"),
     "router": ("kvbridge.serving.router:main", "the OpenAI-compatible router of a serving config"),
     "verify-layout": ("kvbridge.formatter.cli:main", "check a ctx/gen TP/PP split byte-exact in-process"),
@@ -26,8 +28,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def usage() -> str:
     w = max(map(len, SUBCOMMANDS))
-    lines = ["usage: kvbridge <command> [args]", "", "commands:"]
+    lines = ["usage: kvbridge <command> [args]    (kvbridge <command> --help: its options and defaults)", "",
+             "commands:"]
     lines += [f"  {name:<{w}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "options:", f"  {'--version':<{w}}  print kvbridge's version and exit"]
     return "\n".join(lines)
 
 
@@ -35,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"kvbridge {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

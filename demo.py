@@ -23,6 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 PROMPTS = ["What is the capital of France?", "Name the three primary colors.", "Write a haiku about the sea.",
            "What is 12 times 12?"]
 BLOCKS = 128
+IDENTICAL = """
+      identical = the disaggregated answer has exactly the tokens of aggregated decoding of the
+      same prompt (greedy, same model): the KV crossed intact. SmolLM2-135M is a small model and
+      can still answer wrongly (both ways alike): that is the model, not the transfer."""
 
 
 def _config(agent: str) -> dict:
@@ -220,6 +224,7 @@ def _report(out: _Out, prompts: list[str], results: list[dict], want: list[list[
         print(f"      {_cut(p, 32):<32} {_cut(answer, 44):<44} {t.get('bytes', 0):>10,} "
               f"{t.get('fragments', 0):>6} {t.get('ms', {}).get('total', 0):>7.1f}  "
               f"{'+'.join(t.get('agents', ['?'])):<5}  {mark}")
+    print(out.c(IDENTICAL, "2"))
     return ok
 
 

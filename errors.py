@@ -91,6 +91,12 @@ class PeerGone(TransceiverError):
     """The peer stopped answering (no heartbeat within the deadline) or closed the connection."""
 
 
+class ReadAheadRefused(TransceiverError):
+    """A context rank refused a read-ahead (reads posted from the block ids in DisaggParams before its Blocks
+    answer): the request was not published complete under a secret the context rank made, or the block ids
+    differ from the published ones."""
+
+
 # --- executor -----------------------------------------------------------------------------------------
 class KVCacheError(KvBridgeError):
     """A KV cache manager call named an unknown request, freed one twice, or unpinned one not pinned."""

@@ -43,7 +43,9 @@ Threads: who calls each hook, and what it may block on
     _close               the owner, once, after its last transfer       joining its own threads (bounded)
 
 A subclass therefore guards its own tables with its own lock (the base lock serialises register/deregister/
-close, not transfers) and never does data movement on the caller's thread: a blocking transport runs the
+close, not transfers; any name works, `self._lock` included: the base class keeps its own state under
+`_kvb_`-prefixed names, `_kvb_lock`, `_kvb_regions`, `_kvb_peers`, `_kvb_closed`, `_kvb_next_key`, which a
+subclass must not touch) and never does data movement on the caller's thread: a blocking transport runs the
 movement on a pool and returns a `FutureTransfer` (see examples/custom_agent.py).
 
 Remote-descriptor checks. The base class checks the local side (inside this agent's registrations, right
@@ -112,11 +114,11 @@ class TransferAgent(ABC):
         if not name or not isinstance(name, str):
             raise AgentError("an agent needs a non-empty name, unique among its peers")
         self.name = name
-        self._regions = RegionTable()
-        self._next_key = 0
-        self._peers: set[str] = set()
-        self._closed = False
-        self._lock = threading.RLock()
+        self._kvb_regions = RegionTable()
+        self._kvb_next_key = 0
+        self._kvb_peers: set[str] = set()
+        self._kvb_closed = False
+        self._kvb_lock = threading.RLock()
 
     # --- memory ---------------------------------------------------------------------------------------
     def register_memory(self, region: MemoryRegion) -> Registration:
@@ -131,11 +133,11 @@ class TransferAgent(ABC):
         if region.kind not in self.memory_kinds:
             raise RegistrationError(f"{self.agent_kind} agent cannot register {region.kind.value} memory "
                                     f"(it supports {sorted(k.value for k in self.memory_kinds)})")
-        with self._lock:
-            key = self._next_key
-            self._next_key += 1
+        with self._kvb_lock:
+            key = self._kvb_next_key
+            self._kvb_next_key += 1
             self._register(region, key)
-            self._regions.add(key, region)
+            self._kvb_regions.add(key, region)
         return Registration(self, region, key, self._deregister)
 
     def deregister_memory(self, registration: Registration) -> None:
@@ -143,19 +145,19 @@ class TransferAgent(ABC):
         registration.release()
 
     def _deregister(self, registration: Registration) -> None:
-        with self._lock:
-            if self._regions.remove(registration.key) is not None and not self._closed:
+        with self._kvb_lock:
+            if self._kvb_regions.remove(registration.key) is not None and not self._kvb_closed:
                 self._unregister(registration.region, registration.key)
 
     def registered_regions(self) -> list[MemoryRegion]:
-        return self._regions.regions()
+        return self._kvb_regions.regions()
 
     def check_registered(self, descs: DescriptorList, what: str) -> None:
         """Raise RegistrationError (naming `what` and the first bad descriptor) unless every range in `descs`
         lies inside one region registered with this agent, of the same memory kind and device.
 
         For serving sides that act on ranges a peer named (a two-sided transport's server thread)."""
-        self._regions.check(descs, what)
+        self._kvb_regions.check(descs, what)
 
     # --- peers ----------------------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -172,21 +174,21 @@ class TransferAgent(ABC):
         if not isinstance(peer_metadata, (bytes, bytearray, memoryview)) or not peer_metadata:
             raise PeerError("peer metadata must be non-empty bytes")
         peer = self._connect(bytes(peer_metadata))
-        with self._lock:
-            self._peers.add(peer)
+        with self._kvb_lock:
+            self._kvb_peers.add(peer)
         return peer
 
     def disconnect(self, peer: str) -> None:
         """Forget a peer; later transfers naming it raise PeerError. Unknown peers are ignored."""
-        with self._lock:
-            known = peer in self._peers
-            self._peers.discard(peer)
-        if known and not self._closed:
+        with self._kvb_lock:
+            known = peer in self._kvb_peers
+            self._kvb_peers.discard(peer)
+        if known and not self._kvb_closed:
             self._disconnect(peer)
 
     @property
     def peers(self) -> frozenset[str]:
-        return frozenset(self._peers)
+        return frozenset(self._kvb_peers)
 
     # --- transfers ------------------------------------------------------------------------------------
     def read(self, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
@@ -199,7 +201,7 @@ class TransferAgent(ABC):
 
     def _transfer(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         self._check_open()
-        if peer not in self._peers:
+        if peer not in self._kvb_peers:
             raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
         if len(local) != len(remote):
             raise AgentError(f"{op}: {len(local)} local descriptors but {len(remote)} remote ones")
@@ -212,7 +214,7 @@ class TransferAgent(ABC):
                 raise AgentError(f"{op}: {self.agent_kind} agent cannot move {side} {d.kind.value} memory")
         n = len(local)
         if not self.post_chunk or n <= self.post_chunk:
-            self._regions.check(local, f"{op} local side")
+            self._kvb_regions.check(local, f"{op} local side")
             return self._post(op, peer, local, remote)
         # Pipelined posting: check and post the list chunk by chunk, so the host work on chunk i+1 overlaps
         # the transfer of chunk i. The first chunk is small so data starts moving at once.
@@ -221,7 +223,7 @@ class TransferAgent(ABC):
         try:
             for b in chunk_bounds(n, self.post_chunk):
                 lo, ro = local[a:b], remote[a:b]
-                self._regions.check(lo, f"{op} local side (descriptors {a}..{b - 1})")
+                self._kvb_regions.check(lo, f"{op} local side (descriptors {a}..{b - 1})")
                 parts.append(self._post(op, peer, lo, ro))
                 a = b
         except BaseException:
@@ -232,10 +234,10 @@ class TransferAgent(ABC):
     # --- teardown -------------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the agent's transport resources. Registrations and peers are dropped."""
-        if self._closed:
+        if self._kvb_closed:
             return
-        with self._lock:
-            self._closed = True
+        with self._kvb_lock:
+            self._kvb_closed = True
             self._close()
 
     def __enter__(self):
@@ -245,11 +247,12 @@ class TransferAgent(ABC):
         self.close()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._kvb_closed:
             raise AgentError(f"{self.agent_kind} agent {self.name!r} is closed")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, peers={len(self._peers)}, regions={len(self._regions)})"
+        return (f"{type(self).__name__}({self.name!r}, peers={len(self._kvb_peers)}, "
+                f"regions={len(self._kvb_regions)})")
 
     # --- hooks for subclasses -------------------------------------------------------------------------
     @abstractmethod
@@ -274,7 +277,9 @@ class TransferAgent(ABC):
 
     @abstractmethod
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
-        """Post the (already validated) transfer; never block on data movement."""
+        """Post the (already validated) transfer; never block on data movement.
+
+        `op` is "READ" (remote[i] -> local[i]) or "WRITE" (local[i] -> remote[i]); nothing else."""
 
     def _close(self) -> None:
         """Release transport resources (optional)."""

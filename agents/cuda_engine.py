@@ -118,7 +118,9 @@ class Engine:
                 log.warning("deferred CUDA release failed: %s", e)
         while len(self._free) > _KEEP_SLOTS or (len(self._free) > 1
                                                  and sum(x.words for x in self._free) > _KEEP_WORDS):
-            self._free.remove(min(self._free, key=lambda x: x.words)).free()
+            smallest = min(self._free, key=lambda x: x.words)
+            self._free.remove(smallest)  # (list.remove returns None: free the slot itself)
+            smallest.free()
 
     def drain(self, timeout: float) -> bool:
         """Wait (bounded) for the stream to go idle, then free everything; False if it did not in time."""

@@ -227,6 +227,7 @@ class CudaIpcAgent(TransferAgent):
         kernel: the copy kernel variant (CopyKernel.ANY; ALIGNED only where every fragment is 16-byte
             aligned on both ends, as in benchmarks).
         timing: time each transfer on the GPU (descriptor upload + kernel) into `handle.gpu_seconds`.
+        post_chunk: descriptors per pipelined kernel (None: the class default); for tuning and tests.
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -243,10 +244,14 @@ class CudaIpcAgent(TransferAgent):
     post_chunk = 32768
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
-                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False) -> None:
+                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
+        if post_chunk is not None:
+            if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
+                raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
+            self.post_chunk = post_chunk
         super().__init__(name)
-        self._regions = FastRegionTable()  # same checks as the base class's, faster for one pool
+        self._kvb_regions = FastRegionTable()  # the base class's table, same checks, faster for one pool
         drv.load()
         if drv.device_count() < 1:
             raise AgentError("the cuda_ipc agent needs a CUDA GPU; the driver reports none visible")
@@ -361,7 +366,7 @@ class CudaIpcAgent(TransferAgent):
         if p is None:
             raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
         lens = local.lengths  # == remote.lengths (the base class checked)
-        lmax = self._regions.max_length(lens)  # the base class's local check just computed it
+        lmax = self._kvb_regions.max_length(lens)  # the base class's local check just computed it
         p.table.check(remote, f"{op} remote side (peer {peer!r})", lmax)
         engine = self._engine(local.device)
         starts, deltas = p.mapping(engine.dev, remote.device)

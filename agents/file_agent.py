@@ -177,6 +177,7 @@ class FileAgent(TransferAgent):
     def __init__(self, name: str, io_threads: int = 2, fsync: bool = True) -> None:
         super().__init__(name)
         self._sets: dict[str, _FileSet] = {}
+        self._lock = threading.Lock()  # guards _sets
         self._ids = itertools.count(1)
         self._fsync = bool(fsync)
         self._pool = ThreadPoolExecutor(max_workers=max(1, int(io_threads)),

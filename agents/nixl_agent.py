@@ -2,8 +2,9 @@
 
 UCX picks the transport per peer pair: shared memory / CMA between processes of one host, cuda_ipc between
 GPUs of one host, RDMA or TCP across hosts. NIXL runs its own progress thread; this class only posts and
-polls. `nixl-cu13` is a hard dependency of kvbridge, but it is imported lazily so that a machine where the
-native library cannot load still imports kvbridge and gets a clear error when it asks for this agent.
+polls. `nixl-cu13` is an optional dependency (`pip install 'kvbridge[nixl]'`), imported lazily: a machine
+without it (or where its native library cannot load) still imports kvbridge, uses the other agents, and gets
+an error saying what to install when it asks for this one.
 
 Why NIXL and not UCX directly: ucx-py cannot be installed from PyPI and ucxx exposes no RMA to Python.
 """
@@ -38,8 +39,9 @@ def _load_nixl():
                     from nixl import _api as mod  # type: ignore[import-not-found,no-redef]
                 except ImportError as e:
                     raise AgentError(
-                        "NixlAgent needs the `nixl-cu13` package (pip install nixl-cu13); "
-                        f"importing it failed: {e}"
+                        "the nixl agent needs the `nixl-cu13` package: pip install 'kvbridge[nixl]' (or "
+                        "pip install nixl-cu13); without it use another agent, e.g. `transceiver: {agent: "
+                        f"tcp}}` for host memory; importing it failed: {e}"
                     ) from e
             _nixl = mod
         return _nixl

@@ -3,6 +3,7 @@
     [project.entry-points."kvbridge.agents"]
     mine = "my_package.my_module:MyAgent"
 
+A "module:Class" spec works wherever a name does (the module from sys.path, else the working directory).
 `create_agent("mine", name)` builds one; `available_agents()` lists every name known (built-ins, entry
 points, explicit registrations). Entry points are loaded lazily, on first lookup.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 import threading
 from importlib import metadata as importlib_metadata
 
@@ -65,13 +68,47 @@ def available_agents() -> list[str]:
         return sorted(set(_BUILTIN) | set(_registered))
 
 
+def how_to_register(name: str) -> str:
+    """What a user does so that `name` resolves (for error messages)."""
+    return (f"register it with an entry point in your package's pyproject.toml ([project.entry-points."
+            f"\"kvbridge.agents\"] {name} = \"my_package.my_module:MyAgent\", then pip install the package), "
+            f"or name the class as MODULE:CLASS importable from the working directory; "
+            f"register_agent({name!r}, MyAgent) reaches only the calling process, not spawned workers")
+
+
+def _import_spec(spec: str) -> type[TransferAgent]:
+    """A 'module:Class' spec; the module on sys.path, else in the working directory."""
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name != mod_name.partition(".")[0] or os.getcwd() in sys.path:
+            raise AgentError(f"agent {spec!r} could not be loaded: {e}") from e
+        sys.path.append(os.getcwd())
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e2:
+            raise AgentError(f"agent {spec!r} could not be loaded (looked on sys.path and in "
+                             f"{os.getcwd()}): {e2}") from e2
+    except ImportError as e:
+        raise AgentError(f"agent {spec!r} could not be loaded: {e}") from e
+    cls = getattr(mod, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, TransferAgent)):
+        raise AgentError(f"agent {spec!r}: {attr!r} in {mod.__name__} is not a TransferAgent subclass")
+    return cls
+
+
 def get_agent_class(name: str) -> type[TransferAgent]:
-    """The class registered as `name`; AgentError naming the known ones if there is none."""
+    """The class registered as `name` (or named by a 'module:Class' spec); AgentError saying what is known
+    and how to register one if there is none."""
     _load_entry_points()
     with _lock:
         target = _registered.get(name, _BUILTIN.get(name))
+    if target is None and ":" in name:
+        return _import_spec(name)
     if target is None:
-        raise AgentError(f"no transfer agent named {name!r}; known: {', '.join(available_agents())}")
+        raise AgentError(f"no transfer agent named {name!r} is registered (known: "
+                         f"{', '.join(available_agents())}); {how_to_register(name)}")
     if isinstance(target, str):
         mod_name, _, attr = target.partition(":")
         try:

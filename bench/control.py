@@ -2,9 +2,12 @@
 
 This process is one context rank (a real `CacheTransceiver.context` over a pool of position-dependent codes);
 G spawned generation ranks (real `CacheTransceiver.generation`, real ZeroMQ, a real agent) pull one-block
-requests. For each request the context rank publishes it, hands its disaggregated params to a generation rank
-(over a pipe: the hop a router would make), and waits for the rank's own completion (the reader's Done, which
-the rank answers with DoneAck). Two figures per G:
+requests. For each request the context rank publishes it (the transceiver makes its secret), hands its
+disaggregated params to a generation rank (over a pipe: the hop a router would make), and waits for the rank's
+own completion (the reader's Done, which the rank answers with DoneAck). The params carry the context block
+ids, so the generation rank reads ahead (its reads go out with its Fetch; `--no-read-ahead`: Fetch, Blocks,
+then the reads). The owner waits in `check_context_transfer_status` when it has nothing to publish, woken by
+the I/O thread (`--owner poll`: it polls every 20 us instead). Two figures per G:
 
 - latency: one request at a time, publish -> complete on the context rank, p50/p99 in microseconds;
 - throughput: `--window` requests in flight across the G ranks, completed requests per second.
@@ -12,7 +15,8 @@ the rank answers with DoneAck). Two figures per G:
 Every request must end `complete` on the context rank and `ok` on its generation rank, and the context
 rank must end with nothing pinned; the bench exits 1 otherwise.
 
-    kvbridge bench control [--gens 1,8,64] [--requests 3000] [--window 64] [--agent nixl] [--json PATH]
+    kvbridge bench control [--gens 1,8,64] [--requests 3000] [--window 64] [--agent nixl] [--no-read-ahead]
+                           [--owner wait|poll] [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..formatter.verify import pool_image
+from ..errors import DeadlineExceeded
 from ..transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
 from .common import machine, table, write_json
 from .plot import save_plot
@@ -89,7 +94,8 @@ def _gen_main(conn, agent: str) -> None:
 class _ContextRank:
     """The context rank under test and the generation ranks it serves."""
 
-    def __init__(self, gens: int, agent: str) -> None:
+    def __init__(self, gens: int, agent: str, read_ahead: bool = True, owner: str = "wait") -> None:
+        self.read_ahead, self.owner = read_ahead, owner
         blocks = [([s], TOKENS, s + 1) for s in range(CTX_SLOTS)]
         self.buf = pool_image(LAY, 0, CTX_SLOTS, blocks, 1).copy()
         self.ctx = CacheTransceiver.context(self.buf, LAY, 0, CTX_SLOTS, _config(agent))
@@ -113,18 +119,25 @@ class _ContextRank:
         self.next_rid += 1
         self.t_pub[rid] = time.perf_counter()
         secret = self.ctx.respond_and_send_async(_Req(rid, np.array([slot]), TOKENS))
-        params = DisaggParams(rid, self.ctx.instance, (self.ctx.endpoint,), LAY, secret).to_dict()
+        params = DisaggParams(rid, self.ctx.instance, (self.ctx.endpoint,), LAY, secret,
+                              (slot,) if self.read_ahead else None).to_dict()
         self.conns[gen].send((rid, params, rid % GEN_SLOTS))
 
-    def reap(self) -> int:
-        now = None
+    def reap(self, block: bool) -> int:
+        """Take finished requests. With nothing to publish (`block`) a waiting owner sleeps in
+        check_context_transfer_status until one finishes; a polling one looks every POLL_S."""
         got = self.ctx.check_context_transfer_status()
+        if not got and block and self.owner == "wait":
+            try:
+                got = self.ctx.check_context_transfer_status(1, timeout_s=0.05)
+            except DeadlineExceeded:
+                got = []
+        elif not got and self.owner == "poll":
+            time.sleep(POLL_S)  # an engine polls between steps; a tight spin would starve the I/O thread
+        now = time.perf_counter()
         for r in got:
-            now = now or time.perf_counter()
             self.done[r.ctx_request_id] = now - self.t_pub.pop(r.ctx_request_id)
             self.status[r.status] = self.status.get(r.status, 0) + 1
-        if not got:
-            time.sleep(POLL_S)  # an engine polls between steps; a tight spin would starve the I/O thread
         return len(got)
 
     def run(self, n: int, window: int, deadline_s: float, tick=None) -> float:
@@ -135,7 +148,7 @@ class _ContextRank:
             while len(self.t_pub) < window and self.next_rid - 1 - self._base < n:
                 self.publish(gen)
                 gen = (gen + 1) % len(self.conns)
-            got = self.reap()
+            got = self.reap(len(self.t_pub) >= window or self.next_rid - 1 - self._base >= n)
             finished += got
             if tick and got:
                 tick(got)
@@ -173,7 +186,7 @@ class _ContextRank:
 
 
 def bench_gens(gens: int, args) -> dict:
-    rank = _ContextRank(gens, args.agent)
+    rank = _ContextRank(gens, args.agent, not args.no_read_ahead, args.owner)
     try:
         rank.measure(min(200, args.requests), min(args.window, 8), 120)  # warm-up: connections, handshakes
         with progress_bar(args.requests * 2, f"{gens} gen ranks") as bar:
@@ -185,7 +198,8 @@ def bench_gens(gens: int, args) -> dict:
         end = rank.close()
     ok = (end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0
           and set(rank.status) == {"complete"})
-    return {"gen_ranks": gens, "agent": args.agent, "requests": args.requests, "window": args.window,
+    return {"gen_ranks": gens, "agent": args.agent, "read_ahead": not args.no_read_ahead, "owner": args.owner,
+            "requests": args.requests, "window": args.window,
             "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
             "p50_us_loaded": float(np.percentile(lat_w, 50)), "p99_us_loaded": float(np.percentile(lat_w, 99)),
             "req_per_s": args.requests / seconds, "gen_stages_p50_ms": stages, "ctx_status": rank.status, **end, "verified": ok}
@@ -217,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=3000, help="requests per measurement")
     ap.add_argument("--window", type=int, default=64, help="requests in flight for the throughput figure")
     ap.add_argument("--agent", default="nixl", help="the transfer agent (registry name)")
+    ap.add_argument("--no-read-ahead", action="store_true",
+                    help="leave the context block ids out of DisaggParams: Fetch, Blocks, then the reads")
+    ap.add_argument("--owner", choices=["wait", "poll"], default="wait",
+                    help="how the context rank's owner learns of completions: blocked in "
+                         "check_context_transfer_status (woken by the I/O thread), or polling every 20 us")
     ap.add_argument("--json", help="write the rows as JSON here (and a PNG plot beside it)")
     args = ap.parse_args(argv)
     print(f"# control plane on loopback, one-block requests, agent {args.agent}; {machine()}", flush=True)

@@ -75,11 +75,15 @@ def _ask(client: httpx.Client, url: str, prompt: list[int]) -> dict[str, Any]:
     return {"tokens": tokens, "ttft_s": ttft or (time.monotonic() - t0), "bytes": moved, "gen_reused": reused}
 
 
-def _prefix_counters(url: str) -> dict[str, float]:
+def _prefix_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
+    """A worker's prefix counters from its /metrics (the deployment's internal token: closed by default)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {"prompt": 0.0, "reused": 0.0, "bytes_saved": 0.0}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
+    r = httpx.get(url + "/metrics", headers=headers, timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}/metrics answered {r.status_code}: {r.text[:200]}")
+    for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
             if s.name == "kvbridge_serving_prefix_tokens_total":
                 out[s.labels["kind"]] += s.value
@@ -120,7 +124,7 @@ def run_mode(reuse: bool, conversations: int, turns: int, workers: int, threads:
                     moved += g["bytes"]
                     gen_reused += g["gen_reused"]
         wall = time.monotonic() - t0
-        ctx = [_prefix_counters(s.url) for s in cluster.cfg.context]
+        ctx = [_prefix_counters(s.url, cluster.headers) for s in cluster.cfg.context]
     finally:
         cluster.stop()
     ctx_reused = sum(x["reused"] for x in ctx)

@@ -27,11 +27,18 @@ from .common import machine, table
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge bench soak", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--frames", type=int, default=1_000_000, help="mutated frames into the decoder")
+    ap.add_argument("--frames", type=int, default=1_000_000,
+                    help="frames into the decoder, in all: valid, mutated, oversized, bombs "
+                         "(default 1000000)")
     ap.add_argument(
-        "--live-frames", type=int, default=300_000, help="mutated frames into a live context rank"
+        "--live-frames", type=int, default=300_000,
+        help="mutated frames into a live context rank (default 300000)"
     )
-    ap.add_argument("--requests", type=int, default=10_000, help="requests through the two executors")
+    ap.add_argument("--live-requests", type=int, default=0,
+                    help="real requests pulled from the live rank at most (default 0: as long as the hammer "
+                         "runs, at least 64)")
+    ap.add_argument("--requests", type=int, default=10_000,
+                    help="part B: requests through the two executors (default 10000)")
     ap.add_argument("--concurrency", type=int, default=24, help="client threads of part B")
     ap.add_argument("--abort-p", type=float, default=0.10, help="fraction of requests aborted by the client")
     ap.add_argument("--expire-p", type=float, default=0.05, help="fraction of context requests never fetched")
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.live_frames:
         from .soak_live import run_live
 
-        live = run_live(a.live_frames, a.seed, progress=say)
+        live = run_live(a.live_frames, a.seed, progress=say, max_requests=a.live_requests)
         out["live"] = live
         frames += a.live_frames
         print(

@@ -340,18 +340,24 @@ class DecodeStats:
 def run_decoder(
     frames: int, seed: int, bound_s: float, bombs: bool = True, oversized: int = 1000, progress=None
 ) -> DecodeStats:
-    """Feed `frames` mutated frames (plus oversized frames and, optionally, the expansion bombs)."""
+    """Feed exactly `frames` frames in all: the valid ones first, then up to `oversized` oversized frames
+    (a tenth of the total at most) and, optionally, the expansion bombs, the rest mutated frames; each part is
+    cut where the total runs out."""
     mut = FrameMutator(seed)
     st = DecodeStats(bound_s)
-    for f in mut.valid:
+    valid = mut.valid[:frames]
+    extra = list(mut.bombs()) if bombs else []
+    n_over = min(oversized, frames // 10)
+    extra = extra[: max(0, frames - len(valid) - n_over)]
+    n_stream = max(0, frames - len(valid) - n_over - len(extra))
+    for f in valid:
         st.feed("valid", f)
-    for i, (cat, f) in enumerate(mut.stream(frames)):
+    for i, (cat, f) in enumerate(mut.stream(n_stream)):
         st.feed(cat, f)
         if progress and i % 200_000 == 0:
             progress(f"decoder: {i} frames")
-    for cat, f in mut.oversized(oversized):
+    for cat, f in mut.oversized(n_over):
         st.feed(cat, f)
-    if bombs:
-        for cat, f in mut.bombs():
-            st.feed(cat, f)
+    for cat, f in extra:
+        st.feed(cat, f)
     return st

@@ -141,8 +141,11 @@ def _hammer_main(conn, endpoint: str, frames: int, seed: int) -> None:
     conn.send({"sent": sent, "answered": answered, "send_blocked": blocked, "seconds": time.monotonic() - t0})
 
 
-def run_live(frames: int, seed: int, batch: int = 4, progress=None) -> dict:
-    """Hammer a live context rank with `frames` mutated frames while real requests are pulled; counts."""
+def run_live(frames: int, seed: int, batch: int = 4, progress=None, max_requests: int = 0) -> dict:
+    """Hammer a live context rank with `frames` mutated frames while real requests are pulled; counts.
+
+    Real requests are pulled while the hammer runs (at least 64), or `max_requests` of them at most when
+    it is > 0 (rounded up to a whole batch; then the hammer is waited for, bounded, without more pulls)."""
     nb = 2 * K_CTX
     buf = pool_image(LAY, 0, nb, [(_blocks(c), TOKENS, c + 1) for c in range(K_CTX)], 1).copy()
     spawn = mp.get_context("spawn")
@@ -159,9 +162,10 @@ def run_live(frames: int, seed: int, batch: int = 4, progress=None) -> dict:
         rid = RID_BASE
         hammer = None
         try:
-            while (
-                hammer is None or out["requests"] < 64
-            ):  # at least 64 real requests, however fast the hammer
+            least = min(64, max_requests) if max_requests > 0 else 64
+            while (hammer is None or out["requests"] < least) and not (
+                0 < max_requests <= out["requests"]
+            ):  # at least 64 real requests, however fast the hammer; never more than max_requests
                 items = []
                 for j in range(batch):
                     cslot, gslot = (rid - RID_BASE) % K_CTX, ((rid - RID_BASE) // batch * batch + j) % K_GEN
@@ -189,6 +193,8 @@ def run_live(frames: int, seed: int, batch: int = 4, progress=None) -> dict:
                     hammer = hconn.recv()
                 if progress and out["requests"] % 2000 == 0:
                     progress(f"live: {out['requests']} real requests")
+            if hammer is None and hconn.poll(600):  # the bound on pulls came first: let the hammer finish
+                hammer = hconn.recv()
             deadline = time.monotonic() + 10
             while len(finished) < out["requests"] and time.monotonic() < deadline:
                 for r in ctx.check_context_transfer_status(timeout_s=0.1):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib
 import multiprocessing as mp
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -33,24 +33,24 @@ def parse_size(s: str) -> int:
 
 
 def _agent_class(spec: str):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if ":" in spec:
-        if root not in sys.path:
-            sys.path.insert(0, root)
-        mod, _, attr = spec.partition(":")
-        return getattr(importlib.import_module(mod), attr)
-    from kvbridge.agents import get_agent_class
+    """A registry name or module:Class, found the way `kvbridge check-agent` finds it (sys.path, then the
+    working directory, then inside the kvbridge package)."""
+    from kvbridge.agents.conformance.peer import resolve
 
-    return get_agent_class(spec)
+    return resolve(spec)
 
 
 def _peer(conn, spec: str, nbytes: int) -> None:
     from kvbridge.agents import MemoryRegion
 
-    agent = _agent_class(spec)(f"bench-peer-{os.getpid()}")
-    buf = pattern(nbytes, 3).copy()
-    reg = agent.register_memory(MemoryRegion.of(buf))
-    conn.send((agent.metadata(), int(buf.ctypes.data)))
+    try:
+        agent = _agent_class(spec)(f"bench-peer-{os.getpid()}")
+        buf = pattern(nbytes, 3).copy()
+        reg = agent.register_memory(MemoryRegion.of(buf))
+        conn.send((agent.metadata(), int(buf.ctypes.data)))
+    except BaseException:  # noqa: BLE001 - the parent prints it and fails the run
+        conn.send(("error", traceback.format_exc()))
+        return
     while conn.poll(600):
         cmd, arg = conn.recv()
         if cmd == "connect":
@@ -59,6 +59,24 @@ def _peer(conn, spec: str, nbytes: int) -> None:
             break
     reg.release()
     agent.close()
+
+
+class PeerFailed(RuntimeError):
+    """The benchmark's peer process could not start the agent (its traceback is in the message)."""
+
+
+def _wait_started(conn, proc, spec: str, timeout: float = 120.0):
+    """The peer's (metadata, address); PeerFailed at once if it raised or died, TimeoutError if it hangs."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive() and not conn.poll(0):
+            raise PeerFailed(f"{spec}: the peer process died while starting (exit code {proc.exitcode})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{spec}: the peer process did not start within {timeout:g} s")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
+        raise PeerFailed(f"{spec}: the peer process failed while starting:\n{msg[1].rstrip()}")
+    return msg
 
 
 def _memcpy_gbps(dst: np.ndarray, src: np.ndarray, ps: np.ndarray, pd: np.ndarray, frag: int, repeat: int) -> float:
@@ -90,9 +108,7 @@ def bench_agent(spec: str, sizes: list[int], total: int, repeat: int, src_local:
     proc.start()
     rows = []
     try:
-        if not conn.poll(120):
-            raise TimeoutError(f"{spec}: peer did not start")
-        meta, raddr = conn.recv()
+        meta, raddr = _wait_started(conn, proc, spec)
         agent = _agent_class(spec)(f"bench-{os.getpid()}-{abs(hash(spec)) % 1000}")
         reg = agent.register_memory(MemoryRegion.of(dst))
         peer = agent.connect(meta)
@@ -121,7 +137,8 @@ def bench_agent(spec: str, sizes: list[int], total: int, repeat: int, src_local:
         reg.release()
         agent.close()
     finally:
-        conn.send(("exit", None))
+        if proc.is_alive():
+            conn.send(("exit", None))
         proc.join(30)
         if proc.is_alive():
             proc.kill()
@@ -130,11 +147,15 @@ def bench_agent(spec: str, sizes: list[int], total: int, repeat: int, src_local:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge bench transfer", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--agents", default=",".join(DEFAULT_AGENTS), help="registry names or module:Class")
-    ap.add_argument("--sizes", default="16K,64K,512K,4M")
-    ap.add_argument("--total", default="1G", help="bytes moved per fragment size")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the buffers live (default cpu)")
+    ap.add_argument("--agents", default=None,
+                    help=f"comma-separated registry names or MODULE:CLASS (found as check-agent finds them); "
+                         f"an agent named here that fails makes the exit code 1 (default: "
+                         f"{','.join(DEFAULT_AGENTS)}, each skipped if unavailable)")
+    ap.add_argument("--sizes", default="16K,64K,512K,4M", help="fragment sizes (default 16K,64K,512K,4M)")
+    ap.add_argument("--total", default="1G", help="bytes moved per fragment size (default 1G)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per size; the best counts (default 3)")
     ap.add_argument("--json", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if args.device == "cuda":
@@ -150,13 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     dst = np.empty(total, dtype=np.uint8)
     rows: list[dict] = []
     print(table([], ["agent", "fragment_bytes", "fragments", "gbps", "baseline_gbps", "verified"]))
-    for spec in args.agents.split(","):
+    named = args.agents is not None
+    failed = []
+    for spec in (args.agents.split(",") if named else DEFAULT_AGENTS):
         try:
             rows += bench_agent(spec, sizes, total, args.repeat, src_local, dst)
         except Exception as e:  # noqa: BLE001 - an unavailable agent must not stop the others
-            print(f"{spec}: skipped ({type(e).__name__}: {e})", flush=True)
+            if named:
+                failed.append(spec)
+                print(f"{spec}: FAILED ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+            else:
+                print(f"{spec}: skipped ({type(e).__name__}: {e})", flush=True)
     write_json(args.json, rows)
-    return 0 if rows and all(r["verified"] for r in rows) else 1
+    return 0 if rows and not failed and all(r["verified"] for r in rows) else 1
 
 
 if __name__ == "__main__":

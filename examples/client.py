@@ -22,12 +22,13 @@ import httpx
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("prompt")
-    ap.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the router's OpenAI base URL")
+    ap.add_argument("--url", default="http://127.0.0.1:8000/v1",
+                    help="the router's OpenAI base URL (default http://127.0.0.1:8000/v1)")
     ap.add_argument("--stream", action="store_true", help="stream the answer (server-sent events)")
     ap.add_argument("--completion", action="store_true", help="/v1/completions instead of chat")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer (default 300)")
     a = ap.parse_args(argv)
     if a.completion:
         path, body = "/completions", {"prompt": a.prompt}

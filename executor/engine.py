@@ -19,6 +19,10 @@ Who calls what, when (the transceiver's view; `Executor` in runtime.py is the in
         -> event GenAlloc: (request_id, block_ids) -- receive the prompt's KV into these blocks (the same
            ids on every rank, each rank holding its own heads/layers).
         kv_ready(request_id)    after every rank's KV arrived: the request starts decoding from t.
+        Overlap (serving tells the generation side of a request while its prefill runs): submit it with
+        first_token=None and ctx_info["first_token_later"]; it is allocated and pulls its KV at once, and
+        starts decoding once both its KV is ready and join(request_id, t) gave its first token, whichever
+        comes last (state awaiting_token between the two). An aborted one frees its blocks as usual.
         abort(request_id)       the transfer failed: the blocks are freed, the request ends ("aborted").
     both
         -> event Done: (request_id, tokens, reason) when an aggregated or generation-only
@@ -51,6 +55,7 @@ never fit is refused at once. New requests join between steps; all decoding requ
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +82,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     first_token: int | None = None         # generation-only: the context side's first token
     ctx_info: dict = field(default_factory=dict)
-    state: str = "waiting"  # waiting, (loading, loaded,) prefill, running, awaiting_kv, ctx_done, finished
+    state: str = "waiting"  # waiting, (loading, loaded,) prefill, running, awaiting_kv(, awaiting_token), ctx_done, finished
     output: list[int] = field(default_factory=list)
     num_cached: int = 0
     reserved: int = 0                       # blocks reserved to completion
@@ -87,6 +92,7 @@ class Request:
     loaded: int = 0                         # prompt tokens loaded by the KV connector (not computed)
     reused: int = 0                         # prompt tokens served from the local prefix cache (block reuse)
     logprobs: list = field(default_factory=list)  # TokenLogprob of each token sampled HERE (if asked)
+    decode_at: float = 0.0                  # generation-only: unix seconds when it started decoding
 
     def sample_history(self) -> TokenHistory | None:
         """The step plan's TokenHistory for this request's next token, or None when it needs none."""
@@ -139,6 +145,7 @@ class Engine:
         self._hook_held: dict[int, tuple[Any, int]] = {}
         self.match_prefix = match_prefix  # (tokens, max_tokens) -> cached leading tokens; None: no reuse
         self._reuse_ops: list[P.Reuse] = []  # "reuse" ops of the next plan: they run before every other op
+        self._started: list[E.Started] = []  # sent BEFORE the step runs (take_started), not after it
 
     # --- driver API (commands from the Executor handle) ------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -152,7 +159,8 @@ class Engine:
         if not req.prompt or req.max_tokens < 1:
             self._refuse(req.request_id, "a request needs a non-empty prompt and max_tokens >= 1")
             return
-        if req.mode == "generation_only" and req.first_token is None:
+        if req.mode == "generation_only" and req.first_token is None and \
+                not req.ctx_info.get("first_token_later"):
             self._refuse(req.request_id, "a generation-only request needs the context side's first token")
             return
         toks = list(req.prompt) + ([req.first_token] if req.first_token is not None else [])
@@ -188,8 +196,32 @@ class Engine:
             self.error(request_id, f"kv_ready for request {request_id}, which is {r.state}, not awaiting KV")
             return
         self._ops.append(P.Ready(request_id))
-        r.state, r.num_cached, r.output = "running", len(r.prompt), [int(r.first_token)]
-        r.transfer = stats
+        r.transfer, r.num_cached = stats, len(r.prompt)
+        if r.first_token is None:  # overlap: its first token joins later
+            r.state = "awaiting_token"
+            return
+        self._start_decoding(r)
+
+    def join(self, request_id: int, first_token: int) -> None:
+        """The first token of a generation-only request submitted without one. A request that ended meanwhile
+        (its pull failed, it was aborted) is ignored: its Done already told why."""
+        r = self.requests.get(request_id)
+        if r is None:
+            return
+        if r.mode != "generation_only" or r.first_token is not None:
+            self.error(request_id, f"join of request {request_id}: only a generation-only request submitted "
+                                   f"without its first token takes one")
+            return
+        if self.vocab_size is not None and not 0 <= first_token < self.vocab_size:
+            self.abort(request_id, f"first token {first_token} is outside the model's vocabulary "
+                                   f"0..{self.vocab_size - 1}")
+            return
+        r.first_token = int(first_token)
+        if r.state == "awaiting_token":
+            self._start_decoding(r)
+
+    def _start_decoding(self, r: Request) -> None:
+        r.state, r.output, r.decode_at = "running", [int(r.first_token)], time.time()
         self._check_finished(r)
         self._stream(r)
 
@@ -280,6 +312,8 @@ class Engine:
                     budget -= len(r.prompt) - r.reused
                     batch.append(r.row(r.reused, list(r.prompt[r.reused:])))
                     r.state = "prefill"
+                if r.mode == "context_only" and r.ctx_info.get("notify_start"):
+                    self._started.append(E.Started(r.request_id, time.time()))
             else:  # (reuse needs the rank hooks: they read only the blocks after the reused ones)
                 r.reused = self._reuse(r) if self.hooked else 0
                 self._ops.append(P.Xfer(r.request_id, len(r.prompt), r.ctx_info, r.reused,
@@ -311,7 +345,8 @@ class Engine:
             if r.state == "prefill" and r.mode == "context_only":
                 r.state = "ctx_done"
                 self._ops.append(P.CtxDone(rid, int(tok)))  # tells every rank's hook, first token included
-                self._events.append(E.Ctx(rid, int(tok), r.num_cached, lp=lp, loaded=r.loaded, reused=r.reused))
+                self._events.append(E.Ctx(rid, int(tok), r.num_cached, lp=lp, loaded=r.loaded, reused=r.reused,
+                                          t_end=time.time()))
                 continue
             r.state = "running"
             self._check_finished(r)
@@ -331,7 +366,7 @@ class Engine:
             self._finish(r, P.Free(r.request_id))
             self._drop(r, reason)
             self._events.append(E.Done(r.request_id, list(r.output), reason, "", r.transfer, r.loaded, r.reused,
-                                       tuple(r.logprobs)))
+                                       tuple(r.logprobs), r.decode_at))
 
     def _stream(self, r: Request) -> None:
         """A streaming request still running: report its newest token (n = tokens so far)."""
@@ -410,6 +445,12 @@ class Engine:
         """Report that a call about request `rid` was not allowed (a ReqError event; the request, if any,
         goes on)."""
         self._events.append(E.ReqError(rid, msg))
+
+    def take_started(self) -> list:
+        """Started events of the plan just made: the leader sends them before it runs the step (the prefill
+        they announce takes the whole step; with stream_layers its layers become readable during it)."""
+        ev, self._started = self._started, []
+        return ev
 
     def take_events(self) -> list:
         ev, self._events = self._events, []

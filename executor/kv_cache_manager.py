@@ -125,6 +125,11 @@ class KVCacheManager:
     def block_reuse(self) -> bool:
         return self._tree is not None
 
+    @property
+    def prefix_tree(self) -> PrefixTree | None:
+        """The prefix tree of cached blocks (None without block reuse): kv_publisher.py listens to it."""
+        return self._tree
+
     def get_num_cached_blocks(self) -> int:
         """Blocks registered for reuse (held by requests or evictable); 0 without block reuse."""
         return self._tree.num_cached if self._tree is not None else 0

@@ -38,11 +38,18 @@ def leader_loop(run, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
                  max_batch_seqs=cfg["max_batch_seqs"], max_position=run.mcfg.max_position,
                  vocab_size=run.mcfg.vocab_size, connector=conn, hooked=run.hook is not None,
                  match_prefix=run.kv.match_prefix if run.kv.block_reuse else None)
+    pub = None
+    if cfg.get("kv_events") and run.kv.block_reuse:  # KV events of this worker (kv_publisher.py)
+        from .kv_publisher import KVEventPublisher
+
+        pub = KVEventPublisher(cfg["kv_events"], run.kv.prefix_tree, run.device.type.upper())
     tally = HookTally(run.layout.world_size)
     idle_wait = HOOK_IDLE_S if run.hook is not None or conn is not None else 0.02
     quiet_wait = idle_wait  # grows while the engine holds no request (nothing a hook could report on)
     last_bcast = time.monotonic()
     while True:
+        if pub is not None:
+            pub.flush()
         wait = 0.0 if eng.has_work() else quiet_wait
         post: list = []  # post ops (plan.py) the commands asked for
         if any([_apply_command(eng, c, post) for c in _take_commands(inbox, wait)]):
@@ -58,6 +65,8 @@ def leader_loop(run, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
             plan = StepPlan.empty(eng.step, free_before=run.kv.get_num_free_blocks())
         else:
             plan = replace(eng.next_plan(), free_before=run.kv.get_num_free_blocks())
+            for ev in eng.take_started():  # overlap: the parent hands the request over while it prefills
+                pipes.send(ev)
             if post:
                 plan = replace(plan, post=plan.post + tuple(post))
         run.comm.broadcast_plan(plan.encode())
@@ -80,6 +89,8 @@ def leader_loop(run, pipes: Pipes, inbox: Inbox, cfg: dict) -> None:
         run.exchange_connector()
         conn.close()
     run.comm.broadcast_plan(StepPlan.empty(eng.step, stop=True).encode())
+    if pub is not None:
+        pub.close()
 
 
 def _report(events: list, run, pipes: Pipes) -> None:
@@ -150,6 +161,7 @@ def _write(eng: Engine, c: pm.WriteKv, post: list) -> None:
 
 _COMMANDS = {
     pm.Add: _add,
+    pm.Join: lambda eng, c, post: eng.join(c.rid, c.first_token),
     pm.KvReady: lambda eng, c, post: eng.kv_ready(c.rid),
     pm.Release: lambda eng, c, post: eng.release(c.rid),
     pm.Abort: lambda eng, c, post: eng.abort(c.rid),

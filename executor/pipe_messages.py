@@ -1,6 +1,6 @@
 """The messages on the parent <-> rank pipes, defined once: commands to the leader, replies and events back.
 
-    parent -> rank 0   Add, KvReady, Release, Abort, ReadKv, WriteKv, QueryStats, QueryDigest, Stop
+    parent -> rank 0   Add, Join, KvReady, Release, Abort, ReadKv, WriteKv, QueryStats, QueryDigest, Stop
     parent -> rank r   KvShard (+ payload: the rank's share of a request's KV, before a WriteKv)
     rank r -> parent   RankReady (once loaded), KvShard (+ payload, after a ReadKv), RankStats (after a
                        QueryStats), RankDigest (kv_check.py, after a QueryDigest), RankExit, RankError (fatal)
@@ -25,7 +25,7 @@ from .sampling import SamplingParams
 from .strict import Table, Wire, wf
 
 __all__ = ["PIPE_VERSION", "PipeKind", "COMMANDS", "REPLIES", "encode", "decode_command", "decode_reply",
-           "Add", "KvReady", "Release", "Abort", "ReadKv", "WriteKv", "QueryStats", "QueryDigest", "Stop",
+           "Add", "Join", "KvReady", "Release", "Abort", "ReadKv", "WriteKv", "QueryStats", "QueryDigest", "Stop",
            "Fatal", "KvShard", "RankReady", "RankStats", "RankExit", "RankError"]
 
 PIPE_VERSION = 1  # bump when a frame's layout or a message's fields change (new fields at the end: no bump)
@@ -33,6 +33,7 @@ PIPE_VERSION = 1  # bump when a frame's layout or a message's fields change (new
 
 class PipeKind(str, enum.Enum):
     ADD = "add"
+    JOIN = "join"
     KV_READY = "kv_ready"
     RELEASE = "release"
     ABORT = "abort"
@@ -62,6 +63,14 @@ class Add(Wire):
     first_token: int | None = wf(int, none=True)
     ctx_info: dict = wf(dict)
     stream: bool = wf(bool, False)
+
+
+@dataclass(frozen=True, slots=True)
+class Join(Wire):
+    """The first token of a generation-only request submitted without one (ctx_info "first_token_later")."""
+
+    rid: int = wf(int)
+    first_token: int = wf(int)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +158,7 @@ class RankError(Wire):
 
 
 K = PipeKind
-COMMANDS = Table("command", {K.ADD: Add, K.KV_READY: KvReady, K.RELEASE: Release, K.ABORT: Abort,
+COMMANDS = Table("command", {K.ADD: Add, K.JOIN: Join, K.KV_READY: KvReady, K.RELEASE: Release, K.ABORT: Abort,
                              K.READ: ReadKv, K.WRITE: WriteKv, K.STATS: QueryStats, K.DIGEST: QueryDigest,
                              K.STOP: Stop, K.KV: KvShard})
 REPLIES = Table("rank reply", {K.READY: RankReady, K.KV: KvShard, K.RANK_STATS: RankStats,

@@ -15,6 +15,9 @@ every process with the same fingerprint (blake2b, no Python `hash`), so a router
     hold(block) / drop(block)        a request takes / lets go of a block; drop says whether it is now free
     register(block, parent, tokens)  a request's block is full and its KV is written: make it reusable
     evict_one()                      the LRU cached block no request holds, removed from the tree
+    listener                         optional: told of every block made reusable (stored) and evicted
+                                     (removed), in order, on the caller's thread (kv_events.py publishes them)
+    snapshot()                       (key, parent, tokens) of every cached block: what the listener was told
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["PrefixTree", "chain_keys", "root_key", "block_key"]
+__all__ = ["PrefixTree", "chain_keys", "root_key", "block_key", "KEY_VERSION"]
 
 KEY_VERSION = b"kvbridge-prefix-v1"  # bump when the key recipe changes (keys from older peers never match)
 
@@ -38,7 +41,7 @@ def root_key(fingerprint: str) -> bytes:
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a full block holding `tokens`, after the prefix whose last key is `parent`."""
-    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype="<i8").tobytes(), digest_size=16).digest()
 
 
 def chain_keys(fingerprint: str, tokens: Sequence[int], tokens_per_block: int,
@@ -78,6 +81,7 @@ class PrefixTree:
         self._by_key: dict[bytes, int] = {}
         self._meta: dict[int, _Cached] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no holder, oldest first
+        self.listener = None  # .stored(key, parent, tokens) / .removed(key): see kv_events.KVEventLog
 
     # --- queries ------------------------------------------------------------------------------------
     @property
@@ -147,6 +151,8 @@ class PrefixTree:
             self._meta[block] = _Cached(key, parent, toks)
             if not self._refs[block]:
                 self._lru[block] = None
+            if self.listener is not None:
+                self.listener.stored(key, parent, toks)
         return key
 
     def evict_one(self) -> int | None:
@@ -156,4 +162,10 @@ class PrefixTree:
         block, _ = self._lru.popitem(last=False)
         m = self._meta.pop(block)
         del self._by_key[m.key]
+        if self.listener is not None:
+            self.listener.removed(m.key)
         return block
+
+    def snapshot(self) -> list[tuple[bytes, bytes, int]]:
+        """(key, parent key, token count) of every cached block, in registration order."""
+        return [(m.key, m.parent, len(m.tokens)) for m in self._meta.values()]

@@ -39,6 +39,9 @@ class ExecutorConfig:
             0 = off, a context-only request is published once its prefill is done; N > 0 = it is published
             when its blocks are allocated and every rank marks its local layers ready every N layers as the
             prefill's forward pass writes them, so the generation side reads layer L while L+1 computes.
+        kv_events: publish the prefix cache's KV events from rank 0 (kv_publisher.py; needs block reuse):
+            {"secret": hex key (kv_events.derive_secret), "incarnation": str, "host": bind address,
+            "endpoint_file": where the bound endpoints are written}; None = off.
     """
 
     model: str = "seeded:tiny"
@@ -59,6 +62,7 @@ class ExecutorConfig:
     kv_digests: bool = False
     enable_block_reuse: bool = False
     stream_layers: int = 0
+    kv_events: dict | None = None
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
@@ -74,6 +78,7 @@ class ContextResult:
     first_token: int
     reused_tokens: int = 0  # leading prompt tokens served from the prefix cache (not computed)
     first_logprob: TokenLogprob | None = None  # when the sampling params asked for logprobs
+    prefill_end: float = 0.0  # unix seconds: the prefill's step ended (its forward and sampling)
 
 
 @dataclass(frozen=True)
@@ -94,3 +99,4 @@ class Completion:
     loaded_tokens: int = 0  # prompt tokens whose KV the KV connector loaded instead of computing them
     reused_tokens: int = 0  # prompt tokens served from this executor's prefix cache (block reuse)
     logprobs: tuple[TokenLogprob, ...] = ()  # of each token sampled by this executor, when asked for
+    decode_at: float = 0.0  # generation-only: unix seconds when it started decoding (KV and first token in)

@@ -90,6 +90,7 @@ class Executor:
             "rank_hook": cfg.rank_hook, "rank_hook_args": cfg.rank_hook_args,
             "kv_connector": connector_wire(cfg.kv_connector_config), "kv_digests": bool(cfg.kv_digests),
             "enable_block_reuse": bool(cfg.enable_block_reuse), "stream_layers": int(cfg.stream_layers),
+            "kv_events": dict(cfg.kv_events) if cfg.kv_events else None,
         })
         ex._procs, to_rank, from_rank = spawn_ranks(world, rank_main, lambda r: (blob,))
         ex._pipes = [Pipes(rx, tx, pm.decode_reply) for rx, tx in zip(from_rank, to_rank)]
@@ -211,7 +212,7 @@ class Executor:
             self._st.partial_lp.pop(request_id, None)
             self._st.events.pop((E.GenAlloc, request_id), None)
         return Completion(request_id, list(ev.tokens), ev.reason, ev.error, ev.transfer, ev.loaded, ev.reused,
-                          tuple(ev.lps))
+                          tuple(ev.lps), ev.t_decode)
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 16,
                  sampling: SamplingParams | None = None,
@@ -237,7 +238,18 @@ class Executor:
         (with stream_layers its KV is readable layer by layer before this returns)."""
         rid = request_id
         ev = self._wait_event((E.Ctx, rid), timeout, f"the prefill of request {rid}")
-        return ContextResult(rid, tuple(ev.block_ids), ev.num_tokens, ev.first_token, ev.reused, ev.lp)
+        return ContextResult(rid, tuple(ev.block_ids), ev.num_tokens, ev.first_token, ev.reused, ev.lp, ev.t_end)
+
+    def wait_started(self, request_id: int, timeout: float | None = None) -> float:
+        """Wait until a context-only request submitted with ctx_info {"notify_start": True} was admitted into
+        the step that prefills it (with stream_layers it is published then); returns that unix time."""
+        return self._wait_event((E.Started, request_id), timeout, f"the prefill of request {request_id} to "
+                                                                  f"start").t
+
+    def join(self, request_id: int, first_token: int) -> None:
+        """The first token of a generation-only request submitted with first_token=None and ctx_info
+        {"first_token_later": True}: it decodes once its KV is in too (engine.py: overlap)."""
+        self._send(pm.Join(int(request_id), int(first_token)))
 
     def release(self, request_id: int, timeout: float | None = None) -> None:
         """Unpin and free a context-only request's blocks on every rank (after its transfers finished)."""

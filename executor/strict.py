@@ -25,15 +25,16 @@ __all__ = ["Wire", "wf", "Table", "need"]
 _PLAIN = {int: int, bool: bool, str: str, float: (float, int), list: list, dict: dict, bytes: bytes}
 
 
-def wf(kind: Any, default: Any = dataclasses.MISSING, *, none: bool = False, of: Any = None) -> Any:
+def wf(kind: Any, default: Any = dataclasses.MISSING, *, none: bool = False, of: Any = None,
+       compare: bool = True) -> Any:
     """A message field of `kind` (see the module docstring); none=True also accepts None; of=T: a list (a
-    tuple in the message) of nested T."""
+    tuple in the message) of nested T; compare=False: left out of == (a timestamp)."""
     md = {"kind": kind, "none": none, "of": of}
     if default is dataclasses.MISSING:
-        return dataclasses.field(metadata=md)
+        return dataclasses.field(metadata=md, compare=compare)
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=md)
-    return dataclasses.field(default=default, metadata=md)
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=md, compare=compare)
+    return dataclasses.field(default=default, metadata=md, compare=compare)
 
 
 def need(value: Any, kind: Any, what: str) -> Any:

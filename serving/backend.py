@@ -62,9 +62,13 @@ class Backend:
             res = await self.call(lambda: self.ex.prefill(prompt, sampling=sampling, timeout=timeout))
         except (ExecutorError, KVCacheExhausted) as e:
             raise self.error(e, "prefill") from None
-        with self._lock:
-            self.pinned.add(res.request_id)
+        self.pin(res.request_id)
         return res
+
+    def pin(self, rid: int) -> None:
+        """Count a prefilled context request as pinned (released by the hook, or `drop_context`)."""
+        with self._lock:
+            self.pinned.add(rid)
 
     def collect_released(self) -> int:
         """Fold in the context requests the hook released since last time; returns how many are pinned."""

@@ -9,6 +9,8 @@ Policies:
                   land where its history is cached and removing a worker moves only its own keys; falls back
                   to the least loaded worker when the chosen one has PREFIX_LOAD_SLACK more requests in flight
                   than it, and to least_loaded for a request without a key.
+    kv_aware      the worker whose cache (known from its KV events) and load cost least: kv_policy.py picks
+                  among `candidates`; `pick` itself treats it as least_loaded.
 A worker that refused a connection or failed /health is skipped until its /health answers 200 again; when
 every worker of a pool looks unhealthy, they are tried anyway (health may be stale) rather than failing
 without trying. Owns no sockets: the router polls /health and reports what it saw.
@@ -102,8 +104,7 @@ class Pool:
             key: the request's `routing_key` (used by prefix_aware only).
             healthy_only: never fall back to a worker marked unhealthy.
         """
-        left = [w for w in self.workers if w.name not in exclude]
-        pool = [w for w in left if w.healthy] or ([] if healthy_only else left)
+        pool = self.candidates(exclude, healthy_only)
         if not pool:
             return None
         n = len(self.workers)
@@ -113,12 +114,24 @@ class Pool:
             w = max(pool, key=lambda w: _weight(key, w.name))
             if w.in_flight - least.in_flight >= PREFIX_LOAD_SLACK:
                 w = least
-        elif self.policy in ("least_loaded", "prefix_aware"):
+        elif self.policy in ("least_loaded", "prefix_aware", "kv_aware"):
             w = least
         else:
             w = order[0]
         self._next = (self.workers.index(w) + 1) % n
         return w
+
+    def candidates(self, exclude: set[str] = frozenset(), healthy_only: bool = False) -> list[WorkerRef]:
+        """The workers `pick` chooses among: not excluded, healthy (or, unless `healthy_only`, all of those
+        left when none is healthy), in turn order starting after the last pick."""
+        left = [w for w in self.workers if w.name not in exclude]
+        pool = [w for w in left if w.healthy] or ([] if healthy_only else left)
+        n = len(self.workers)
+        return sorted(pool, key=lambda w: (self.workers.index(w) - self._next) % n)
+
+    def picked(self, w: WorkerRef) -> None:
+        """`w` was chosen (by a policy outside this class): the turn moves past it."""
+        self._next = (self.workers.index(w) + 1) % len(self.workers)
 
     def describe(self) -> str:
         return ", ".join(f"{w.name} ({'ok' if w.healthy else w.last_error or 'unhealthy'})"

@@ -10,8 +10,10 @@ anything and never touches the network.
     executor: {num_blocks: 256, tokens_per_block: 16, device: cpu, threads_per_rank: 1}  # enable_block_reuse
                                         # kv_digests: true records positional KV digests (tests, debugging;
                                         # served by a worker's GET /internal/kv_digests?handle=H)
+                                        # kv_events: true publishes its KV events under any policy
     transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
-    router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded, prefix_aware
+    router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded,
+                                        # prefix_aware, kv_aware (+ kv_aware: {...}: docs/routing.md)
     internal_token: null       # workers on other hosts: the deployment's token (or KVBRIDGE_INTERNAL_TOKEN)
     insecure: false            # true: a worker without a token may listen on a non-loopback address
     keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)
@@ -37,7 +39,7 @@ from ..transceiver.config import TransceiverConfig
 __all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_config", "ROLES", "POLICIES"]
 
 ROLES = ("context", "generation")
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 FAILURE_MODES = ("fail", "recompute")
 EXIT_POLICIES = ("restart", "stop")
 
@@ -46,11 +48,12 @@ _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver",
         "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes", "vllm"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
-             "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool}
+             "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool, "kv_events": bool}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver", "engine", "vllm"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
-           "health_interval_s", "connect_timeout_s", "api_keys"}
+           "health_interval_s", "health_timeout_s", "health_failures", "connect_timeout_s", "api_keys",
+           "overlap", "kv_aware"}
 _GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
 
 
@@ -89,8 +92,14 @@ class ServerSpec:
         from ..executor.transceiver_hook import hooked_executor_config  # only where an executor starts
 
         executor = {"enable_block_reuse": True, **self.executor}  # block reuse is on by default in serving
+        if self.role == "context" and "stream_layers" not in self.executor and \
+                not self.transceiver.get("staging_arena_bytes"):  # layer-wise streaming too (docs/overlap.md)
+            executor["stream_layers"] = DEFAULT_STREAM_LAYERS
         return hooked_executor_config(self.role, instance, run_dir, self.transceiver, model=model, tp=self.tp,
                                       pp=self.pp, layers_per_stage=self.layers_per_stage, **executor)
+
+
+DEFAULT_STREAM_LAYERS = 4  # serving's context executors mark layers ready every 4 (0 in the config: off)
 
 
 @dataclass(frozen=True)
@@ -104,8 +113,12 @@ class RouterSpec:
     request_timeout_s: float = 300.0   # a whole request, context hop + generation (streaming included)
     context_timeout_s: float = 120.0   # one context hop (a prefill); a failed hop is retried elsewhere
     health_interval_s: float = 2.0     # how often every worker's /health is polled
+    health_timeout_s: float = 5.0      # one /health probe's deadline (serving/health.py)
+    health_failures: int = 3           # consecutive missed probes before a worker is out (refused: at once)
     connect_timeout_s: float = 5.0     # opening a connection to a worker
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
+    overlap: bool = True               # tell the generation side of a request when its prefill starts
+    kv_aware: dict = field(default_factory=dict)  # policy kv_aware's settings (serving/kv_policy.py)
 
     @property
     def url(self) -> str:
@@ -357,16 +370,28 @@ def _router(d: dict) -> RouterSpec:
                    request_timeout_s=_get(d, "request_timeout_s", float, "router", 300.0),
                    context_timeout_s=_get(d, "context_timeout_s", float, "router", 120.0),
                    health_interval_s=_get(d, "health_interval_s", float, "router", 2.0),
+                   health_timeout_s=_get(d, "health_timeout_s", float, "router", 5.0),
+                   health_failures=_get(d, "health_failures", int, "router", 3),
                    connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
-                   api_keys=_api_keys(d.get("api_keys", [])))
+                   api_keys=_api_keys(d.get("api_keys", [])),
+                   overlap=_get(d, "overlap", bool, "router", True), kv_aware=_kv_aware(d.get("kv_aware")))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:
         raise ServeConfigError(f"router.port: {r.port} is not a TCP port")
-    for k in ("request_timeout_s", "context_timeout_s", "health_interval_s", "connect_timeout_s"):
+    if r.health_failures < 1:
+        raise ServeConfigError(f"router.health_failures: must be >= 1, got {r.health_failures}")
+    for k in ("request_timeout_s", "context_timeout_s", "health_interval_s", "health_timeout_s",
+              "connect_timeout_s"):
         if getattr(r, k) <= 0:
             raise ServeConfigError(f"router.{k}: must be > 0 seconds, got {getattr(r, k)}")
     return r if r.bind_host else RouterSpec(**{**r.__dict__, "bind_host": r.host})
+
+
+def _kv_aware(v: Any) -> dict:
+    from .kv_policy import parse_settings  # checked here, so a bad setting stops `serve --check`
+
+    return parse_settings(v)
 
 
 def _api_keys(v: Any) -> tuple[str, ...]:

@@ -320,7 +320,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--log-dir", default=None, help="write each process's output to LOG_DIR/<name>.log")
     ap.add_argument("--api-key", action="append", default=[],
                     help="an API key the router's /v1/* accepts (repeatable; see also router.api_keys)")
+    ap.add_argument("--check", action="store_true",
+                    help="validate CONFIG (model, splits, transfer agents) and print the deployment it would "
+                         "start; starts nothing (exit 0: valid, 2: invalid)")
     a = ap.parse_args(argv)
+    from .agent_check import check_agents
     from .config import load_config
     from .supervisor import Supervisor
 
@@ -331,7 +335,9 @@ def main(argv: list[str]) -> int:
     cluster, code = None, 0
     try:
         try:
-            cluster = Cluster(load_config(a.config), log_dir=a.log_dir, api_keys=tuple(a.api_key))
+            cfg = load_config(a.config)
+            check_agents(cfg)
+            cluster = Cluster(cfg, log_dir=a.log_dir, api_keys=tuple(a.api_key))
         except KvBridgeError as e:
             print(f"kvbridge serve: {e}", file=sys.stderr)
             return 2

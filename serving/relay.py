@@ -52,7 +52,12 @@ async def read_body(request: Request, resp: httpx.Response, w: WorkerRef, left: 
 
 
 def decoration(ctx_data: dict, ctx_w: WorkerRef) -> dict:
-    return {"context_worker": ctx_w.name, "prefill_ms": (ctx_data.get("kvbridge") or {}).get("prefill_ms")}
+    kb = ctx_data.get("kvbridge") or {}
+    deco = {"context_worker": ctx_w.name, "prefill_ms": kb.get("prefill_ms")}
+    for k in ("prefill_start_unix_ms", "prefill_end_unix_ms", "overlap"):  # overlap measurements
+        if kb.get(k) is not None:
+            deco[k] = kb[k]
+    return deco
 
 
 def decorate(obj: dict, deco: dict) -> dict:

@@ -40,8 +40,11 @@ from .auth import api_keys, install_api_keys, internal_headers
 from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
 from .fanout import Part, expand, merge, merge_streams
+from .health import HealthRule, probe
 from .inflight import Admission, in_flight
+from .kv_policy import KvRouting, shown
 from .metrics import RouterMetrics, render
+from .overlap_router import ContextFailed, context_early, release_prefetch
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
 from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
 
@@ -80,7 +83,9 @@ class Router:
         self.admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
         self.client = make_client(cfg)
         self.engine = engine_backend(self)  # None: kvbridge workers; else the engine's own hops
+        self._health = HealthRule(self.rc.health_failures)
         self._codec = None
+        self.kv = KvRouting(cfg) if self.rc.policy == "kv_aware" else None  # by the workers' KV events
         self.app = self._build_app()
 
     # --- application ----------------------------------------------------------------------------------
@@ -93,6 +98,8 @@ class Router:
             finally:
                 task.cancel()
                 await self.client.aclose()
+                if self.kv is not None:
+                    self.kv.close()
 
         app = FastAPI(title="kvbridge router", docs_url=None, redoc_url=None, lifespan=lifespan)
         install_api_keys(app, self.cfg, api_keys(self.cfg))  # /v1/* needs a key when any is configured
@@ -123,16 +130,10 @@ class Router:
     def _tmo(self, left: float) -> httpx.Timeout:
         return httpx.Timeout(max(0.05, left), connect=min(self.rc.connect_timeout_s, max(0.05, left)))
 
-    async def _check(self, w: WorkerRef) -> None:
-        try:
-            tmo = self._tmo(min(2.0, self.rc.health_interval_s * 2))
-            r = await self.client.get(w.url + "/health", timeout=tmo)
-            w.mark(r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}")
-            cap = json_or_none(r.content)
-            cap = cap.get("capacity_tokens") if isinstance(cap, dict) else None
-            w.capacity_tokens = cap if type(cap) is int and cap > 0 else None
-        except httpx.HTTPError as e:
-            w.mark(False, f"/health: {type(e).__name__}")
+    async def _check(self, w: WorkerRef) -> None:  # the rule: serving/health.py
+        info = await probe(self.client, w, self._tmo(self.rc.health_timeout_s), self._health)
+        if self.kv is not None:
+            self.kv.on_health(w, info)
 
     async def _health_loop(self) -> None:
         while True:
@@ -214,15 +215,20 @@ class Router:
         if self.engine is not None:
             return await self.engine.run_part(request, path, body, stream, deadline)
         avoid: set[str] = set()
+        route: dict | None = {"policy": "kv_aware"} if self.kv is not None else None
         for attempt in range(MAX_HANDOVERS):
-            gen_w = self._pick_generation(body)
-            ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid)
+            gen_w = self._pick_generation(body, route)
+            if route is not None and self.kv.local_prefill(route):  # a short tail: no context hop at all
+                return await self._generation_hop(request, path, body, stream, deadline, gen_w, shown(route))
+            ctx_data, ctx_w = await self._context_hop(request, path, body, deadline, avoid, gen_w, route)
             gen_body = {**body, "disaggregated_params": ctx_data["disaggregated_params"]}
+            deco = {**decoration(ctx_data, ctx_w), **(shown(route) if route is not None else {})}
             try:
-                return await self._generation_hop(request, path, gen_body, stream, deadline, gen_w,
-                                                  decoration(ctx_data, ctx_w))
+                return await self._generation_hop(request, path, gen_body, stream, deadline, gen_w, deco)
             except ApiError as e:
                 await self._release(ctx_w, ctx_data)
+                if (ctx_data.get("kvbridge") or {}).get("overlap"):  # its prefetch, if not claimed
+                    await release_prefetch(self, gen_w, ctx_data["disaggregated_params"])
                 last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
                 if e.code not in RERUN_CODES or last:
                     raise
@@ -232,10 +238,14 @@ class Router:
                 self.metrics.retries.inc()
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _pick_generation(self, body: dict) -> WorkerRef:
+    def _pick_generation(self, body: dict, route: dict | None = None) -> WorkerRef:
         """A healthy generation worker whose pool can hold what is known of the request before the prefill
         (max_tokens, and a token-id prompt's length); 503 when none is healthy, 400 when it cannot fit."""
-        w = self.gen.pick(key=routing_key(body), healthy_only=True)
+        if route is not None:  # kv_aware: `route` collects the decisions (kvbridge.route of the answer)
+            route["tokens"] = self.kv.tokens(body)
+            w, route["generation"] = self.kv.pick(self.gen, "generation", route["tokens"], healthy_only=True)
+        else:
+            w = self.gen.pick(key=routing_key(body), healthy_only=True)
         if w is None:
             raise ApiError(503, f"no generation worker is healthy ({self.gen.describe()}); nothing was "
                                 f"prefilled", "server_error", "no_generation_worker", retry_after=2)
@@ -250,33 +260,48 @@ class Router:
 
     # --- hops -----------------------------------------------------------------------------------------
     async def _context_hop(self, request: Request, path: str, body: dict, deadline: float,
-                           avoid: set[str]) -> tuple[dict, WorkerRef]:
-        """Prefill on a context worker (one not in `avoid` if any is left); retried on another on failure."""
+                           avoid: set[str], gen_w: WorkerRef, route: dict | None = None
+                           ) -> tuple[dict, WorkerRef]:
+        """Prefill on a context worker (one not in `avoid` if any is left); retried on another on failure.
+        With router.overlap, `gen_w` is told of the request as its prefill starts (overlap_router.py)."""
         tried: set[str] = set()
         errors: list[str] = []
         while True:
             key = routing_key(body)
-            w = self.ctx.pick(tried | avoid, key) or self.ctx.pick(tried, key)
+            if route is not None:
+                for ex in (tried | avoid, tried):
+                    w, route["context"] = self.kv.pick(self.ctx, "context", route.get("tokens"), ex)
+                    if w is not None:
+                        break
+            else:
+                w = self.ctx.pick(tried | avoid, key) or self.ctx.pick(tried, key)
             left = deadline - time.monotonic()
             if w is None or left <= 0:
                 raise _no_context(errors, self.ctx.describe(), left <= 0)
             if tried:
                 self.metrics.retries.inc()
             tried.add(w.name)
+            hop = min(left, self.rc.context_timeout_s)
             try:
-                r = await self._post_context(request, w, path, body, min(left, self.rc.context_timeout_s))
-            except _HopFailed as e:
+                if self.rc.overlap:
+                    status, data = await context_early(self, request, w, path, body, hop, gen_w)
+                else:
+                    r = await self._post_context(request, w, path, body, hop)
+                    status, data = r.status_code, json_or_none(r.content)
+            except (_HopFailed, ContextFailed) as e:
                 errors.append(str(e))
                 continue
-            data = json_or_none(r.content)
+            finally:
+                if route is not None:
+                    self.kv.settle(w, route.get("context"))
             handed_over = isinstance(data, dict) and isinstance(data.get("disaggregated_params"), dict)
-            if r.status_code == 200 and handed_over:
+            if status == 200 and handed_over:
                 return data, w
-            if 400 <= r.status_code < 500 and r.status_code != 429:
-                raise ApiError.from_body(r.status_code, data, f"context worker {w.name}: ")
-            if r.status_code == 503:
+            if 400 <= status < 500 and status != 429:
+                raise ApiError.from_body(status, data, f"context worker {w.name}: ")
+            if status == 503:
                 w.mark(False, "503")
-            errors.append(f"{w.name}: {ApiError.from_body(r.status_code, data).message}")
+            errors.append(f"{w.name}: {ApiError.from_body(status, data).message}")
 
     async def _post_context(self, request: Request, w: WorkerRef, path: str, body: dict,
                             hop: float) -> httpx.Response:

@@ -109,19 +109,22 @@ def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
     from ..executor.runtime import Executor
     from ..executor.transceiver_hook import context_endpoints
     from .backend import Backend
+    from .kv_worker import advertised, kv_events_settings
     from .text import TextCodec
     from .worker_app import WorkerState, build_app
 
     instance = f"{spec.name}-{uuid.uuid4().hex[:12]}"  # changes whenever the worker restarts
     t0 = time.monotonic()
     codec = TextCodec(cfg.model)
-    ex = Executor.start(spec.executor_config(cfg.model, instance, run_dir))
+    kv_events = kv_events_settings(cfg, spec, instance, run_dir)  # policy kv_aware: publish KV events
+    ex = Executor.start(dataclasses.replace(spec.executor_config(cfg.model, instance, run_dir), kv_events=kv_events))
     be = None
     try:
         world = spec.tp * spec.pp
         eps = context_endpoints(run_dir, world, timeout=ex.cfg.timeout_s) if spec.role == "context" else ()
         be = Backend(ex)
         st = WorkerState(cfg, spec, be, codec, instance, eps)
+        st.kv_events = advertised(kv_events, spec.host, ex.cfg.timeout_s) if kv_events else None
         server = None
         app = build_app(st, on_fatal=lambda: setattr(server, "should_exit", True))
         server = uvicorn.Server(uvicorn.Config(app, host=spec.bind_host, port=spec.port, log_level=log_level,

@@ -47,6 +47,10 @@ from ..transceiver import DisaggParams
 from .auth import InternalAuth, authenticated, internal_token
 from .inflight import Admission
 from .metrics import WorkerMetrics, render
+from .context_side import (_context, _kv_bytes_per_token, _prompt_ids,  # noqa: F401
+                           _sampling)
+from .overlap_router import HANDOVER_HEADER
+from .overlap_worker import claim, context_early, join, prefetch, release_prefetch, timing_extra
 from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, add_common_routes, chunk,
                        logprobs_object, new_id, parse_request, read_json, response, sse, usage_chunk)
 from .stops import TextCutter
@@ -103,6 +107,8 @@ class WorkerApp:
         add_common_routes(app, st.cfg.model_name, st.started, render)
         app.get("/debug/free_blocks")(self.free_blocks)
         app.post("/internal/release")(self.release)
+        app.post("/internal/prefetch")(self.prefetch)
+        app.post("/internal/join")(self.join)
         app.get("/internal/kv_digests")(self.kv_digests)
 
         @app.post("/v1/completions")
@@ -125,6 +131,8 @@ class WorkerApp:
                 "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid(),
                 "capacity_tokens": be.ex.cfg.num_blocks * be.ex.cfg.tokens_per_block,
                 "device": be.ex.cfg.device, "layout": be.ex.layout.to_wire()}
+        if st.kv_events:
+            body["kv_events"] = st.kv_events
         if err:
             body["error"] = err.splitlines()[0]
         return JSONResponse(body, status_code=503 if err else 200)
@@ -138,7 +146,16 @@ class WorkerApp:
     async def release(self, request: Request) -> JSONResponse:
         body = await read_json(request)
         d = body.get("disaggregated_params") if isinstance(body, dict) else None
+        if self.st.spec.role == "generation":  # a prefetch (overlap_worker.py)
+            return JSONResponse({"released": release_prefetch(self.st, d)})
         return JSONResponse({"released": release_context(self.st, d)})
+
+    async def prefetch(self, request: Request) -> JSONResponse:
+        deadline = time.monotonic() + _timeout(request, self.st.cfg.router.request_timeout_s)
+        return JSONResponse(await prefetch(self.st, await read_json(request), deadline))
+
+    async def join(self, request: Request) -> JSONResponse:
+        return JSONResponse({"joined": join(self.st, await read_json(request))})
 
     async def kv_digests(self, handle: str | None = None) -> dict:
         return await kv_digest_answer(self.st, handle)
@@ -178,6 +195,9 @@ class WorkerApp:
                 deadline = t0 + _timeout(request, cfg.router.request_timeout_s)
                 if req.disagg is not None and req.disagg.request_type == "context_only":
                     phase["phase"] = "prefill"
+                    if request.headers.get(HANDOVER_HEADER) == "early":  # overlap (overlap_worker.py)
+                        streaming = True
+                        return await context_early(st, req, deadline, end)
                     return await _context(st, req, deadline)
                 resp = await _generate(st, request, req, deadline, self.metrics, end)
                 streaming = isinstance(resp, StreamingResponse)
@@ -194,31 +214,6 @@ class WorkerApp:
 
 
 # --- the two halves -------------------------------------------------------------------------------------
-async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[str, Any]:
-    spec, be = st.spec, st.backend
-    if spec.role != "context":
-        raise ApiError(400, f"{spec.name} is a generation worker; send context_only requests to a context "
-                            f"worker", code="wrong_role", param="disaggregated_params")
-    prompt = _prompt_ids(st, req)
-    seed = req.disagg.seed if req.disagg and req.disagg.seed is not None else req.seed
-    seed = secrets.randbits(31) if seed is None else seed
-    sampling = _sampling(st, req, seed)
-    t0 = time.monotonic()
-    res = await be.prefill(prompt, sampling, max(0.1, deadline - t0))
-    WorkerMetrics(spec.role).prefix(len(prompt), res.reused_tokens, _kv_bytes_per_token(be.ex.layout))
-    wire = disagg_params(be.ex, res.request_id, st.endpoints)  # wire handle + secret
-    st.record_handle(wire.ctx_request_id, res.request_id)
-    out = DisaggRequest("generation_only", res.first_token, prompt, wire.to_dict(), seed, spec.name,
-                        res.first_logprob)
-    return {"id": new_id(req.kind), "object": "text_completion", "created": int(time.time()),
-            "model": st.cfg.model_name,
-            "choices": [{"index": 0, "text": st.codec.decode([res.first_token]), "finish_reason": None}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1},
-            "disaggregated_params": out.to_dict(),
-            "kvbridge": {"context_worker": spec.name, "prefill_ms": round((time.monotonic() - t0) * 1e3, 3),
-                         "reused_tokens": res.reused_tokens}}
-
-
 async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline: float,
                     metrics: WorkerMetrics, end):
     spec, be, cfg = st.spec, st.backend, st.cfg
@@ -238,9 +233,11 @@ async def _generate(st: WorkerState, request: Request, req: GenRequest, deadline
         try:
             if aggregated:
                 return be.ex.submit(prompt, max_tokens=req.max_tokens, sampling=sampling, stream=follow)
-            rid = be.ex.submit(prompt, max_tokens=req.max_tokens, mode="generation_only", sampling=sampling,
-                               first_token=d.first_token, ctx_info={"disagg_params": d.ctx_params},
-                               stream=follow)
+            rid = claim(st, d, prompt, req.max_tokens, sampling)  # prefetched while the prefill ran
+            if rid is None:
+                rid = be.ex.submit(prompt, max_tokens=req.max_tokens, mode="generation_only",
+                                   sampling=sampling, first_token=d.first_token,
+                                   ctx_info={"disagg_params": d.ctx_params}, stream=follow)
             st.record_handle(extra["handle"], rid)
             return rid
         except KvBridgeError as e:
@@ -384,14 +381,10 @@ async def _stream(out: _Output, got, events, extra: dict[str, Any], metrics: Wor
 
 def _finish_extra(extra: dict[str, Any], toks: list[int], done, metrics: WorkerMetrics) -> None:
     extra["token_ids"] = list(toks)
+    timing_extra(extra, done)
     if done is not None and done.transfer is not None:
         extra["transfer"] = done.transfer.as_json()
         metrics.transfer_done(done.transfer)
-
-
-def _kv_bytes_per_token(layout) -> int:
-    """KV bytes of one token over all ranks of an executor."""
-    return sum(layout.block_bytes(r) for r in range(layout.world_size)) // layout.shape.tokens_per_block
 
 
 def _prefix_metrics(st: WorkerState, extra: dict[str, Any], prompt_len: int, done,
@@ -401,42 +394,6 @@ def _prefix_metrics(st: WorkerState, extra: dict[str, Any], prompt_len: int, don
         return
     extra["reused_tokens"] = done.reused_tokens
     metrics.prefix(prompt_len, done.reused_tokens, _kv_bytes_per_token(st.backend.ex.layout))
-
-
-def _sampling(st: WorkerState, req: GenRequest, seed: int) -> SamplingParams:
-    """The executor's SamplingParams of a request (the same on the context and the generation side)."""
-    vocab = st.backend.ex.model_config.vocab_size
-    bad = next((t for t, _ in req.logit_bias if t >= vocab), None)
-    if bad is not None:
-        raise ApiError(400, f"logit_bias: token id {bad} is outside the model's vocabulary 0..{vocab - 1}",
-                       param="logit_bias")
-    try:
-        return SamplingParams(req.temperature, req.top_k, req.top_p, seed, req.presence_penalty,
-                              req.frequency_penalty, req.repetition_penalty, req.logit_bias, req.min_tokens,
-                              req.ignore_eos, req.logprobs)
-    except ValueError as e:
-        raise ApiError(400, str(e), param=str(e).split(":")[0].split(" ")[0]) from None
-
-
-def _prompt_ids(st: WorkerState, req: GenRequest) -> list[int]:
-    if req.kind == "chat":
-        try:
-            text = st.codec.chat_prompt(req.messages or [])
-        except KvBridgeError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        ids = st.codec.encode(text)
-    else:
-        ids = list(req.prompt) if isinstance(req.prompt, list) else st.codec.encode(req.prompt or "")
-    mc = st.backend.ex.model_config
-    bad = next((t for t in ids if t >= mc.vocab_size), None)
-    if bad is not None:
-        raise ApiError(400, f"prompt: token id {bad} is outside the model's vocabulary "
-                            f"0..{mc.vocab_size - 1}", param="prompt")
-    if len(ids) + req.max_tokens > mc.max_position:
-        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
-                            f"{mc.max_position} positions", code="context_length_exceeded",
-                       param="max_tokens")
-    return ids
 
 
 def _timeout(request: Request, default: float) -> float:

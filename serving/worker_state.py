@@ -20,6 +20,7 @@ from ..executor.transceiver_hook import context_request_of
 from ..transceiver import DisaggParams
 from .backend import Backend
 from .config import ServeConfig, ServerSpec
+from .overlap_worker import Prefetches, expire
 from .protocol import ApiError
 from .text import TextCodec
 
@@ -75,6 +76,8 @@ class WorkerState:
     started: float = field(default_factory=time.time)
     failed: str | None = None
     digests: DigestIndex = field(default_factory=DigestIndex)
+    prefetched: Prefetches = field(default_factory=Prefetches)  # overlap: generation requests prefetched
+    kv_events: dict | None = None  # {pub, replay, incarnation}: its KV event endpoints (kv_worker.py)
 
     def record_handle(self, handle: int, request_id: int) -> None:
         """Remember a disaggregated request's wire handle (only when its executor records KV digests)."""
@@ -113,6 +116,8 @@ async def housekeeping(st: WorkerState, on_fatal) -> None:
         await asyncio.sleep(0.5)
         if st.spec.role == "context":
             st.backend.collect_released()
+        else:
+            expire(st)
         err = st.backend.ex.error
         if err:
             st.failed = err

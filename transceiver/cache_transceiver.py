@@ -19,7 +19,7 @@ Every call here is non-blocking or bounded by `timeout_s`.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import DeadlineExceeded, KvBridgeError
 from ..formatter.layout import KVLayout
@@ -82,7 +82,7 @@ class CacheTransceiver:
                                       ) -> list[SendResult]:
         """Requests finished on this rank; waits (up to timeout_s) until at least `at_least_request_num`."""
         s = self._need_sender()
-        return _collect(s.poll_finished, at_least_request_num, timeout_s, "context transfers")
+        return _collect(s, at_least_request_num, timeout_s, "context transfers")
 
     # --- generation side ------------------------------------------------------------------------------
     def request_and_receive_async(self, req: Any) -> None:
@@ -100,7 +100,7 @@ class CacheTransceiver:
                                   ) -> list[ReceiveResult]:
         """Pulls finished on this rank; waits (up to timeout_s) until at least `at_least_request_num`."""
         r = self._need_receiver()
-        return _collect(r.poll_finished, at_least_request_num, timeout_s, "generation transfers")
+        return _collect(r, at_least_request_num, timeout_s, "generation transfers")
 
     def cancel_request(self, req: Any) -> None:
         rid = req if isinstance(req, int) else req.request_id
@@ -129,14 +129,16 @@ class CacheTransceiver:
         return self.receiver
 
 
-def _collect(poll: Callable[[], list], at_least: int, timeout_s: float, what: str) -> list:
-    out = poll()
+def _collect(part: Sender | Receiver, at_least: int, timeout_s: float, what: str) -> list:
+    """Results of `part`; waits (woken by each result, bounded by timeout_s) until there are `at_least`."""
+    out = part.poll_finished()
     deadline = time.monotonic() + max(0.0, timeout_s)
     while len(out) < at_least:
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             if timeout_s > 0:
                 raise DeadlineExceeded(f"{len(out)} of {at_least} {what} finished within {timeout_s:g} s")
             break
-        time.sleep(0.001)
-        out += poll()
+        part.wait_finished(left)
+        out += part.poll_finished()
     return out

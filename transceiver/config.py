@@ -64,6 +64,9 @@ class TransceiverConfig:
         can read its KV pool); logged as a WARNING at start-up. Off unless the config says `insecure: true`.
     max_sessions: most generation-rank sessions (handshaken peers) a context rank keeps at once; an extra Hello
         gets an error. Sessions of peers silent for peer_timeout_s without a pull in flight are dropped.
+    read_ahead: a generation rank whose DisaggParams carry the context block ids posts its reads together with
+        its Fetch (one round trip fewer; see DisaggParams.ctx_block_ids). Off: such params are pulled the
+        classic way (Fetch, Blocks, reads).
     """
 
     agents: tuple[str, ...] = ("auto",)
@@ -89,6 +92,7 @@ class TransceiverConfig:
     curve_authorized_keys_dir: str | None = None
     insecure: bool = False
     max_sessions: int = 1024
+    read_ahead: bool = True
     options: dict[str, Any] = field(default_factory=dict)  # per-agent constructor options: {kind: {...}}
 
     def __post_init__(self) -> None:
@@ -107,8 +111,9 @@ class TransceiverConfig:
                               f"({self.lease_s}) so a lease is renewed before it runs out")
         if self.staging_arena_bytes < 0 or self.staging_threshold_bytes < 0 or self.staging_min_fragments < 0:
             raise ConfigError("transceiver.staging_* settings must not be negative")
-        if not isinstance(self.insecure, bool):
-            raise ConfigError(f"transceiver.insecure must be true or false, got {self.insecure!r}")
+        for f in ("insecure", "read_ahead"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"transceiver.{f} must be true or false, got {getattr(self, f)!r}")
         if not isinstance(self.max_sessions, int) or isinstance(self.max_sessions, bool) or self.max_sessions < 1:
             raise ConfigError(f"transceiver.max_sessions must be a positive integer, got {self.max_sessions!r}")
         if not 0 <= int(self.port) < 65536:

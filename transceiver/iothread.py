@@ -47,6 +47,7 @@ class IOThread:
         self._wake_lock = threading.Lock()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: collections.deque = collections.deque()
+        self._finished_cv = threading.Condition()  # signalled with every result: the owner may wait on it
         self._stop = threading.Event()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-work")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -57,6 +58,18 @@ class IOThread:
         while self._finished:
             out.append(self._finished.popleft())
         return out
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Block until a result is waiting for `poll_finished`, at most `timeout` seconds; True if one is.
+        Wakes the moment the I/O thread reports one (no polling interval to wait out)."""
+        with self._finished_cv:
+            return self._finished_cv.wait_for(lambda: bool(self._finished), max(0.0, timeout))
+
+    def _report(self, result: object) -> None:
+        """I/O thread: hand a finished result to the owner (`poll_finished`, `wait_finished`)."""
+        with self._finished_cv:
+            self._finished.append(result)
+            self._finished_cv.notify_all()
 
     def _stop_io(self, timeout: float) -> bool:
         """Stop the I/O thread and the worker; False if already stopped. The caller closes its own sockets."""
@@ -70,11 +83,14 @@ class IOThread:
         self._wake_tx.close(0)
         return True
 
-    def _command(self, cmd: object) -> None:
+    def _command(self, cmd: object, wake: bool = True) -> None:
+        """Queue `cmd` for the I/O thread; `wake=False` leaves it for the loop's next turn (at most one poll
+        away, and at once when a frame arrives: the loop takes commands before frames)."""
         if self._stop.is_set():
             raise KvBridgeError(f"{self._what} is closed")
         self._cmds.put(cmd)
-        self._wake()
+        if wake:
+            self._wake()
 
     def _wake(self) -> None:
         with self._wake_lock:

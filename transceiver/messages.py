@@ -14,6 +14,11 @@ Conversation (generation rank G pulls a request from context rank C):
                                                                       reads only tokens [from_token, n)); a
                                                                       wrong or missing secret is answered
                                                                       exactly like an unknown id
+            Fetch(..., read_ahead=True, block_ids)                    read-ahead: G took the block ids from its
+                                                                      DisaggParams and posted its reads with
+                                                                      this Fetch; C answers no Blocks, only an
+                                                                      Error(read_ahead) when it cannot vouch
+                                                                      for them (then the pull fails)
     C -> G  Blocks(ctx_request_id, block_ids, num_tokens, layers_ready, lease_s, staging_addr, staging_bytes)
             (staged: the context rank packed the piece into a slot of its arena; one read moves it)
     C -> G  LayersReady(ctx_request_id, layers_ready)                 streaming: pushed as layers finish
@@ -38,10 +43,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..codec import pack, unpack
-from ..errors import ProtocolError
+from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, ProtocolError, ReadAheadRefused,
+                      RequestCancelled, RequestNotFound)
 from ..formatter.mapping import MAPPING_VERSION
 
-PROTOCOL_VERSION = 2  # bump when a message changes shape (2: Fetch carries the request's secret)
+PROTOCOL_VERSION = 3  # bump when a message changes shape (2: Fetch carries the request's secret; 3: read-ahead)
 MAX_FRAME_BYTES = 16 << 20  # 2M block ids fit; a larger frame is refused before decoding
 MAX_BLOCK_IDS = 1 << 21
 
@@ -57,7 +63,17 @@ class ErrorCode(str, enum.Enum):
     TAKEN = "taken"                  # another generation instance is already pulling this request
     AGENT = "agent"                  # no common transfer agent
     BUSY = "busy"                    # too many sessions on this context rank (transceiver.max_sessions)
+    READ_AHEAD = "read_ahead"        # a read-ahead Fetch this context rank cannot vouch for
     INTERNAL = "internal"
+
+
+# What an Error frame's code means to the generation side: the KvBridgeError a failed pull reports.
+ERROR_TYPES: dict[str, type[KvBridgeError]] = {
+    ErrorCode.UNKNOWN_REQUEST.value: RequestNotFound, ErrorCode.LEASE_EXPIRED.value: LeaseExpired,
+    ErrorCode.LAYOUT_MISMATCH.value: LayoutMismatchError, ErrorCode.VERSION.value: ProtocolError,
+    ErrorCode.MALFORMED.value: ProtocolError, ErrorCode.CANCELLED.value: RequestCancelled,
+    ErrorCode.READ_AHEAD.value: ReadAheadRefused,
+}
 
 
 def _blocks_to_bytes(ids) -> bytes:
@@ -101,10 +117,11 @@ def _kind(f: dataclasses.Field) -> Any:
 def msg(kind: Any = None, **meta) -> Any:
     """Field declaration helper: msg(int), msg(bytes, blocks=True), msg(str, default="")."""
     default = meta.pop("default", dataclasses.MISSING)
+    compare = meta.pop("compare", True)  # False for an array field: == of two messages skips it
     md = {"kind": kind, **meta}
     if default is dataclasses.MISSING:
-        return field(metadata=md)
-    return field(default=default, metadata=md)
+        return field(metadata=md, compare=compare)
+    return field(default=default, metadata=md, compare=compare)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +161,13 @@ class Fetch(Message):
     staged: bool = msg(bool, default=False)  # ask the context rank to pack the piece into its arena
     from_token: int = msg(int, default=0)  # prefix reuse: read only tokens [from_token, num_tokens); 0 = all
     secret: bytes = msg(bytes, default=b"")  # the request's secret (DisaggParams.secret)
+    read_ahead: bool = msg(bool, default=False)  # reads already posted from `block_ids`: answer no Blocks
+    block_ids: Any = msg(bytes, blocks=True, default=(), compare=False)  # read-ahead: the ids G reads from
 
     def __repr__(self) -> str:  # never log the secret
         return f"Fetch(ctx_request_id={self.ctx_request_id}, gen_rank={self.gen_rank}, stream={self.stream}, " \
-               f"staged={self.staged}, from_token={self.from_token}, secret=<{len(self.secret)} bytes>)"
+               f"staged={self.staged}, from_token={self.from_token}, read_ahead={self.read_ahead}, " \
+               f"secret=<{len(self.secret)} bytes>)"
 
 
 @dataclass(frozen=True, slots=True)

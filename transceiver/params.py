@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..errors import ProtocolError
 from ..formatter.layout import KVLayout
 
@@ -18,6 +20,7 @@ __all__ = ["DisaggParams"]
 _MAX_ENDPOINTS = 4096
 _MAX_ID = 1 << 63
 _MAX_SECRET = 64  # bytes
+_MAX_BLOCK_IDS = 1 << 21  # as many as one Blocks message may carry
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,12 @@ class DisaggParams:
     ctx_layout: the context executor's KVLayout.
     secret: the request's secret (transceiver/handles.py); every Fetch carries it, and a context rank treats a
         wrong or missing one exactly like an unknown request. Travels as hex; never printed.
+    ctx_block_ids: optional, the request's block ids on the context side (the same on every context rank).
+        Given, a generation rank reads ahead: it posts its reads together with its Fetch instead of waiting
+        for the Blocks answer (one round trip fewer). A context rank accepts a read-ahead only for a request
+        it published complete (every layer final) under a secret it made itself (`respond_and_send_async`
+        without one), so holding the secret proves the reads started after the publish; otherwise the pull
+        fails with ReadAheadRefused. Leave it out for streamed requests and caller-chosen secrets.
     """
 
     ctx_request_id: int
@@ -37,6 +46,7 @@ class DisaggParams:
     endpoints: tuple[str, ...]
     ctx_layout: KVLayout
     secret: bytes = field(default=b"", repr=False)
+    ctx_block_ids: tuple[int, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes) or len(self.secret) > _MAX_SECRET:
@@ -44,15 +54,20 @@ class DisaggParams:
         if len(self.endpoints) != self.ctx_layout.world_size:
             raise ProtocolError(f"disaggregated params: {len(self.endpoints)} endpoints for a context executor of "
                                 f"{self.ctx_layout.world_size} ranks")
+        if self.ctx_block_ids is not None:
+            object.__setattr__(self, "ctx_block_ids", _block_ids(self.ctx_block_ids))
 
     @property
     def layout_fingerprint(self) -> str:
         return self.ctx_layout.fingerprint()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ctx_request_id": self.ctx_request_id, "ctx_instance": self.ctx_instance,
-                "endpoints": list(self.endpoints), "ctx_layout": self.ctx_layout.to_wire(),
-                "layout_fingerprint": self.layout_fingerprint, "secret": self.secret.hex()}
+        d = {"ctx_request_id": self.ctx_request_id, "ctx_instance": self.ctx_instance,
+             "endpoints": list(self.endpoints), "ctx_layout": self.ctx_layout.to_wire(),
+             "layout_fingerprint": self.layout_fingerprint, "secret": self.secret.hex()}
+        if self.ctx_block_ids is not None:
+            d["ctx_block_ids"] = list(self.ctx_block_ids)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "DisaggParams":
@@ -75,7 +90,20 @@ class DisaggParams:
         rid = d["ctx_request_id"]
         if not 0 <= rid < _MAX_ID:
             raise ProtocolError("disaggregated params: ctx_request_id must be in 0..2**63-1")
-        return cls(rid, d["ctx_instance"], tuple(eps), layout, _secret(d.get("secret", "")))
+        blocks = d.get("ctx_block_ids")
+        return cls(rid, d["ctx_instance"], tuple(eps), layout, _secret(d.get("secret", "")),
+                   None if blocks is None else _block_ids(blocks))
+
+
+def _block_ids(v: Any) -> tuple[int, ...]:
+    """Validated block ids: a list or tuple of ints (JSON), or a 1-d integer numpy array (in-process)."""
+    if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "iu":
+        v = v.tolist()
+    if isinstance(v, (tuple, list)) and len(v) <= _MAX_BLOCK_IDS and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) and 0 <= x < _MAX_ID for x in v):
+        return tuple(int(x) for x in v)
+    raise ProtocolError(f"disaggregated params: ctx_block_ids must be a list of at most {_MAX_BLOCK_IDS} "
+                        f"integers in 0..2**63-1")
 
 
 def _secret(v: Any) -> bytes:

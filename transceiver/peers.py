@@ -37,9 +37,21 @@ class CtxPeers:
     def __init__(self, zctx: zmq.Context, config: TransceiverConfig, hello: bytes, ident_prefix: str) -> None:
         self._zctx, self._config, self._hello, self._prefix = zctx, config, hello, ident_prefix
         self._by_endpoint: dict[str, CtxPeer] = {}
+        self._poller: zmq.Poller | None = None
+        self._polled: tuple = ()
 
     def __iter__(self) -> Iterator[CtxPeer]:
         return iter(self._by_endpoint.values())
+
+    def poller(self, wake: zmq.Socket) -> tuple[zmq.Poller, dict[zmq.Socket, CtxPeer]]:
+        """A poller of `wake` and every open peer socket (rebuilt only when a socket opened or closed), and
+        the peers by socket."""
+        socks = {p.sock: p for p in self._by_endpoint.values() if p.sock is not None}
+        if self._poller is None or tuple(socks) != self._polled:
+            self._poller, self._polled = zmq.Poller(), tuple(socks)
+            for s in (wake, *socks):
+                self._poller.register(s, zmq.POLLIN)
+        return self._poller, socks
 
     def get(self, endpoint: str) -> CtxPeer | None:
         return self._by_endpoint.get(endpoint)

@@ -66,6 +66,7 @@ class LocalPool:
         base = name or f"kvb-{os.getpid()}-{uuid.uuid4().hex[:8]}-r{rank}"
         self.agents: dict[str, TransferAgent] = {}
         self._regs: list[Registration] = []
+        why: list[str] = []
         for kind in resolve_agent_kinds(config.agents, self.kind):
             try:
                 agent = create_agent(kind, f"{base}-{kind}", **config.options.get(kind, {}))
@@ -74,11 +75,13 @@ class LocalPool:
                     regs.append(agent.register_memory(self.arena.region))
             except (AgentError, KvBridgeError, OSError) as e:
                 log.info("agent %s not available for rank %d's %s pool: %s", kind, rank, self.kind.value, e)
+                why.append(f"{kind}: {e}")
                 continue
             self.agents[kind] = agent
             self._regs += regs
         if not self.agents:
-            raise AgentError(f"no transfer agent of {list(config.agents)} could serve a {self.kind.value} pool")
+            raise AgentError(f"no transfer agent of {list(config.agents)} could serve a "
+                             f"{self.kind.value} pool ({'; '.join(why)})")
 
     @property
     def bases(self) -> list[int]:

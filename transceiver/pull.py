@@ -111,10 +111,18 @@ class Leg:
     slot: int | None = None  # staged path: this rank's arena slot for the piece
     remote_slot: int = -1  # staged path: the context rank's packed slot (-1: read direct)
     slot_bytes: int = 0
+    read_ahead: bool = False  # the block ids came from DisaggParams; the context rank sends no Blocks
 
     def advance(self, to: LegState) -> None:
         """The one place a leg's state changes; IllegalTransition for a move LEG_MOVES does not list."""
         self.state = move(f"leg of context rank {self.ctx_rank}", LEG_MOVES, self.state, to)
+
+    def read_ahead_from(self, ctx_blocks: np.ndarray, ctx_layout) -> None:
+        """Read-ahead (FETCH_SENT -> FETCHED without a Blocks answer): every layer of the context rank is final
+        and its block ids are those of the request's DisaggParams; the context rank vouches for both when it
+        takes the Fetch, or refuses it (an Error fails the pull, its reads drained first)."""
+        self.ctx_blocks, self.layers_ready, self.read_ahead = ctx_blocks, ctx_layout.local_layers(self.ctx_rank), True
+        self.advance(LegState.FETCHED)
 
     @property
     def fetched(self) -> bool:
@@ -179,6 +187,7 @@ class Pull:
     staged: bool = False
     from_token: int = 0  # prefix reuse: the local blocks already hold tokens [0, from_token); read the rest
     secret: bytes = field(default=b"", repr=False)  # the context request's secret, sent in every Fetch
+    ctx_blocks: np.ndarray | None = None  # read-ahead: the context block ids from DisaggParams
 
     def advance(self, to: PullState) -> None:
         """The one place a pull's state changes; IllegalTransition for a move PULL_MOVES does not list."""
@@ -209,6 +218,7 @@ class Pull:
         remote = leg.remote
         if leg.remote_slot >= 0:  # staged: the whole packed piece is one descriptor
             if not leg.handles:
+                self.marks.setdefault("first_read_unix", time.time())
                 one = np.ones(1, dtype=np.int64)
                 leg.handles.append(agent.read(
                     leg.peer_name, DescriptorList(one * leg.slot, one * leg.slot_bytes, local.kind, local.device),
@@ -227,9 +237,12 @@ class Pull:
         t0 = time.monotonic()
         frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens,
                                       self.from_token)
-        self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + time.monotonic() - t0
+        t1 = time.monotonic()
+        self.marks.setdefault("first_read_unix", time.time())
         h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
                        DescriptorList(frags.src, frags.length, remote.kind, remote.device))
+        self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + t1 - t0
+        self.marks["post_s"] = self.marks.get("post_s", 0.0) + time.monotonic() - t1
         leg.handles.append(h)
         leg.read_upto = ready_stop
         self.nbytes += frags.nbytes
@@ -258,10 +271,13 @@ class Pull:
         t = {"total": (end - self.submitted) * 1e3}
         if "fetched" in self.marks:  # the first context rank's block ids arrived; reads start from here
             t["handshake+fetch"] = (self.marks["fetched"] - self.submitted) * 1e3
-        if "plan_s" in self.marks:
+        if "plan_s" in self.marks:  # summed over legs and layer ranges; both inside "read"
             t["plan"] = self.marks["plan_s"] * 1e3
+            t["post"] = self.marks["post_s"] * 1e3
         if "read_done" in self.marks and "fetched" in self.marks:
             t["read"] = (self.marks["read_done"] - self.marks["fetched"]) * 1e3
             t["confirm"] = (end - self.marks["read_done"]) * 1e3
+        if "first_read_unix" in self.marks:  # a wall-clock time (ms since the epoch), comparable across hosts'
+            t["first_read_unix_ms"] = self.marks["first_read_unix"] * 1e3  # synchronised clocks: overlap proofs
         ok = self.state is PullState.DONE and not self.error
         return ReceiveResult(self.request_id, ok, self.error, self.error_type, self.nbytes, self.fragments, agents, t)

@@ -17,16 +17,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
-from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, ProtocolError, RequestCancelled,
-                      RequestNotFound, TransceiverError)
+from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError, TransceiverError
 from ..formatter.mapping import MAPPING_VERSION, mapping_for
 from . import messages as m
 from . import metrics
+from .commands import CancelPull, Submit, Touch
 from .config import TransceiverConfig, local_host_id
 from .ctx_peer import CtxPeer, PeerState
 from .peers import CtxPeers
@@ -41,30 +40,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Receiver", "ReceiveResult"]
 
-_ERROR_TYPES = {
-    m.ErrorCode.UNKNOWN_REQUEST.value: RequestNotFound, m.ErrorCode.LEASE_EXPIRED.value: LeaseExpired,
-    m.ErrorCode.LAYOUT_MISMATCH.value: LayoutMismatchError, m.ErrorCode.VERSION.value: ProtocolError,
-    m.ErrorCode.MALFORMED.value: ProtocolError, m.ErrorCode.CANCELLED.value: RequestCancelled,
-}
-
-
-@dataclass(frozen=True)
-class _Submit:
-    """Engine -> I/O thread: start a pull (`submit`)."""
-
-    request_id: int
-    params: DisaggParams
-    blocks: np.ndarray
-    num_tokens: int
-    timeout_s: float
-    from_token: int
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    """Engine -> I/O thread: abort a pull (`cancel`)."""
-
-    request_id: int
+_POLLED = frozenset({PullState.READ, PullState.DRAIN})  # states whose step polls transfer handles every tick
+_SWEEP_S = 0.005  # every pull is stepped at least this often
 
 
 class Receiver(IOThread):
@@ -82,11 +59,15 @@ class Receiver(IOThread):
         self.pool, self.config, self.layout = pool, config, pool.layout
         self.instance = instance or uuid.uuid4().hex
         self._pulls: dict[int, Pull] = {}
+        self._by_ctx: dict[int, set[int]] = {}  # context request id -> our pulls of it (frames name the former)
+        self._touched: set[int] = set()  # pulls an event reached this tick: advanced now (the rest every _SWEEP_S)
+        self._sweep_at = 0.0  # when every pull is advanced next (deadlines, handshakes, silence)
         self._last_beat = 0.0
         self.before_confirm = None  # fault injection for tests: called with the Pull once its reads are done
         self._finisher = PullFinisher(pool, config.verify)
         self._staging = StagingPolicy(pool, config)
-        self._commands = {_Submit: self._on_submit, _Cancel: self._on_cancel}
+        self._commands = {Submit: self._on_submit, CancelPull: self._on_cancel,
+                          Touch: lambda c: self._touched.add(c.request_id)}
         self._peer_messages = {m.Welcome: self._on_welcome, m.Error: self._on_error,
                                m.HeartbeatAck: self._on_heartbeat_ack}
         self._leg_messages = {m.Blocks: self._on_blocks, m.LayersReady: self._on_layers_ready,
@@ -113,12 +94,12 @@ class Receiver(IOThread):
             raise TransceiverError(f"request {request_id}: from_token {from_token} outside its {num_tokens} "
                                    f"tokens")
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
-        self._command(_Submit(int(request_id), params, blocks, int(num_tokens),
+        self._command(Submit(int(request_id), params, blocks, int(num_tokens),
                               float(timeout_s or self.config.transfer_timeout_s), int(from_token)))
 
     def cancel(self, request_id: int) -> None:
         """Abort a pull; it still reports a (failed) result once its reads have settled."""
-        self._command(_Cancel(int(request_id)))
+        self._command(CancelPull(int(request_id)))
 
     def poll_finished(self) -> list[ReceiveResult]:
         """Pulls finished since the last call (never blocks)."""
@@ -135,14 +116,10 @@ class Receiver(IOThread):
 
     # --- I/O thread -----------------------------------------------------------------------------------
     def _loop_once(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        socks = {p.sock: p for p in self._peers if p.sock is not None}
-        for s in socks:
-            poller.register(s, zmq.POLLIN)
+        poller, socks = self._peers.poller(self._wake_rx)
         # While reads are in flight, completion is noticed by polling the handles: spin (a zero-timeout poll,
         # yielding the GIL) so a finished read is seen within microseconds; otherwise sleep in the poll.
-        busy = any(p.state in (PullState.READ, PullState.DRAIN) for p in self._pulls.values())
+        busy = any(p.state in _POLLED for p in self._pulls.values())
         ready = dict(poller.poll(0 if busy else 20))
         if busy and not ready:
             time.sleep(0)
@@ -160,10 +137,17 @@ class Receiver(IOThread):
                     self._on_frame(peer, frame)
         self._advance(time.monotonic())
 
-    def _do_command(self, cmd: _Submit | _Cancel) -> None:
+    def _touch_later(self, rid: int) -> None:
+        """Any thread: have the I/O thread step pull `rid` at once (not at the next sweep)."""
+        try:
+            self._command(Touch(rid))
+        except KvBridgeError:  # closing: nothing left to step
+            pass
+
+    def _do_command(self, cmd: Submit | CancelPull | Touch) -> None:
         self._commands[type(cmd)](cmd)
 
-    def _on_submit(self, c: _Submit) -> None:
+    def _on_submit(self, c: Submit) -> None:
         now = time.monotonic()
         try:
             mapping = mapping_for(c.params.ctx_layout, self.layout)
@@ -174,24 +158,29 @@ class Receiver(IOThread):
             self._report_now(c.request_id, "TransceiverError", f"request {c.request_id} is already being pulled")
             return
         legs = {p.ctx_rank: Leg(p.ctx_rank, c.params.endpoints[p.ctx_rank], p) for p in mapping.pieces(self.pool.rank)}
+        ahead = c.params.ctx_block_ids if self.config.read_ahead else None
         self._pulls[c.request_id] = Pull(c.request_id, c.params.ctx_request_id, c.params.ctx_instance, c.blocks,
                                          c.num_tokens, now + c.timeout_s, legs, from_token=c.from_token,
-                                         secret=c.params.secret)
+                                         secret=c.params.secret,
+                                         ctx_blocks=None if ahead is None else np.asarray(ahead, dtype=np.int64))
+        self._by_ctx.setdefault(c.params.ctx_request_id, set()).add(c.request_id)
+        self._touched.add(c.request_id)
         for leg in legs.values():
             self._peers.ensure(leg.endpoint, now)
 
-    def _on_cancel(self, c: _Cancel) -> None:
+    def _on_cancel(self, c: CancelPull) -> None:
         p = self._pulls.get(c.request_id)
         if p is not None:
             self._fail(p, "RequestCancelled", f"request {p.request_id} was cancelled on the generation side")
 
     def _fail(self, pull: Pull, error_type: str, error: str) -> None:
         pull.fail(error_type, error, self.config.drain_timeout_s)
+        self._touched.add(pull.request_id)
 
     def _report_now(self, rid: int, etype: str, error: str) -> None:
         result = ReceiveResult(rid, False, error, etype)
         metrics.on_received(result)
-        self._finished.append(result)
+        self._report(result)
 
     # --- frames from context ranks: for the peer, or for the legs of its pulls ---------------------------
     def _on_frame(self, peer: CtxPeer, frame: bytes) -> None:
@@ -212,13 +201,16 @@ class Receiver(IOThread):
             log.warning("context rank at %s sent a %r message, which a generation rank does not accept",
                         peer.endpoint, msg.TYPE)
             return
-        rid = getattr(msg, "ctx_request_id", -1)
-        for pull in list(self._pulls.values()):
-            leg = next((lg for lg in pull.legs.values() if lg.endpoint == peer.endpoint), None)
-            if pull.ctx_request_id == rid and leg is not None:
+        for rid in list(self._by_ctx.get(getattr(msg, "ctx_request_id", -1), ())):
+            pull = self._pulls.get(rid)
+            leg = None if pull is None else next((lg for lg in pull.legs.values() if lg.endpoint == peer.endpoint),
+                                                 None)
+            if leg is not None:
+                self._touched.add(rid)
                 handler(pull, leg, peer, msg)
 
     def _on_welcome(self, peer: CtxPeer, w: m.Welcome) -> None:
+        self._sweep_at = 0.0  # pulls waiting for this session go on now
         try:
             remote, kind, name = accept_welcome(self.pool, w, peer.endpoint)
         except KvBridgeError as e:
@@ -229,10 +221,12 @@ class Receiver(IOThread):
     def _on_error(self, peer: CtxPeer, msg: m.Error) -> None:
         if msg.ctx_request_id >= 0:  # about one request: its legs
             self._to_legs(peer, msg)
-        elif msg.code == m.ErrorCode.NO_SESSION.value:
+            return
+        self._sweep_at = 0.0  # about the session: every pull through this peer reacts now
+        if msg.code == m.ErrorCode.NO_SESSION.value:
             self._peers.reset(peer)
         else:
-            etype = _ERROR_TYPES.get(msg.code, TransceiverError).__name__
+            etype = m.ERROR_TYPES.get(msg.code, TransceiverError).__name__
             peer.refused(etype, f"context rank at {peer.endpoint}: {msg.message}")
 
     def _on_heartbeat_ack(self, peer: CtxPeer, msg: m.HeartbeatAck) -> None:
@@ -280,19 +274,27 @@ class Receiver(IOThread):
                        f"{msg.reason}")
 
     def _on_leg_error(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.Error) -> None:
-        if msg.code == m.ErrorCode.NO_SESSION.value and not leg.retried_session:
+        if msg.code == m.ErrorCode.NO_SESSION.value and not leg.retried_session and not leg.read_ahead:
             leg.retried_session = True
             if leg.state is LegState.FETCH_SENT:  # Fetch again once the new session is up
                 leg.advance(LegState.NEW)
             self._peers.reset(peer)
             return
-        etype = _ERROR_TYPES.get(msg.code, TransceiverError).__name__
+        etype = m.ERROR_TYPES.get(msg.code, TransceiverError).__name__
         peer.legs.discard((pull.request_id, leg.ctx_rank))
         self._fail(pull, etype, f"context rank {leg.ctx_rank} ({leg.endpoint}): {msg.message}")
 
     # --- progress: each pull's state has one step ------------------------------------------------------
     def _advance(self, now: float) -> None:
-        for pull in list(self._pulls.values()):
+        """Step the pulls an event reached this tick and those polling their reads; every pull each _SWEEP_S
+        (deadlines, handshakes, re-sent Hellos), or at once after a session-wide event."""
+        if now >= self._sweep_at:
+            self._sweep_at = now + _SWEEP_S
+            due = list(self._pulls.values())
+        else:
+            due = [p for p in self._pulls.values() if p.state in _POLLED or p.request_id in self._touched]
+        self._touched.clear()
+        for pull in due:
             try:
                 self._advance_pull(pull, now)
             except KvBridgeError as e:
@@ -342,9 +344,13 @@ class Receiver(IOThread):
             return True
         leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
         staged = self._staging.want_staged(pull, leg, peer)
-        self._peers.send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers,
-                                 staged, pull.from_token, pull.secret).encode())
+        ahead = pull.ctx_blocks is not None and not staged
+        self._peers.send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers, staged,
+                                       pull.from_token, pull.secret, ahead,
+                                       pull.ctx_blocks if ahead else ()).encode())
         leg.advance(LegState.FETCH_SENT)
+        if ahead:  # the ids are known: the leg is fetched now, its reads go out in this same tick
+            leg.read_ahead_from(pull.ctx_blocks, peer.remote.layout)
         if not peer.legs:  # an idle peer: its silence is measured from this request on
             peer.last_heard = now
         peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
@@ -366,6 +372,7 @@ class Receiver(IOThread):
             if self._finisher.needed(pull):
                 # unpack staged legs and hash off the I/O thread, so heartbeats keep the leases alive
                 pull.verifying = self._worker.submit(self._finisher.finish, pull)
+                pull.verifying.add_done_callback(lambda _f, rid=pull.request_id: self._touch_later(rid))
             pull.advance(PullState.CONFIRM)
         return False
 
@@ -413,6 +420,11 @@ class Receiver(IOThread):
 
     def _complete(self, pull: Pull) -> None:
         self._pulls.pop(pull.request_id, None)
+        mine = self._by_ctx.get(pull.ctx_request_id)
+        if mine is not None:
+            mine.discard(pull.request_id)
+            if not mine:
+                del self._by_ctx[pull.ctx_request_id]
         pull.release(self.pool.arena, self.config.drain_timeout_s)
         for leg in pull.legs.values():
             peer = self._peers.get(leg.endpoint)
@@ -421,7 +433,7 @@ class Receiver(IOThread):
         agents = tuple(sorted({leg.agent_kind for leg in pull.legs.values() if leg.agent_kind}))
         result = pull.result(agents)
         metrics.on_received(result)
-        self._finished.append(result)
+        self._report(result)
 
     def _peer_gone(self, leg: tuple[int, int], why: str) -> None:
         pull = self._pulls.get(leg[0])

@@ -86,6 +86,7 @@ class Entry:
     slots: dict[int, int] = field(default_factory=dict)  # gen rank -> staging slot address (staged path)
     packing: set[int] = field(default_factory=set)  # gen ranks whose slot is being packed right now
     read_from: dict[int, int] = field(default_factory=dict)  # gen rank -> first token it reads (prefix reuse)
+    read_ahead_ok: bool = False  # published complete under a secret made here: a read-ahead is vouched for
 
     def advance(self, to: EntryState) -> None:
         """The one place an entry's state changes; IllegalTransition for a move ENTRY_MOVES does not list."""
@@ -98,6 +99,20 @@ class Entry:
     @property
     def active_readers(self) -> int:
         return len(set(self.fetched) - set(self.done))
+
+    def read_ahead_refusal(self, block_ids: np.ndarray, staged: bool) -> str:
+        """Why a read-ahead Fetch cannot be vouched for ("" when it can). Its reads started when the reader
+        had the secret; they read final KV only if the request was complete from its publish on and the
+        secret was made by that publish; and only the published block ids are pinned."""
+        if not self.read_ahead_ok:
+            return ("it was published before all its layers were final, or under a secret chosen by the "
+                    "caller; leave ctx_block_ids out of its DisaggParams")
+        if staged:
+            return "a read-ahead cannot be staged"
+        if not np.array_equal(block_ids, self.blocks):
+            return (f"the {block_ids.size} block ids in its DisaggParams are not the {self.blocks.size} it was "
+                    f"published with")
+        return ""
 
     def readers_waiting(self) -> list[bytes]:
         """ROUTER identities of the readers that fetched and have not reported Done."""

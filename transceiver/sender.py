@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -33,6 +32,7 @@ from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError
 from ..formatter.mapping import mapping_for
 from . import messages as m
 from . import metrics
+from .commands import CancelSend, Layers, Publish
 from .config import TransceiverConfig, local_host_id
 from .handles import new_secret
 from .handshake import check_hello
@@ -49,32 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Sender", "SendResult"]
 
 _TOMBSTONES = 10000
-
-
-@dataclass(frozen=True)
-class _Publish:
-    """Engine -> I/O thread: pin a request's blocks (`publish`)."""
-
-    rid: int
-    blocks: np.ndarray
-    num_tokens: int
-    layers_ready: int
-    secret: bytes
-
-
-@dataclass(frozen=True)
-class _Layers:
-    """Engine -> I/O thread: more layers are final (`mark_layers_ready`)."""
-
-    rid: int
-    layers_ready: int
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    """Engine -> I/O thread: stop serving a request (`cancel`)."""
-
-    rid: int
+_SWEEP_S = 0.005  # deadlines are checked this often (and whenever the loop wakes idle)
 
 
 class Sender(IOThread):
@@ -110,13 +85,14 @@ class Sender(IOThread):
                                   pool.num_blocks, pool.kind.value, pool.device, config.lease_s, local_host_id(),
                                   arena.base if arena else 0, arena.nbytes if arena else 0).encode()  # the same for all
         self._early = EarlyFetches(_TOMBSTONES)
+        self._expire_at = 0.0
         if config.verify:
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
         self._npinned = 0  # entries held by the I/O thread
         self._queued = 0  # publishes not yet taken up by the I/O thread
         self._nfetched = 0  # fetches accepted (a generation rank was given a request's blocks): `fetches`
         self._count_lock = threading.Lock()
-        self._commands = {_Publish: self._on_publish, _Layers: self._on_layers, _Cancel: self._on_cancel}
+        self._commands = {Publish: self._on_publish, Layers: self._on_layers, CancelSend: self._on_cancel}
         self._handlers = {m.Hello: self._on_hello, m.Fetch: self._on_fetch, m.Heartbeat: self._on_heartbeat,
                           m.Done: self._on_done}
         self._open_io(zctx, f"kvb-sender-r{pool.rank}")
@@ -132,9 +108,12 @@ class Sender(IOThread):
         """Pin a request's blocks for pulling. `layers_ready` < local layers for layer-wise streaming.
 
         Returns the secret every Fetch of the request must carry: `secret` (all ranks of an executor pass the
-        same one, from their RequestKey), or a fresh random one.
+        same one, from their RequestKey), or a fresh random one. Only a request published complete under a
+        fresh secret accepts read-ahead Fetches (DisaggParams.ctx_block_ids): whoever holds a secret made
+        here learnt it after this call, so its reads cannot have started before the blocks were final.
         """
-        secret = new_secret() if secret is None else bytes(secret)
+        minted = secret is None
+        secret = new_secret() if minted else bytes(secret)
         if len(secret) < 16:
             raise KvBridgeError(f"request {ctx_request_id}: a request secret must be at least 16 bytes")
         local = self.layout.local_layers(self.pool.rank)
@@ -145,8 +124,11 @@ class Sender(IOThread):
                                 f"of {self.pool.num_blocks}")
         with self._count_lock:
             self._queued += 1
-        self._command(_Publish(int(ctx_request_id), blocks, int(num_tokens),
-                               local if layers_ready is None else int(layers_ready), secret))
+        # Woken only for a Fetch already waiting: otherwise the loop takes the publish before the first frame
+        # that could need it (and parks a Fetch of an unknown request only after one more look, _on_fetch).
+        self._command(Publish(int(ctx_request_id), blocks, int(num_tokens),
+                               local if layers_ready is None else int(layers_ready), secret, minted),
+                      wake=bool(self._early))
         return secret
 
     @property
@@ -169,11 +151,11 @@ class Sender(IOThread):
 
     def mark_layers_ready(self, ctx_request_id: int, layers_ready: int) -> None:
         """Layer-wise streaming: the first `layers_ready` local layers of the request are now final."""
-        self._command(_Layers(int(ctx_request_id), int(layers_ready)))
+        self._command(Layers(int(ctx_request_id), int(layers_ready)))
 
     def cancel(self, ctx_request_id: int) -> None:
         """Stop serving a request. Blocks stay pinned until readers in flight finish or their lease expires."""
-        self._command(_Cancel(int(ctx_request_id)))
+        self._command(CancelSend(int(ctx_request_id)))
 
     def poll_finished(self) -> list[SendResult]:
         """Requests finished on this rank since the last call (their blocks are no longer needed here)."""
@@ -202,20 +184,25 @@ class Sender(IOThread):
             self._handshakes.drain()
         if self._jobs.busy:
             self._jobs.run_callbacks()
-        self._expire(time.monotonic())
+        now = time.monotonic()
+        if now >= self._expire_at:  # leases and pickups are seconds: a sweep per frame would cost O(requests)
+            self._expire_at = now + _SWEEP_S
+            self._expire(now)
 
-    def _do_command(self, cmd: _Publish | _Layers | _Cancel) -> None:
+    def _do_command(self, cmd: Publish | Layers | CancelSend) -> None:
         self._commands[type(cmd)](cmd)
 
-    def _on_publish(self, c: _Publish) -> None:
+    def _on_publish(self, c: Publish) -> None:
         with self._count_lock:
             self._queued -= 1
         if c.rid in self._entries:
             log.warning("request %d published twice; keeping the first", c.rid)
             return
         self._tomb.pop(c.rid, None)
+        complete = c.layers_ready >= self.layout.local_layers(self.pool.rank)
         self._entries[c.rid] = Entry(c.rid, c.blocks, c.num_tokens, c.layers_ready,
-                                     time.monotonic() + self.config.pickup_timeout_s, c.secret)
+                                     time.monotonic() + self.config.pickup_timeout_s, c.secret,
+                                     read_ahead_ok=c.minted and complete)
         self._set_pinned()
         for d, ident, msg in self._early.take(c.rid):
             if hmac.compare_digest(c.secret, msg.secret):
@@ -223,7 +210,7 @@ class Sender(IOThread):
             else:  # a wrong secret keeps waiting, to the same deadline, exactly as for an unknown id
                 self._early.add(c.rid, d, ident, msg)
 
-    def _on_layers(self, c: _Layers) -> None:
+    def _on_layers(self, c: Layers) -> None:
         e = self._entries.get(c.rid)
         if e is not None and c.layers_ready > e.layers_ready:
             e.layers_ready = c.layers_ready
@@ -231,7 +218,7 @@ class Sender(IOThread):
             for ident in e.readers_waiting():
                 self._send(ident, frame)
 
-    def _on_cancel(self, c: _Cancel) -> None:
+    def _on_cancel(self, c: CancelSend) -> None:
         e = self._entries.get(c.rid)
         if e is None:
             return
@@ -257,7 +244,7 @@ class Sender(IOThread):
             self._tomb.popitem(last=False)
         self._set_pinned()
         metrics.on_sent(status.value)
-        self._finished.append(SendResult(e.rid, status.value, detail, len(e.fetched)))
+        self._report(SendResult(e.rid, status.value, detail, len(e.fetched)))
         log.debug("request %d %s on ctx rank %d: %s", e.rid, status, self.pool.rank, detail)
 
     def _set_pinned(self) -> None:
@@ -365,6 +352,7 @@ class Sender(IOThread):
                 self._unknown(ident, msg.ctx_request_id, "fetch", msg.secret)
             else:  # not published yet (the executor publishes after its step): answer when it is, or time out
                 self._early.add(msg.ctx_request_id, time.monotonic() + self.config.handshake_timeout_s, ident, msg)
+                self._drain_commands()  # a publish queued without a wake (it saw no Fetch waiting) serves it now
             return
         if e.cancel_requested:
             self._error(ident, m.ErrorCode.CANCELLED, f"request {e.rid} was cancelled", e.rid, "fetch")
@@ -385,6 +373,12 @@ class Sender(IOThread):
             self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} from token "
                         f"{msg.from_token}: outside its {e.num_tokens} tokens", e.rid, "fetch")
             return
+        if msg.read_ahead:
+            why = e.read_ahead_refusal(msg.block_ids, msg.staged)
+            if why:
+                self._error(ident, m.ErrorCode.READ_AHEAD, f"context rank {self.pool.rank} refuses the read-ahead "
+                            f"of request {e.rid}: {why}", e.rid, "fetch")
+                return
         e.fetched[s.gen_rank] = ident
         if e.state is EntryState.PUBLISHED:
             e.advance(EntryState.READING)
@@ -392,11 +386,14 @@ class Sender(IOThread):
             self._nfetched += 1
         e.read_from[s.gen_rank] = msg.from_token
         e.deadline = time.monotonic() + self.config.lease_s
+        if msg.read_ahead:
+            return  # its reads are posted: no Blocks; its Done is confirmed like any reader's
         local = self.layout.local_layers(self.pool.rank)
         if msg.staged and self.pool.arena is not None and e.layers_ready >= local and \
                 self._jobs.stage(ident, e, s, msg.from_token):
             return  # Blocks goes out once the pack is done (SenderJobs)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
+
 
     def _on_heartbeat(self, ident: bytes, msg: m.Heartbeat) -> None:
         try:

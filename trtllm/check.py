@@ -14,6 +14,7 @@ import sys
 import yaml
 
 from ..errors import KvBridgeError, ServeConfigError
+from ..serving.agent_check import check_agents
 from ..serving.config import ServeConfig, ServerSpec, load_config
 from ..transceiver.upstream import ENV_SWITCHES
 from .serve_config import is_trtllm_serve_config
@@ -86,6 +87,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(a.config)
         _check_model(cfg)
+        check_agents(cfg)
     except KvBridgeError as e:
         print(f"kvbridge serve --check: invalid: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ anything.
     model                                  model, as a kvbridge model spec (seeded:..., smollm2, gguf:FILE, or
                                            a checkpoint directory with config.json + *.safetensors)
     backend                                pytorch only (kvbridge's executor is PyTorch)
-    router.type                            round_robin -> round_robin, load_balancing -> least_loaded
+    router.type                            round_robin -> round_robin, load_balancing -> least_loaded,
+                                           kv_cache_aware -> kv_aware (docs/routing.md)
     <servers>.num_instances / urls         the same
     <servers>.tensor_parallel_size         tp;  pipeline_parallel_size: pp
     kv_cache_config.max_tokens             executor.num_blocks (max_tokens / tokens_per_block)
@@ -51,7 +52,7 @@ NO_EFFECT = {
 }
 _KV_CACHE = {"max_tokens", "tokens_per_block", "dtype", "free_gpu_memory_fraction", "enable_block_reuse",
              "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks"}
-_ROUTER_TYPES = {"round_robin": "round_robin", "load_balancing": "least_loaded"}
+_ROUTER_TYPES = {"round_robin": "round_robin", "load_balancing": "least_loaded", "kv_cache_aware": "kv_aware"}
 _WHAT = ("mapped: num_instances, urls and " + ", ".join(sorted(_ENGINE)) + "; accepted without effect: "
          + ", ".join(sorted(NO_EFFECT)) + "; kvbridge's own keys go under `kvbridge:`")
 _MARKERS = {"hostname", "backend", "cache_transceiver_config", "kv_cache_config", "free_gpu_memory_fraction"}

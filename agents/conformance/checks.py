@@ -64,7 +64,7 @@ class Pair:
     def open(cls, spec: str, local_device: str = "cpu", peer_device: str = "cpu", *, timeout: float = 30.0,
              nbytes: int = NBYTES) -> "Pair":
         warm_up()
-        peer = Peer(spec, nbytes, peer_device, seed=PEER_SEED)
+        peer = Peer(spec, nbytes, peer_device, seed=PEER_SEED, start_timeout=max(2 * timeout, 30.0))
         try:
             agent = resolve(spec)(f"local-{os.getpid()}-{abs(hash(spec)) % 10000}")
         except BaseException:

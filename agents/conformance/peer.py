@@ -9,15 +9,20 @@ pipe has a deadline. Also holds the small buffer helpers the checks share (`patt
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import sys
+import tempfile
 import time
+import traceback
 
 import numpy as np
 
-__all__ = ["Peer", "resolve", "warm_up", "pattern", "alloc", "to_numpy", "device_of", "descs", "restore"]
+__all__ = ["Peer", "PeerStartError", "resolve", "warm_up", "pattern", "alloc", "to_numpy", "device_of",
+           "descs", "restore"]
 
 
 def resolve(spec: str):
@@ -109,15 +114,24 @@ def restore(buf, values: np.ndarray) -> None:
     torch.cuda.synchronize(buf.device)
 
 
-def _main(conn, spec: str, nbytes: int, device: str, seed: int) -> None:
+def _main(conn, spec: str, nbytes: int, device: str, seed: int, stack_file: str) -> None:
     from ..memory import MemoryRegion
 
-    warm_up()
-    cls = resolve(spec)
-    agent = cls(f"peer-{os.getpid()}")
-    buf = alloc(nbytes, device, seed)
-    reg = agent.register_memory(MemoryRegion.of(buf))
-    conn.send(("ready", agent.metadata(), reg.region.addr))
+    # The parent sends SIGUSR1 to a peer that does not start in time: every thread's stack goes to this file.
+    with open(stack_file, "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            warm_up()
+            cls = resolve(spec)
+            agent = cls(f"peer-{os.getpid()}")
+            buf = alloc(nbytes, device, seed)
+            reg = agent.register_memory(MemoryRegion.of(buf))
+            ready = ("ready", agent.metadata(), reg.region.addr)
+        except BaseException:  # noqa: BLE001 - the parent prints it once, in place of a bare exit code
+            conn.send(("error", traceback.format_exc()))
+            return
+        faulthandler.unregister(signal.SIGUSR1)
+    conn.send(ready)
     while conn.poll(120):
         cmd, arg = conn.recv()
         if cmd == "connect":
@@ -137,6 +151,10 @@ def _main(conn, spec: str, nbytes: int, device: str, seed: int) -> None:
     conn.send("bye")
 
 
+class PeerStartError(RuntimeError):
+    """The peer process could not start the agent: its traceback, or where it hangs, is in the message."""
+
+
 class Peer:
     """The peer process; `call(cmd)` talks to it with a deadline, `close()` ends it, `kill()` kills it."""
 
@@ -144,21 +162,53 @@ class Peer:
                  start_timeout: float = 60.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, args=(child, spec, nbytes, device, seed), daemon=True)
-        self.proc.start()
-        deadline = time.monotonic() + start_timeout
-        while not self.conn.poll(0.2) and self.proc.is_alive() and time.monotonic() < deadline:
-            pass  # a bounded wait that also notices a peer that died while starting
-        if not self.conn.poll(0):
-            self.kill()
-            raise TimeoutError(f"the {spec} peer process did not send its metadata within {start_timeout:g} s "
-                               f"(exit code {self.proc.exitcode}; its stderr says why)")
+        fd, stack_file = tempfile.mkstemp(prefix="kvbridge-peer-stack-", suffix=".txt")
+        os.close(fd)
+        try:
+            self.proc = ctx.Process(target=_main, args=(child, spec, nbytes, device, seed, stack_file),
+                                    daemon=True)
+            self.proc.start()
+            deadline = time.monotonic() + start_timeout
+            while not self.conn.poll(0.2) and self.proc.is_alive() and time.monotonic() < deadline:
+                pass  # a bounded wait that also notices a peer that died while starting
+            if not self.conn.poll(0):
+                raise self._start_failed(spec, start_timeout, stack_file)
+        finally:
+            os.unlink(stack_file)
         msg = self.conn.recv()
+        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
+            self.kill()
+            raise PeerStartError(f"the {spec} peer process failed while starting:\n{msg[1].rstrip()}")
         if not (isinstance(msg, tuple) and len(msg) == 3 and msg[0] == "ready"):
             self.kill()
             raise RuntimeError(f"the {spec} peer process sent {msg!r} instead of its metadata")
         _, self.metadata, self.addr = msg
         self.nbytes, self.seed, self.device = nbytes, seed, device
+
+    def _start_failed(self, spec: str, start_timeout: float, stack_file: str) -> Exception:
+        """The error for a peer that neither sent its metadata nor an error: it died, or it hangs (then every
+        thread's stack, dumped by faulthandler on SIGUSR1, says where)."""
+        if not self.proc.is_alive():
+            self.proc.join(5)
+            return PeerStartError(f"the {spec} peer process exited with code {self.proc.exitcode} before it "
+                                  f"sent its metadata (no Python traceback: it died in native code or was "
+                                  f"killed)")
+        stacks = ""
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            end, last = time.monotonic() + 10, None
+            while time.monotonic() < end and not (stacks and stacks == last):  # written, no longer growing
+                time.sleep(0.2)
+                last = stacks
+                with open(stack_file) as f:
+                    stacks = f.read()
+        except OSError:
+            pass
+        self.kill()
+        where = f"; where it hangs (every thread's stack):\n{stacks.rstrip()}" if stacks.strip() else \
+            "; it did not answer a request for its stack either"
+        return PeerStartError(f"the {spec} peer process hangs: it did not send its metadata within "
+                              f"{start_timeout:g} s{where}")
 
     def call(self, cmd: str, arg=None, timeout: float = 60):
         self.conn.send((cmd, arg))

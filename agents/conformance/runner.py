@@ -101,8 +101,10 @@ def run_suite(spec: str, memory: Memory = Memory.DRAM, *, timeout: float = 30.0,
     try:
         pair = Pair.open(spec, local_dev, peer_dev, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - a class that cannot even be set up fails every check
+        # Said once (a peer's traceback or stack can be long); the checks are not run.
         took = time.monotonic() - t0
-        results = [CheckResult(c.name, Outcome.FAIL, took, f"setup failed: {type(e).__name__}: {e}") for c in todo]
+        results = [CheckResult("setup", Outcome.FAIL, took, f"{type(e).__name__}: {e}")]
+        results += [CheckResult(c.name, Outcome.NOT_RUN, 0.0, "not run: setup failed") for c in todo]
         for r in results:
             report(r)
         return results, False
@@ -154,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvbridge check-agent: {e}", file=sys.stderr)
         return 2
     passed = sum(r.outcome is Outcome.PASS for r in results)
-    failed = [r.name for r in results if r.outcome is not Outcome.PASS]
-    print(f"{passed} of {len(results)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
-    code = 0 if not failed else 1
+    failed = [r.name for r in results if r.outcome is Outcome.FAIL]
+    not_run = sum(r.outcome is Outcome.NOT_RUN for r in results)
+    print(f"{passed} of {len(results)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else "")
+          + (f"; {not_run} not run" if not_run else ""))
+    code = 0 if passed == len(results) else 1
     if hung:  # a thread of the agent is stuck: do not wait for it at interpreter exit
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,4 +1,4 @@
-"""The agent author's kit: everything a custom agent needs comes from `kvbridge.agents`, and the README's
+"""The agent author's kit: everything a custom agent needs comes from `kvbridge.agents`, and docs/agents.md's
 "Write your own TransferAgent" names only what is there."""
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def test_every_exported_name_resolves():
     assert not missing, missing
 
 
-def test_the_readme_section_names_only_what_kvbridge_agents_exports():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def test_the_agents_guide_names_only_what_kvbridge_agents_exports():
+    with open(os.path.join(ROOT, "docs", "agents.md"), encoding="utf-8") as f:
         text = f.read()
-    section = text.split("## Write your own TransferAgent", 1)[1].split("\n## ", 1)[0]
+    section = text.split("# Write your own TransferAgent", 1)[1].split("\n## ", 1)[0]
     listed = section.split("Everything\nyou need is importable from `kvbridge.agents` (", 1)[1].split(")", 1)[0]
     names = set(re.findall(r"`([A-Za-z_][A-Za-z_0-9]*)`", listed))
     assert {"TransferAgent", "FutureTransfer", "PeerError", "XferState", "seal", "register_agent"} <= names

@@ -64,10 +64,10 @@ def test_unknown_check_names_are_refused_with_exit_code_2():
     assert "unknown check(s) no-such-check" in out and "read-many-fragments" in out
 
 
-def test_a_class_that_cannot_be_loaded_fails_every_check_naming_why():
+def test_a_class_that_cannot_be_loaded_fails_setup_once_naming_why():
     code, rows, out = check_agent("no_such_module_xyz:Agent", "--only", "read-large")
-    assert code == 1 and rows == {"read-large": "FAIL"}, out
-    assert "setup failed" in out and "no_such_module_xyz" in out
+    assert code == 1 and rows == {"setup": "FAIL", "read-large": "NOT RUN"}, out
+    assert "not run: setup failed" in out and "no_such_module_xyz" in out
 
 
 def test_vram_without_a_gpu_is_refused_with_the_reason():

@@ -41,7 +41,7 @@ def _base(**kw) -> dict:
     ({"context_servers": {"transceiver": {"port": 70000}}},
      "context_servers.transceiver: transceiver.port 70000"),
     ({"router": {"policy": "random"}},
-     "router.policy: 'random' is not one of ('round_robin', 'least_loaded', 'prefix_aware')"),
+     "router.policy: 'random' is not one of ('round_robin', 'least_loaded', 'prefix_aware', 'kv_aware')"),
     ({"router": {"request_timeout_s": -1}}, "router.request_timeout_s: must be > 0"),
     ({"generation_servers": None, "context_servers": []}, "context_servers: expected a mapping, got list"),
 ])

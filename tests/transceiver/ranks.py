@@ -54,16 +54,17 @@ def _serve(conn) -> None:
                 state.update(tr=tr, buf=buf, layout=layout, rank=rank, nb=nb, bg=bg, held=[], results=[],
                              key=RequestKey.from_hex(arg["request_key"]) if arg.get("request_key") else None)
                 conn.send(tr.endpoint if arg["role"] == "context" else tr.instance)
-            elif cmd in ("publish", "publish_streaming"):  # list of (rid, blocks, n, salt)
-                tr, layout = state["tr"], state["layout"]
+            elif cmd in ("publish", "publish_streaming", "publish_minted", "publish_minted_streaming"):
+                tr, layout = state["tr"], state["layout"]  # list of (rid, blocks, n, salt)
                 for rid, blocks, n, salt in arg:
                     state["held"].append((blocks, n, salt))
                 state["buf"][:] = pool_image(layout, state["rank"], state["nb"], state["held"], state["bg"])
-                ready = 0 if cmd == "publish_streaming" else None  # streaming: no layer readable yet
-                for rid, blocks, n, salt in arg:
-                    tr.respond_and_send_async(Req(request_id=rid, block_ids=np.asarray(blocks), num_tokens=n,
-                                                  layers_ready=ready, secret=state["key"].secret(rid)))
-                conn.send(True)
+                ready = 0 if cmd.endswith("streaming") else None  # streaming: no layer readable yet
+                minted = cmd.startswith("publish_minted")  # the transceiver makes the secret (read-ahead)
+                out = [tr.respond_and_send_async(Req(
+                    request_id=rid, block_ids=np.asarray(blocks), num_tokens=n, layers_ready=ready,
+                    secret=None if minted else state["key"].secret(rid))).hex() for rid, blocks, n, salt in arg]
+                conn.send(out if minted else True)
             elif cmd == "corrupt_next":  # fault injection: flip a byte of the next pull before it is confirmed
                 rx, buf, layout = state["tr"].receiver, state["buf"], state["layout"]
 

@@ -49,7 +49,7 @@ def test_every_field_of_the_example_maps_onto_kvbridge():
     (lambda d: d["generation_servers"]["kv_cache_config"].update(host_cache_size=1),
      r"generation_servers\.kv_cache_config\.host_cache_size: unknown key"),
     (lambda d: d.update(backend="tensorrt"), r"context_servers\.backend: 'tensorrt' is not supported"),
-    (lambda d: d.update(router={"type": "kv_cache_aware"}), r"router\.type: 'kv_cache_aware' is not supported"),
+    (lambda d: d.update(router={"type": "random"}), r"router\.type: 'random' is not supported"),
     (lambda d: d["context_servers"].update(tensor_parallel_size=0), r"context_servers: tp and pp must be >= 1"),
 ], ids=["group-field", "top-field", "mpi", "kv-key", "backend", "router", "tp0"])
 def test_what_kvbridge_cannot_map_is_refused_by_name(edit, match):
@@ -57,6 +57,12 @@ def test_what_kvbridge_cannot_map_is_refused_by_name(edit, match):
     edit(d)
     with pytest.raises(ServeConfigError, match=match):
         parse_config(d)
+
+
+def test_router_type_kv_cache_aware_maps_onto_the_kv_aware_policy():
+    d = _example()
+    d["router"] = {"type": "kv_cache_aware"}
+    assert parse_config(d).router.policy == "kv_aware"
 
 
 def test_serve_check_prints_the_deployment_and_exits_0():

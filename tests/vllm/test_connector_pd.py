@@ -27,8 +27,8 @@ def servers(tmp_path_factory):
     s = Servers(str(tmp_path_factory.mktemp("vllm-pd")))
     s.define("p1", Cell(tp=1, block=32, cpus="0"))
     s.define("d1", Cell(tp=1, block=32, cpus="1"))
-    s.define("p2", Cell(tp=2, block=32, cpus="0|1"))
-    s.define("d2", Cell(tp=2, block=32, cpus="0|1"))
+    s.define("p2", Cell(tp=2, block=32, cpus="0|0"))  # both ranks on the prefill's core: no core runs
+    s.define("d2", Cell(tp=2, block=32, cpus="1|1"))  # three busy-waiting vLLM processes
     s.define("p64", Cell(tp=1, block=64, cpus="0"))
     s.define("d64", Cell(tp=1, block=64, cpus="1"))
     yield s
@@ -72,7 +72,8 @@ def test_prefill_tp1_to_decode_tp2(servers):
     exact_pd(servers, "p1", "d2", [16, 300, 700], seed=300)
 
 
-@pytest.mark.parametrize("pre,dec,sizes", [("p1", "d64", "32, this engine's 64"), ("p64", "d1", "64, this engine's 32")])
+@pytest.mark.parametrize("pre,dec,sizes", [("p1", "d64", "32 tokens, this engine's 64"),
+                                             ("p64", "d1", "64 tokens, this engine's 32")])
 def test_different_block_sizes_are_refused_by_name_and_nothing_is_held(servers, pre, dec, sizes):
     P, D = servers.use(pre, dec)
     p = prompt(300, 400)

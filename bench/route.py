@@ -1,0 +1,283 @@
+"""`kvbridge bench route [--quick] --json PATH [--png PATH]`: routing policies against the KV each worker holds.
+
+Real workers on CPU (default 4 context + 2 generation, tcp agent, greedy), one fresh deployment per policy
+(round_robin, least_loaded, prefix_aware, kv_aware), three workloads run in turn on it:
+
+    chat            conversations x turns; each turn's prompt = the previous prompt + its answer + a new
+                    user message (all conversations share a short system prompt); turns sent concurrently
+    shared_system   many users behind a few long system prompts (together more than one context worker's
+                    pool holds), interleaved, sent concurrently
+    no_reuse        random prompts (the control: nothing to reuse)
+
+Per (workload, policy): prefill tokens the context workers computed (prompt tokens minus their prefix-cache
+hits, from their /metrics), `oracle_prefill_tokens` (what a router that knows every cache exactly would
+leave to compute: for each request, its prompt minus the longest prefix any context worker holds when it is
+sent, read from an index this client keeps of the workers' own KV events), KV bytes moved (each answer's
+transfer stats), TTFT p50/p90 (first streamed token), requests/s, and `identical`: every answer equals
+aggregated decoding of the same prompt (one aggregated executor, after the runs). Speed is measured, never
+asserted. HTTP and the workers' KV events only: never reads worker internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from .common import machine, table, write_json
+from .plot import save_plot
+from .prefix import _ask, _pct
+
+MODEL = "seeded:tiny3"
+TPB = 8
+ANSWER = 8
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
+WORKLOADS = ("chat", "shared_system", "no_reuse")
+PATIENT = {"transfer_timeout_s": 120, "peer_timeout_s": 300, "lease_s": 60, "heartbeat_s": 1}
+FULL = {"ctx": 4, "gen": 2, "conversations": 32, "turns": 6, "systems": 8, "system_tokens": 384, "users": 64,
+        "no_reuse": 64, "ctx_blocks": 224, "gen_blocks": 512, "threads": 8}
+QUICK = {"ctx": 2, "gen": 1, "conversations": 4, "turns": 2, "systems": 3, "system_tokens": 96, "users": 9,
+         "no_reuse": 4, "ctx_blocks": 40, "gen_blocks": 160, "threads": 4}
+
+
+def _config(policy: str, p: dict, model: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "executor": {"num_blocks": p["ctx_blocks"], "tokens_per_block": TPB, "threads_per_rank": 1,
+                     "timeout_s": 300, "enable_block_reuse": True, "kv_events": True},  # events: the oracle
+        "transceiver": {"agent": "tcp", "handshake_timeout_s": 10, **PATIENT},
+        "router": {"port": 0, "policy": policy, "request_timeout_s": 600, "health_interval_s": 0.5},
+        "context_servers": {"instances": p["ctx"], "tp": 1},
+        "generation_servers": {"instances": p["gen"], "tp": 1, "executor": {"num_blocks": p["gen_blocks"]}},
+    }
+
+
+def _counters(url: str, token: str) -> dict[str, float]:
+    """A context worker's prefix-cache counters (prompt tokens, reused tokens) from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ..serving.auth import TOKEN_HEADER
+
+    out = {"prompt": 0.0, "reused": 0.0}
+    text = httpx.get(url + "/metrics", headers={TOKEN_HEADER: token}, timeout=60).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kvbridge_serving_prefix_tokens_total" and s.labels["kind"] in out:
+                out[s.labels["kind"]] += s.value
+    return out
+
+
+def _toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 256) for _ in range(n)]
+
+
+class _Oracle:
+    """An index of every context worker's cache from their own KV events (the router's code, in this client)."""
+
+    def __init__(self, cluster) -> None:
+        from ..executor.kv_events import derive_secret
+        from ..serving.auth import TOKEN_HEADER
+        from ..serving.kv_index import KvIndex
+        from ..serving.kv_subscriber import KvEventsClient
+
+        self.client = KvEventsClient(KvIndex(), derive_secret(cluster.token), replay_timeout_s=20)
+        self.names = [s.name for s in cluster.cfg.context]
+        for s in cluster.cfg.context:
+            h = httpx.get(s.url + "/health", headers={TOKEN_HEADER: cluster.token}, timeout=60).json()
+            self.client.sync_worker(s.name, h["kv_events"])
+        deadline = time.monotonic() + 120
+        while not all(self.client.synced(n) for n in self.names):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the oracle's index never synced with the context workers")
+            time.sleep(0.1)
+
+    def hit(self, prompt: list[int]) -> int:
+        """Prompt tokens the best-placed context worker holds now (at most all but the last token)."""
+        cache: dict = {}
+        best = max(self.client.index.match(n, self.client.index.keys_for(n, prompt, cache))[0] for n in self.names)
+        return min(best * TPB, (len(prompt) - 1) // TPB * TPB)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _waves(workload: str, p: dict, seed: int):
+    """Yield lists of prompts sent concurrently; a chat wave's prompts depend on the previous answers, which
+    the caller sends back into the generator."""
+    rng = random.Random(seed)
+    if workload == "chat":
+        system = _toks(rng, 64)
+        prompts = [system + _toks(rng, 12) for _ in range(p["conversations"])]
+        for _ in range(p["turns"]):
+            answers = yield prompts
+            prompts = [pr + a + _toks(rng, 12) for pr, a in zip(prompts, answers)]
+    elif workload == "shared_system":
+        systems = [_toks(rng, p["system_tokens"]) for _ in range(p["systems"])]
+        reqs = [systems[rng.randrange(len(systems))] + _toks(rng, 24) for _ in range(p["users"])]
+        for i in range(0, len(reqs), p["threads"]):
+            yield reqs[i:i + p["threads"]]
+    else:
+        reqs = [_toks(rng, rng.randrange(64, 160)) for _ in range(p["no_reuse"])]
+        for i in range(0, len(reqs), p["threads"]):
+            yield reqs[i:i + p["threads"]]
+
+
+def run_policy(policy: str, p: dict, model: str, seed: int) -> dict[str, dict[str, Any]]:
+    from ..serving.config import parse_config
+    from ..serving.launcher import Cluster
+
+    cluster = Cluster(parse_config(_config(policy, p, model)), log_dir=tempfile.mkdtemp(prefix="kvb-route-"))
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        cluster.start()
+        cluster.wait_healthy(600)
+        oracle = _Oracle(cluster)
+        try:
+            with httpx.Client() as client, ThreadPoolExecutor(p["threads"]) as pool:
+                for wl in WORKLOADS:
+                    out[wl] = _run_workload(wl, p, seed, cluster, client, pool, oracle)
+                    print(f"[bench route] {policy:>13} {wl:>13}: prefill {out[wl]['prefill_tokens']} (oracle "
+                          f"{out[wl]['oracle_prefill_tokens']}), ttft p50 {out[wl]['ttft_p50_ms']} ms", flush=True)
+        finally:
+            oracle.close()
+    finally:
+        cluster.stop()
+    return out
+
+
+def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _Oracle) -> dict[str, Any]:
+    before = [_counters(s.url, cluster.token) for s in cluster.cfg.context]
+    ttfts, moved, oracle_prefill, sent, answers = [], 0, 0, [], []
+    t0 = time.monotonic()
+    gen = _waves(wl, p, seed)
+    wave = next(gen)
+    while True:
+        got = list(pool.map(lambda pr: _ask_with_oracle(client, cluster.router_url, pr, oracle), wave))
+        for pr, g in zip(wave, got):
+            oracle_prefill += len(pr) - g["oracle_hit"]
+            ttfts.append(g["ttft_s"])
+            moved += g["bytes"]
+            sent.append(pr)
+            answers.append(g["tokens"])
+        try:
+            wave = gen.send([g["tokens"] for g in got])
+        except StopIteration:
+            break
+    wall = time.monotonic() - t0
+    after = [_counters(s.url, cluster.token) for s in cluster.cfg.context]
+    prompt = sum(a["prompt"] - b["prompt"] for a, b in zip(after, before))
+    reused = sum(a["reused"] - b["reused"] for a, b in zip(after, before))
+    return {"prompt_tokens": int(prompt), "prefill_tokens": int(prompt - reused),
+            "oracle_prefill_tokens": int(oracle_prefill), "kv_bytes_moved": moved,
+            "ttft_p50_ms": round(_pct(ttfts, 0.5) * 1e3, 1), "ttft_p90_ms": round(_pct(ttfts, 0.9) * 1e3, 1),
+            "req_per_s": round(len(ttfts) / wall, 2), "requests": len(ttfts), "_sent": sent, "_answers": answers}
+
+
+def _ask_with_oracle(client, url: str, prompt: list[int], oracle: _Oracle) -> dict[str, Any]:
+    """What the best-placed context worker holds of `prompt` just before it is sent (the index first takes
+    every event published so far), then the request."""
+    oracle.client.barrier(60)
+    hit = oracle.hit(prompt)
+    return {**_ask(client, url, prompt), "oracle_hit": hit}
+
+
+def _reference(model: str, prompts: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    from ..executor.runtime import Executor, ExecutorConfig
+
+    uniq = list(dict.fromkeys(tuple(pr) for pr in prompts))
+    with Executor.start(ExecutorConfig(model=model, num_blocks=2048, tokens_per_block=TPB, timeout_s=600)) as ex:
+        got = []
+        for i in range(0, len(uniq), 32):
+            got += ex.generate([list(u) for u in uniq[i:i + 32]], max_tokens=ANSWER, timeout=600)
+    return dict(zip(uniq, got))
+
+
+def _png(path: str, rows: list[dict[str, Any]], title: str) -> None:
+    keys = [("prefill_tokens", "prefill tokens computed"), ("kv_bytes_moved", "KV bytes moved"),
+            ("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p90_ms", "TTFT p90 (ms)"), ("req_per_s", "requests/s")]
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    colors = {"round_robin": "#999999", "least_loaded": "#6baed6", "prefix_aware": "#fd8d3c", "kv_aware": "#2a7ab9"}
+
+    def draw(fig) -> None:
+        axes = fig.subplots(1, len(keys))
+        for ax, (k, t) in zip(axes, keys):
+            for j, pol in enumerate(pols):
+                xs = [i + j / (len(pols) + 1) for i in range(len(WORKLOADS))]
+                ys = [next((r[k] for r in rows if r["policy"] == pol and r["workload"] == wl), 0) for wl in WORKLOADS]
+                ax.bar(xs, ys, width=1 / (len(pols) + 1), color=colors.get(pol), label=pol)
+            if k == "prefill_tokens":
+                for i, wl in enumerate(WORKLOADS):
+                    o = next((r["oracle_prefill_tokens"] for r in rows if r["policy"] == "kv_aware"
+                              and r["workload"] == wl), None)
+                    if o is not None:
+                        ax.hlines(o, i - 0.1, i + 0.9, colors="k", linestyles="dashed")
+            ax.set_xticks([i + 0.35 for i in range(len(WORKLOADS))], WORKLOADS, fontsize=7)
+            ax.set_title(t, fontsize=9)
+        axes[0].legend(fontsize=7)
+
+    save_plot(path, draw, title, size=(17, 3.6))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvbridge bench route", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 context + 1 generation workers, tiny workloads, "
+                                                         "round_robin and kv_aware only")
+    ap.add_argument("--policies", default=None, help="comma-separated (default: all four; --quick: 2)")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--seed", type=int, default=26)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--merge", action="store_true", help="keep the other policies' rows already in --json")
+    ap.add_argument("--png", default=None, help="default: the --json path with .png")
+    a = ap.parse_args(argv)
+    p = dict(QUICK if a.quick else FULL)
+    pols = a.policies.split(",") if a.policies else (["round_robin", "kv_aware"] if a.quick else list(POLICIES))
+    rows: list[dict[str, Any]] = []
+    for pol in pols:
+        print(f"[bench route] {pol}: {p['ctx']}+{p['gen']} workers ...", flush=True)
+        for wl, r in run_policy(pol, p, a.model, a.seed).items():
+            rows.append({"workload": wl, "policy": pol, **r})
+    ref = _reference(a.model, [pr for r in rows for pr in r["_sent"]])
+    for r in rows:
+        r["identical"] = all(ref[tuple(pr)] == ans for pr, ans in zip(r.pop("_sent"), r.pop("_answers")))
+    if a.merge and a.json and os.path.exists(a.json):
+        with open(a.json) as f:
+            rows = [r for r in json.load(f)["rows"] if r["policy"] not in pols] + rows
+        rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), POLICIES.index(r["policy"])))
+    cols = ["workload", "policy", "prompt_tokens", "prefill_tokens", "oracle_prefill_tokens", "kv_bytes_moved",
+            "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "identical"]
+    print(table(rows, cols))
+    goals = _goals(rows)
+    print(f"goals: {goals}")
+    write_json(a.json, {"rows": rows, "goals": goals, "params": p, "model": a.model, "machine": machine(),
+                        "tokens_per_block": TPB, "answer_tokens": ANSWER})
+    png = a.png or (a.json[:-5] + ".png" if a.json and a.json.endswith(".json") else None)
+    if png:
+        _png(png, rows, f"kvbridge bench route: {p['ctx']} context + {p['gen']} generation workers ({a.model}, "
+                        f"CPU); dashed: the oracle's prefill tokens")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def get(wl, pol, k):
+        return next((r[k] for r in rows if r["workload"] == wl and r["policy"] == pol), None)
+
+    out: dict[str, Any] = {}
+    for wl in ("chat", "shared_system"):
+        kv, orc = get(wl, "kv_aware", "prefill_tokens"), get(wl, "kv_aware", "oracle_prefill_tokens")
+        if kv is not None:
+            out[f"{wl}_prefill_vs_oracle"] = round(kv / max(1, orc), 3)
+            out[f"{wl}_within_5pct_of_oracle"] = kv <= 1.05 * orc
+    rr, kv = get("shared_system", "round_robin", "ttft_p50_ms"), get("shared_system", "kv_aware", "ttft_p50_ms")
+    if rr and kv:
+        out["shared_system_ttft_p50_speedup_vs_round_robin"] = round(rr / kv, 2)
+    ll, kv = get("no_reuse", "least_loaded", "ttft_p50_ms"), get("no_reuse", "kv_aware", "ttft_p50_ms")
+    if ll and kv:
+        out["no_reuse_ttft_p50_vs_least_loaded"] = round(kv / ll, 2)
+    return out

@@ -1,0 +1,193 @@
+"""`policy: kv_aware`: route each hop to the worker where the prompt costs least, by the KV it really holds.
+
+The router keeps a KvIndex (kv_index.py) fed by every worker's KV events (kv_subscriber.py); a worker's
+/health (authenticated) advertises its event endpoints and incarnation, and `on_health` keeps the
+subscription in step (a worker that stops answering is dropped from the index). For one request:
+
+    context hop     cost(w) = uncached prompt blocks on w x prefill_weight
+                              + blocks w is still prefilling for requests in flight x load_weight
+                              + requests in flight on w x request_weight
+    generation hop  cost(w) = prompt blocks w lacks (it pulls only those) x pull_weight
+                              + requests in flight on w x decode_weight
+
+With `local_prefill_tokens` N > 0, a request whose chosen generation worker already holds all but at most N
+of its prompt tokens skips the context hop: the generation worker prefills that short tail itself (no hop,
+no pull); `kvbridge.route.local_prefill` says so.
+
+A block counts as cached when the worker's events say so, or when a prompt with it was routed there within
+spec_ttl_s (speculative: a burst of one prefix then lands together instead of scattering before the first
+prefill's events arrive). Ties go to the less loaded worker, then in turn. A prompt the router cannot tokenize
+is routed least-loaded. The decision and its inputs go into the answer's `kvbridge.route` and the metrics
+(hit and prompt tokens per role, index entries and evictions, event lag, gaps repaired, events refused).
+
+Settings (router.kv_aware): prefill_weight, load_weight, request_weight, pull_weight, decode_weight,
+spec_ttl_s, max_index_entries, replay_timeout_s, local_prefill_tokens (0: off). Needs the deployment's internal token (event signatures and
+the subscriber's password derive from it). Never touches KV; opens sockets only through KvEventsClient.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ..errors import KvBridgeError, ServeConfigError
+from ..executor.kv_events import derive_secret
+from .auth import internal_token
+from .balancer import Pool, WorkerRef
+from .kv_index import KvIndex
+from .kv_subscriber import KvEventsClient
+
+__all__ = ["DEFAULTS", "KvRouting", "parse_settings", "shown"]
+
+DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5, "request_weight": 1.0,
+                              "pull_weight": 1.0, "decode_weight": 2.0, "spec_ttl_s": 2.0,
+                              "max_index_entries": 1_000_000, "replay_timeout_s": 5.0,
+                              "local_prefill_tokens": 0}
+
+
+def shown(route: dict) -> dict:
+    """What the answer's `kvbridge` field shows of a request's routing ({"route": decisions}, no token ids)."""
+    return {"route": {k: v for k, v in route.items() if k != "tokens"}}
+
+
+def parse_settings(v: Any) -> dict:
+    """router.kv_aware, validated (every value a number >= 0; the caps > 0)."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ServeConfigError("router.kv_aware: expected a mapping")
+    out = {}
+    for k, x in v.items():
+        if k not in DEFAULTS:
+            raise ServeConfigError(f"router.kv_aware.{k}: unknown key (known: {sorted(DEFAULTS)})")
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0:
+            raise ServeConfigError(f"router.kv_aware.{k}: expected a number >= 0, got {x!r}")
+        if k in ("max_index_entries", "replay_timeout_s") and x <= 0:
+            raise ServeConfigError(f"router.kv_aware.{k}: must be > 0")
+        out[k] = x
+    return out
+
+
+@functools.cache
+def _families() -> tuple:
+    from prometheus_client import Counter, Gauge
+
+    return (Counter("kvbridge_router_kv_tokens", "kv_aware: prompt tokens routed and those the chosen "
+                    "worker held", ["role", "kind"]),
+            Gauge("kvbridge_router_kv_index", "kv_aware: the KV index (entries, evicted, gaps_repaired, "
+                  "dumps, rejected_events, event_lag_seconds)", ["what"]))
+
+
+class KvRouting:
+    """The kv_aware policy of one router (its index, its subscriber, its in-flight prefill load)."""
+
+    def __init__(self, cfg) -> None:
+        token = internal_token(cfg)
+        if not token:
+            raise ServeConfigError("router.policy kv_aware needs the deployment's internal token (the KV events "
+                                   "are signed with a key derived from it): set KVBRIDGE_INTERNAL_TOKEN or "
+                                   "internal_token")
+        self.s = {**DEFAULTS, **(cfg.router.kv_aware or {})}
+        self.index = KvIndex(int(self.s["max_index_entries"]), float(self.s["spec_ttl_s"]))
+        self.client = KvEventsClient(self.index, derive_secret(token), float(self.s["replay_timeout_s"]))
+        self._model = cfg.model
+        self._codec = None
+        self._pending: dict[str, int] = {}  # worker -> uncached blocks of its context hops in flight
+        self.tokens_c, self.gauge = _families()
+
+    def close(self) -> None:
+        self.client.close()
+
+    # --- membership, from the router's health checks -------------------------------------------------
+    def on_health(self, w: WorkerRef, body: Any) -> None:
+        """What `w`'s /health said (None: it did not answer): follow its events, or drop its blocks."""
+        info = body.get("kv_events") if isinstance(body, dict) else None
+        if isinstance(info, dict) and all(isinstance(info.get(k), str) for k in ("pub", "replay", "incarnation")):
+            self.client.sync_worker(w.name, {k: info[k] for k in ("pub", "replay", "incarnation")})
+        elif body is None:
+            self.client.remove_worker(w.name)
+        st = self.client.stats
+        for k, v in (("entries", self.index.size), ("evicted", self.index.evicted),
+                     ("gaps_repaired", st["gaps_repaired"]), ("dumps", st["dumps"]),
+                     ("rejected_events", st["rejected"]), ("event_lag_seconds", st["event_lag_s"])):
+            self.gauge.labels(k).set(v)
+
+    # --- one request -------------------------------------------------------------------------------------
+    def tokens(self, body: dict) -> list[int] | None:
+        """The prompt's token ids as the workers will see them (None: cannot tell)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(type(t) is int and t >= 0 for t in prompt):
+            return prompt
+        try:
+            if self._codec is None:
+                from .text import TextCodec
+
+                self._codec = TextCodec(self._model)
+            if isinstance(prompt, str):
+                return self._codec.encode(prompt)
+            if isinstance(body.get("messages"), list):
+                return self._codec.encode(self._codec.chat_prompt(body["messages"]))
+        except (KvBridgeError, ValueError, TypeError):
+            return None
+        return None
+
+    def pick(self, pool: Pool, role: str, tokens: list[int] | None, exclude: set[str] = frozenset(),
+             healthy_only: bool = False) -> tuple[WorkerRef | None, dict | None]:
+        """The cheapest worker of `pool` for a prompt of `tokens`, and the decision (for kvbridge.route)."""
+        cands = pool.candidates(exclude, healthy_only)
+        if not cands:
+            return None, None
+        if tokens is None:
+            w = min(cands, key=lambda x: x.in_flight)
+            pool.picked(w)
+            return w, {"worker": w.name, "reason": "no token ids: least loaded"}
+        s, cache, rows = self.s, {}, {}
+        for w in cands:
+            keys = self.index.keys_for(w.name, tokens, cache)
+            info = self.index.info(w.name)
+            bs = info.block_size if info is not None else 0
+            hit, spec = self.index.match(w.name, keys)
+            lacks = (len(tokens) // bs if bs else 0) - spec
+            if role == "context":
+                pend = self._pending.get(w.name, 0)
+                cost = lacks * s["prefill_weight"] + pend * s["load_weight"] + w.in_flight * s["request_weight"]
+            else:
+                pend = 0
+                cost = lacks * s["pull_weight"] + w.in_flight * s["decode_weight"]
+            rows[w.name] = {"hit_tokens": hit * bs, "spec_tokens": (spec - hit) * bs, "uncached_blocks": lacks,
+                            "pending_blocks": pend, "in_flight": w.in_flight, "cost": round(cost, 3),
+                            "known": info is not None, "_keys": keys}
+        best = min(cands, key=lambda x: (rows[x.name]["cost"], x.in_flight))  # stable: ties in turn order
+        pool.picked(best)
+        row = rows[best.name]
+        self.index.speculate(best.name, row["_keys"])
+        if role == "context":
+            self._pending[best.name] = self._pending.get(best.name, 0) + row["uncached_blocks"]
+        self.tokens_c.labels(role, "prompt").inc(len(tokens))
+        self.tokens_c.labels(role, "hit").inc(row["hit_tokens"])
+        for r in rows.values():
+            r.pop("_keys")
+        return best, {"worker": best.name, "cost": row["cost"], "hit_tokens": row["hit_tokens"],
+                      "prompt_tokens": len(tokens), "candidates": rows}
+
+    def local_prefill(self, route: dict) -> bool:
+        """Whether the generation worker chosen in `route` should prefill the prompt's uncached tail itself
+        (it holds all but at most local_prefill_tokens of it); marks `route` when so."""
+        n, g = int(self.s["local_prefill_tokens"]), route.get("generation") or {}
+        row = (g.get("candidates") or {}).get(g.get("worker"))
+        if n <= 0 or row is None or not g.get("prompt_tokens"):
+            return False
+        tail = g["prompt_tokens"] - row["hit_tokens"] - row["spec_tokens"]
+        if tail > n or not row["hit_tokens"] + row["spec_tokens"]:
+            return False
+        route["local_prefill"] = {"tail_tokens": tail}
+        self.tokens_c.labels("generation", "local_prefill").inc(tail)
+        return True
+
+    def settle(self, w: WorkerRef, decision: dict | None) -> None:
+        """`w`'s context hop for `decision` ended: its blocks no longer count as load."""
+        if decision and w.name in self._pending and "candidates" in decision:
+            n = decision["candidates"][w.name]["uncached_blocks"]
+            self._pending[w.name] = max(0, self._pending[w.name] - n)
