@@ -45,7 +45,8 @@ EXIT_POLICIES = ("restart", "stop")
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens", "internal_token", "insecure",
-        "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes", "vllm"}
+        "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes",
+        "vllm"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
              "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool, "kv_events": bool}
@@ -235,8 +236,8 @@ def parse_config(d: Any) -> ServeConfig:
         groups[role] = _group(role, _map(top[key], key), key, executor, transceiver, top.get("vllm"))
     if groups["context"][0].engine != groups["generation"][0].engine:
         raise ServeConfigError(f"generation_servers.engine: {groups['generation'][0].engine!r} differs from "
-                               f"context_servers.engine {groups['context'][0].engine!r} (KV moves only between "
-                               f"servers of one engine)")
+                               f"context_servers.engine {groups['context'][0].engine!r} (KV moves only "
+                               f"between servers of one engine)")
     router = _router(_map(top.get("router", {}), "router"))
     startup = _get(top, "startup_timeout_s", float, "", 300.0)
     max_tokens = _get(top, "default_max_tokens", int, "", 256)
@@ -334,7 +335,9 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict,
     ex = _executor(_map(d.get("executor", {}), f"{path}.executor"), f"{path}.executor", executor)
     tr = {**transceiver, **_map(d.get("transceiver", {}), f"{path}.transceiver")}
     _transceiver(tr, f"{path}.transceiver")
-    engine, vl = _engine(d, path, vllm, n)
+    from .vllm_workers import group_engine  # engine: vllm (its `vllm:` section lives there)
+
+    engine, vl = group_engine(d, path, vllm, n)
     out = []
     for i, u in enumerate(urls):
         host, port = _host_port(u, f"{path}.urls[{i}]")
@@ -345,20 +348,6 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict,
             tri = {**tr, "advertise_host": host}  # reachable where the router reaches the worker
         out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tri, engine, vl))
     return tuple(out)
-
-
-def _engine(d: dict, path: str, vllm: Any, n: int) -> tuple[str, dict[str, Any]]:
-    """A group's engine and, for engine: vllm, its merged `vllm:` section (vllm_workers.py validates it)."""
-    from .vllm_workers import ENGINES, vllm_section
-
-    engine = _get(d, "engine", str, path, "kvbridge")
-    if engine not in ENGINES:
-        raise ServeConfigError(f"{path}.engine: {engine!r} is not one of {ENGINES}")
-    if engine != "vllm":
-        if "vllm" in d:
-            raise ServeConfigError(f"{path}.vllm: only for engine: vllm (this group's engine is {engine})")
-        return engine, {}
-    return engine, vllm_section(d.get("vllm"), f"{path}.vllm", vllm_section(vllm, "vllm", None, n), n)
 
 
 def _router(d: dict) -> RouterSpec:

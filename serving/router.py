@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .auth import api_keys, install_api_keys, internal_headers
 from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
+from .engines import engine_backend
 from .fanout import Part, expand, merge, merge_streams
 from .health import HealthRule, probe
 from .inflight import Admission, in_flight
@@ -373,15 +374,6 @@ class Router:
                                    json={"disaggregated_params": ctx_data["disaggregated_params"]})
         except httpx.HTTPError as e:
             log.warning("router: could not release a prefilled request on %s: %s", w.name, type(e).__name__)
-
-
-def engine_backend(router: Router):
-    """The hops of a config whose workers are another engine's servers (`engine: vllm`), else None."""
-    if router.cfg.engine == "vllm":
-        from .vllm_backend import VllmBackend
-
-        return VllmBackend(router)
-    return None
 
 
 async def _all(coros) -> list:

@@ -39,7 +39,7 @@ from typing import Any
 from ..errors import ServeConfigError
 from ..integrations.vllm.launch import VllmServerSpec, free_port, health, parse_cpus, pin_group, vllm_python
 
-__all__ = ["ENGINES", "CONNECTORS", "vllm_section", "server_spec", "with_ports", "spawn_args",
+__all__ = ["ENGINES", "CONNECTORS", "vllm_section", "group_engine", "server_spec", "with_ports", "spawn_args",
            "resolve_model",
            "TINY_MODEL", "CONNECTOR_MODULE"]
 
@@ -109,6 +109,18 @@ def vllm_section(d: Any, path: str, base: dict | None, instances: int) -> dict[s
                 raise ServeConfigError(f"{path}.{e}") from None
     out["cpus"] = cpus
     return out
+
+
+def group_engine(d: dict, path: str, top: Any, n: int) -> tuple[str, dict[str, Any]]:
+    """A server group's engine and, for engine: vllm, its merged `vllm:` section (`top`: the top level's)."""
+    engine = d.get("engine", "kvbridge")
+    if engine not in ENGINES:
+        raise ServeConfigError(f"{path}.engine: {engine!r} is not one of {ENGINES}")
+    if engine != "vllm":
+        if "vllm" in d:
+            raise ServeConfigError(f"{path}.vllm: only for engine: vllm (this group's engine is {engine})")
+        return engine, {}
+    return engine, vllm_section(d.get("vllm"), f"{path}.vllm", vllm_section(top, "vllm", None, n), n)
 
 
 def resolve_model(model: str) -> str:
