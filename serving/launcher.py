@@ -101,6 +101,11 @@ class Cluster:
     def start(self) -> None:
         """Start every worker, wait for their ports, then start the router (it reads the workers' ports)."""
         timeout = self.cfg.startup_timeout_s
+        if self.cfg.engine == "vllm":  # vLLM binds the port number it is given: pick them now
+            from .vllm_workers import with_ports
+
+            self.cfg = with_ports(self.cfg)
+            self._write_config()
         for s in self.cfg.servers():
             self._spawn(s.name, f"{s.role} worker", s.role, s.url,
                         ["worker", "--role", s.role, "--index", str(s.index)])
@@ -217,6 +222,9 @@ class Cluster:
     def _announced(self, c: _Child, timeout: float) -> int:
         from .listen import wait_port_file
 
+        if self.cfg.engine == "vllm" and c.role != "router":
+            return int(c.url.rpartition(":")[2])  # a vLLM server: the port it was given
+
         try:
             return wait_port_file(self._port_file(c.name), timeout, c.proc)
         except ServingError as e:
@@ -230,6 +238,11 @@ class Cluster:
             os.unlink(self._port_file(name))
         cmd = [sys.executable, "-m", "kvbridge.cli", *args[:1], "--config", self.config_path,
                "--port-file", self._port_file(name), *args[1:]]
+        after_start = None
+        if self.cfg.engine == "vllm" and role != "router":  # vLLM's own server (serving/vllm_workers.py)
+            from .vllm_workers import spawn_args
+
+            cmd, env, after_start = spawn_args(self.cfg, role, int(args[-1]), env, self.token)
         log_path = os.path.join(self.log_dir, f"{name}.log") if self.log_dir else None
         out = open(log_path, "a", encoding="utf-8") if log_path else subprocess.PIPE
         try:
@@ -238,6 +251,8 @@ class Cluster:
         finally:
             if log_path:
                 out.close()
+        if after_start is not None:
+            after_start(proc)
         c = _Child(name, what, role, url, args, proc, log_path)
         if not log_path:
             c.reader = threading.Thread(target=_pump, args=(c,), daemon=True, name=f"kvbridge-log-{name}")

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .auth import api_keys, install_api_keys, internal_headers
 from .balancer import Pool, WorkerRef, routing_key
 from .config import ServeConfig
+from .engines import engine_backend
 from .fanout import Part, expand, merge, merge_streams
 from .health import HealthRule, probe
 from .inflight import Admission, in_flight
@@ -82,6 +83,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
         self.client = make_client(cfg)
+        self.engine = engine_backend(self)  # None: kvbridge workers; else the engine's own hops
         self._health = HealthRule(self.rc.health_failures)
         self._codec = None
         self.kv = KvRouting(cfg) if self.rc.policy == "kv_aware" else None  # by the workers' KV events
@@ -171,6 +173,8 @@ class Router:
         if body.get("model") not in (None, self.cfg.model_name, self.cfg.model):
             raise ApiError(404, f"model {body['model']!r:.100} is not served here; this deployment serves "
                                 f"{self.cfg.model_name!r}", code="model_not_found", param="model")
+        if self.engine is not None:
+            return self.engine.parts(body, kind)
         if "disaggregated_params" in body:
             raise ApiError(400, "disaggregated_params is set by the router, not by clients",
                            param="disaggregated_params")
@@ -209,6 +213,8 @@ class Router:
     async def run_part(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
         """One choice: capacity check, context hop, generation hop; a failed KV pull runs it again from
         another context worker. Returns the answer (dict) or, streaming, an iterator of event objects."""
+        if self.engine is not None:
+            return await self.engine.run_part(request, path, body, stream, deadline)
         avoid: set[str] = set()
         route: dict | None = {"policy": "kv_aware"} if self.kv is not None else None
         for attempt in range(MAX_HANDOVERS):

@@ -24,6 +24,8 @@ __all__ = ["main", "describe"]
 
 def _check_model(cfg: ServeConfig) -> None:
     spec = cfg.model
+    if cfg.engine == "vllm":  # vLLM resolves its own model (serving/vllm_workers.py: tiny-llama or a folder)
+        return
     if spec.startswith("seeded:"):
         from ..executor.config import parse_seeded_spec
         from ..formatter.layout import ParallelSplit
@@ -57,6 +59,12 @@ def describe(cfg: ServeConfig) -> str:
     """The deployment, one line per worker and rank."""
     lines = [f"model: {cfg.model}", f"router: {cfg.router.url} (policy {cfg.router.policy})"]
     for s in cfg.servers():
+        if s.engine == "vllm":
+            v = s.vllm
+            cpus = v["cpus"] if isinstance(v["cpus"], str) else v["cpus"][s.index]
+            lines.append(f"{s.name}: {s.role} vLLM server at {s.url}, tp={s.tp} pp={s.pp}, "
+                         f"{v['kv_connector']}, cpus {cpus}")
+            continue
         ex = s.executor
         agents = s.transceiver.get("agents", s.transceiver.get("agent", ["auto"]))
         agents = [agents] if isinstance(agents, str) else list(agents)

@@ -1,4 +1,4 @@
-"""Start, wait for, pin and stop one vLLM OpenAI server process (`python -m vllm.entrypoints.openai.api_server`).
+"""Start, wait for, pin and stop one vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`).
 
 Owns one server's process group and nothing else. A leaf: it imports no vllm (the server runs in vLLM's own
 interpreter, `vllm_python()`), no torch and nothing of kvbridge above the standard library, so the test
@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VllmServerSpec", "VllmServer", "VllmStartError", "vllm_python", "vllm_missing", "free_port",
-           "group_pids", "pin_group", "parse_cpus", "PYTHON_ENV"]
+           "group_pids", "pin_group", "parse_cpus", "health", "PYTHON_ENV"]
 
 PYTHON_ENV = "KVBRIDGE_VLLM_PYTHON"
 _REPO = Path(__file__).resolve().parents[2]
 # Runs first in the server's interpreter: SIGTERM when the starter dies (survives exec), the CPU set, then
 # exec the real command (argv after the code).
-_TRAMPOLINE = ("import ctypes,os,sys;ctypes.CDLL(None).prctl(1,15);p=os.environ.pop('KVBRIDGE_VLLM_PARENT','');"
+_TRAMPOLINE = ("import ctypes,os,sys;ctypes.CDLL(None).prctl(1,15);"
+               "p=os.environ.pop('KVBRIDGE_VLLM_PARENT','');"
                "c=os.environ.pop('KVBRIDGE_VLLM_CPUS','');"
                "(p and os.getppid()!=int(p)) and os._exit(1);"
                "c and os.sched_setaffinity(0,{int(x) for x in c.split(',')});"
@@ -48,7 +49,7 @@ _TRAMPOLINE = ("import ctypes,os,sys;ctypes.CDLL(None).prctl(1,15);p=os.environ.
 
 
 class VllmStartError(RuntimeError):
-    """A vLLM server did not become healthy: it exited, or its start-up deadline passed (with its log's tail)."""
+    """A vLLM server did not become healthy: it exited, or its start-up deadline passed (with its log)."""
 
 
 def vllm_python() -> str:
@@ -78,7 +79,8 @@ def parse_cpus(bind: str) -> list[int]:
         for part in rank.split(","):
             lo, sep, hi = part.strip().partition("-")
             if not lo.isdigit() or (sep and not hi.isdigit()):
-                raise ValueError(f"cpus: {bind!r} is not a core list like '0', '0-1' or '0|1' (one per TP rank)")
+                raise ValueError(f"cpus: {bind!r} is not a core list like '0', '0-1' or '0|1' (one per TP "
+                                 f"rank)")
             cores.update(range(int(lo), int(hi if sep else lo) + 1))
     return sorted(cores)
 
@@ -150,7 +152,8 @@ class VllmServerSpec:
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """The server's environment: `base` (default os.environ) plus loopback, offline and CPU settings."""
         env = dict(os.environ if base is None else base)
-        env.update({"VLLM_HOST_IP": self.host, "GLOO_SOCKET_IFNAME": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
+        env.update({"VLLM_HOST_IP": self.host, "GLOO_SOCKET_IFNAME": "lo",
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
@@ -164,6 +167,14 @@ class VllmServerSpec:
             env["KVBRIDGE_VLLM_CPUS"] = ",".join(map(str, parse_cpus(self.cpus)))
         env.update(dict(self.env))
         return env
+
+    def popen_args(self, base_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+        """argv and environment for subprocess.Popen (start it with start_new_session=True): the command
+        behind a trampoline that ties the server to this process (SIGTERM when it dies) and to `cpus`."""
+        env = self.environment(base_env)
+        env["KVBRIDGE_VLLM_PARENT"] = str(os.getpid())
+        cmd = self.command()
+        return [cmd[0], "-c", _TRAMPOLINE, *cmd[1:]], env
 
 
 class VllmServer:
@@ -192,15 +203,13 @@ class VllmServer:
 
     def start(self) -> "VllmServer":
         """Start the process in a new process group (returns at once; wait_healthy() waits)."""
-        env = self.spec.environment()
-        env["KVBRIDGE_VLLM_PARENT"] = str(os.getpid())
-        cmd = self.spec.command()
+        argv, env = self.spec.popen_args()
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.write(f"$ {' '.join(self.spec.command())}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([cmd[0], "-c", _TRAMPOLINE, *cmd[1:]], stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
         self.started_at = time.monotonic()
         return self
 
@@ -214,7 +223,8 @@ class VllmServer:
         while True:
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
-                raise VllmStartError(f"vLLM server {self.url} exited during start-up (code {code}){self.tail()}")
+                raise VllmStartError(f"vLLM server {self.url} exited during start-up (code {code})"
+                                     f"{self.tail()}")
             if health(self.url):
                 break
             if time.monotonic() > deadline:
@@ -293,7 +303,7 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def pin_group(pgid: int, cpus: list[int]) -> int:
-    """Pin every thread of every process of group `pgid` to `cpus` (like `taskset -a -p`); returns the count."""
+    """Pin every thread of every process of group `pgid` to `cpus` (like `taskset -a -p`); the count."""
     n = 0
     for pid in group_pids(pgid):
         try:
@@ -319,6 +329,7 @@ def _killpg(pgid: int, sig: int) -> None:
 if __name__ == "__main__":  # a quick manual check: start one aggregated tiny-Llama server, then stop it
     from .tiny_model import tiny_llama
 
-    srv = VllmServer(VllmServerSpec(str(tiny_llama()), free_port(), cpus=sys.argv[1] if sys.argv[1:] else None))
+    cpus = sys.argv[1] if sys.argv[1:] else None
+    srv = VllmServer(VllmServerSpec(str(tiny_llama()), free_port(), cpus=cpus))
     with srv.start():
         print(f"healthy after {srv.wait_healthy():.1f}s at {srv.url} (log {srv.log_path})")

@@ -11,7 +11,7 @@ is a byte-level BPE trained on a fixed built-in text up to exactly the model's v
 with `<pad>` = 0, `<s>` = 1, `</s>` = 2 and a plain chat template, so /v1/completions takes text or token
 ids and /v1/chat/completions works.
 
-    python -m kvbridge.integrations.vllm.tiny_model [--dir DIR] [--vocab 512 --layers 4 ...]  # prints the path
+    python -m kvbridge.integrations.vllm.tiny_model [--dir DIR] [--vocab 512 --layers 4 ...]  # the path
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 @dataclass(frozen=True)
 class TinyLlamaSpec:
-    """The model's shape. hidden size = heads x head_dim; fp32 KV per token = 2 x layers x kv_heads x head_dim x 4."""
+    """The model's shape: hidden = heads x head_dim; fp32 KV/token = 2 x layers x kv_heads x head_dim x 4."""
 
     vocab: int = 512
     layers: int = 4
@@ -127,9 +127,11 @@ def _write(spec: TinyLlamaSpec, folder: Path) -> None:
 def _config(spec: TinyLlamaSpec) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.hidden,
             "intermediate_size": spec.intermediate, "num_hidden_layers": spec.layers,
-            "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
+            "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
+            "head_dim": spec.head_dim,
             "vocab_size": spec.vocab, "max_position_embeddings": spec.max_positions, "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+            "torch_dtype": "float32",
             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "attention_bias": False,
             "mlp_bias": False}
 

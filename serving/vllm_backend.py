@@ -1,0 +1,289 @@
+"""The router's hops when the workers are vLLM OpenAI servers (`engine: vllm`): vLLM's prefill/decode proxy
+protocol, with kvbridge's deadlines, retries and errors.
+
+One choice runs as (vLLM's disaggregated-serving protocol, as its toy proxy speaks it):
+    1. POST prefill/v1/(chat/)completions: the client's body with max_tokens 1, not streamed, and
+       kv_transfer_params {"do_remote_decode": true, "do_remote_prefill": false, remote_*: null};
+    2. its answer's top-level `kv_transfer_params` (opaque: the connector's, KVBridgeConnector's or
+       NixlConnector's) go, with the client's whole body, to
+    3. POST decode/v1/(chat/)completions, streamed or not as the client asked; its answer is the client's.
+vLLM reports a failure on the decode side (a KV load that failed, a prefill server that died) as HTTP 200
+with an error event in the stream (`data: {"error": {...}}`), or an error object in a 200 body; here every
+such answer becomes a real error: before the first token an HTTP error (502 `kv_transfer_failed`, after the
+choice was run again from another prefill server up to MAX_HANDOVERS times within the deadline), after it a
+final error event without [DONE]. A prefill server that fails before answering is retried on another.
+Clients may not send `kv_transfer_params` (the router's alone: a client's could name another request's
+KV); `n` > 1, `best_of` and lists of prompts are refused by name. Everything else is vLLM's to validate.
+
+Owns no worker pools, admission or metrics (the Router's, router.py) and never imports vLLM or the
+connector: `kv_transfer_params` pass through unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import Request
+
+from .auth import internal_token
+from .balancer import WorkerRef, routing_key
+from .fanout import Part
+from .inflight import in_flight
+from .protocol import ApiError
+from .relay import Relay, json_or_none, until_gone
+
+__all__ = ["VllmBackend", "PREFILL_KV_PARAMS", "prefill_body", "decode_body", "stream_error"]
+
+log = logging.getLogger("kvbridge.serving.vllm_backend")
+
+MAX_HANDOVERS = 3  # runs of one choice after its decode hop failed before the first token
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+_PREFILL_DROP = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "best_of")
+
+
+def prefill_body(body: dict) -> dict:
+    """The prefill hop's body: the client's, one token, not streamed, asking the server to keep the KV."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    out.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+    return out
+
+
+def decode_body(body: dict, kv_transfer_params: dict) -> dict:
+    """The decode hop's body: the client's whole request plus the prefill's kv_transfer_params."""
+    return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def stream_error(obj: Any) -> str | None:
+    """The message of a vLLM error event or error body ({"error": {...}} or {"object": "error", ...})."""
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if isinstance(err, dict):
+        return str(err.get("message") or err)[:500]
+    if isinstance(err, str):
+        return err[:500]
+    if obj.get("object") == "error":
+        return str(obj.get("message") or obj)[:500]
+    return None
+
+
+class VllmBackend:
+    """The vLLM hops of one Router (its pools, client, metrics and config are used, not owned)."""
+
+    def __init__(self, router) -> None:
+        self.r = router
+        token = internal_token(router.cfg)  # vLLM's /v1/* API key under `kvbridge serve`
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def parts(self, body: dict, kind: str) -> list[Part]:
+        """The one part of a request (vLLM validates the rest); 400 for what this path cannot do."""
+        if "kv_transfer_params" in body:
+            raise ApiError(400, "kv_transfer_params is set by the router, not by clients",
+                           param="kv_transfer_params")
+        n = body.get("n")
+        if n not in (None, 1):
+            raise ApiError(400, f"n={n!r:.40} is not supported with engine: vllm (one choice per request)",
+                           code="unsupported", param="n")
+        if body.get("best_of") not in (None, 1):
+            raise ApiError(400, "best_of is not supported with engine: vllm", code="unsupported",
+                           param="best_of")
+        p = body.get("prompt")
+        if kind == "completion" and isinstance(p, list) and p and not all(type(t) is int for t in p):
+            if len(p) != 1:
+                raise ApiError(400, "a list of prompts is not supported with engine: vllm (one prompt per "
+                                    "request)", code="unsupported", param="prompt")
+            body = {**body, "prompt": p[0]}
+        return [Part(0, 0, {**body, "model": self.r.cfg.model_name}, None)]
+
+    async def run_part(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
+        """Prefill, then decode; a decode hop that fails before its first token runs the choice again from
+        another prefill server. Returns the answer (dict) or, streaming, a Relay of event objects."""
+        avoid: set[str] = set()
+        for attempt in range(MAX_HANDOVERS):
+            gen_w = self.r.gen.pick(key=routing_key(body), healthy_only=True)
+            if gen_w is None:
+                raise ApiError(503, f"no decode server is healthy ({self.r.gen.describe()}); nothing was "
+                                    f"prefilled", "server_error", "no_generation_worker", retry_after=2)
+            kvp, ctx_w, pre_ms = await self._prefill(request, path, body, deadline, avoid)
+            deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "prefill_ms": pre_ms}
+            try:
+                return await self._decode(request, path, decode_body(body, kvp), stream, deadline, gen_w,
+                                          deco)
+            except ApiError as e:
+                last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
+                if e.code != "kv_transfer_failed" or last:
+                    raise
+                log.warning("router: decode on %s failed after the prefill on %s (%s); running it again",
+                            gen_w.name, ctx_w.name, e.message)
+                avoid.add(ctx_w.name)
+                self.r.metrics.retries.inc()
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    # --- hops -----------------------------------------------------------------------------------------
+    def _timeout(self, left: float) -> httpx.Timeout:
+        return httpx.Timeout(max(0.05, left), connect=min(self.r.rc.connect_timeout_s, max(0.05, left)))
+
+    async def _prefill(self, request: Request, path: str, body: dict, deadline: float,
+                       avoid: set[str]) -> tuple[dict, WorkerRef, float]:
+        """The prefill hop on a prefill server (one not in `avoid` if any is left), retried on another when
+        one fails before answering. Returns (kv_transfer_params, the server, milliseconds)."""
+        tried: set[str] = set()
+        errors: list[str] = []
+        payload = prefill_body(body)
+        while True:
+            key = routing_key(body)
+            w = self.r.ctx.pick(tried | avoid, key) or self.r.ctx.pick(tried, key)
+            left = deadline - time.monotonic()
+            if w is None or left <= 0:
+                why = "; ".join(errors) or f"prefill servers: {self.r.ctx.describe()}"
+                if left <= 0:
+                    raise ApiError(504, f"no prefill server answered before the deadline ({why})",
+                                   "timeout_error", "timeout")
+                raise ApiError(502 if errors else 503, f"no prefill server could prefill the prompt: {why}",
+                               "server_error", "context_failed", retry_after=None if errors else 2)
+            tried.add(w.name)
+            hop = min(left, self.r.rc.context_timeout_s)
+            t0 = time.monotonic()
+            try:
+                with in_flight(w, self.r.metrics.in_flight.labels(w.name)):
+                    r = await until_gone(request, self.r.client.post(
+                        w.url + path, json=payload, headers=self.headers, timeout=self._timeout(hop)))
+            except httpx.TimeoutException:
+                errors.append(f"{w.name}: no answer within {hop:.1f}s")
+                continue
+            except httpx.TransportError as e:
+                w.mark(False, type(e).__name__)
+                errors.append(f"{w.name}: {type(e).__name__} {e}".rstrip())
+                continue
+            ms = (time.monotonic() - t0) * 1e3
+            self.r.metrics.hop.labels("context").observe(ms / 1e3)
+            data = json_or_none(r.content)
+            if 400 <= r.status_code < 500 and r.status_code != 429:
+                raise ApiError.from_body(r.status_code, data, f"prefill server {w.name}: ")
+            kvp = data.get("kv_transfer_params") if isinstance(data, dict) else None
+            if r.status_code == 200 and isinstance(kvp, dict) and stream_error(data) is None:
+                return kvp, w, round(ms, 3)
+            why = stream_error(data) or (f"HTTP {r.status_code}" if r.status_code != 200 else
+                                         "answered without kv_transfer_params (is it started with a "
+                                         "--kv-transfer-config?)")
+            errors.append(f"{w.name}: {why}")
+
+    async def _decode(self, request: Request, path: str, body: dict, stream: bool, deadline: float,
+                      w: WorkerRef, deco: dict):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError(504, "the deadline passed before the decode hop", "timeout_error", "timeout")
+        stack = contextlib.AsyncExitStack()
+        async with stack:
+            stack.enter_context(in_flight(w, self.r.metrics.in_flight.labels(w.name)))
+            t0 = time.monotonic()
+            req = self.r.client.build_request("POST", w.url + path, json=body, headers=self.headers,
+                                              timeout=self._timeout(left))
+            try:
+                resp = await until_gone(request, self.r.client.send(req, stream=True))
+            except httpx.TimeoutException:
+                raise ApiError(504, f"decode server {w.name} did not answer within {left:.1f}s",
+                               "timeout_error", "timeout") from None
+            except httpx.TransportError as e:
+                w.mark(False, type(e).__name__)
+                raise ApiError(502, f"decode server {w.name} failed: {type(e).__name__} {e}".rstrip(),
+                               "server_error", "generation_failed") from None
+            stack.push_async_callback(resp.aclose)
+            if resp.status_code != 200 or not stream:
+                raw = await self._read(request, resp, w, deadline)
+                data = json_or_none(raw)
+                if resp.status_code >= 500 or (resp.status_code == 200 and stream_error(data) is not None):
+                    raise _failed(w, stream_error(data) or f"HTTP {resp.status_code}")
+                if resp.status_code != 200:
+                    raise ApiError.from_body(resp.status_code, data, f"decode server {w.name}: ")
+                if not isinstance(data, dict) or not isinstance(data.get("choices"), list) or \
+                        not data["choices"]:
+                    raise ApiError.from_body(502, data, f"decode server {w.name}: ")
+                self.r.metrics.hop.labels("generation").observe(time.monotonic() - t0)
+                kvp = data.pop("kv_transfer_params", None)  # KVBridgeConnector: the pull's bytes and ms
+                transfer = kvp.get("kvbridge_transfer") if isinstance(kvp, dict) else None
+                data["kvbridge"] = {**(data.get("kvbridge") or {}), **deco,
+                                    **({"transfer": transfer} if isinstance(transfer, dict) else {})}
+                return data
+            lines = resp.aiter_lines()
+            first = await _next_event(lines, w, deadline)  # the first token or the failure: the status
+            if first is None or first is _DONE:
+                raise _failed(w, "the stream ended before the first token")
+            if stream_error(first) is not None:
+                raise _failed(w, stream_error(first))
+            return Relay(_events(first, lines, w, deadline, deco), stack.pop_all())
+
+    async def _read(self, request: Request, resp: httpx.Response, w: WorkerRef, deadline: float) -> bytes:
+        try:
+            left = max(0.05, deadline - time.monotonic())
+            return await until_gone(request, asyncio.wait_for(resp.aread(), left))
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise ApiError(504, f"decode server {w.name} did not finish before the deadline", "timeout_error",
+                           "timeout") from None
+        except httpx.TransportError as e:
+            w.mark(False, type(e).__name__)
+            raise ApiError(502, f"decode server {w.name} failed: {type(e).__name__} {e}".rstrip(),
+                           "server_error", "generation_failed") from None
+
+
+def _failed(w: WorkerRef, why: str) -> ApiError:
+    return ApiError(502, f"decode server {w.name} failed the request before its first token (vLLM: {why}); "
+                         f"the KV transfer from the prefill server or the decode failed", "server_error",
+                    "kv_transfer_failed")
+
+
+_DONE: dict = {}  # the [DONE] event
+
+
+async def _next_event(lines: AsyncIterator[str], w: WorkerRef, deadline: float) -> dict | None:
+    """The next `data:` event object of a vLLM stream; _DONE at [DONE], None when it ended without one."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError(504, "the request did not finish before its deadline", "timeout_error", "timeout")
+        try:
+            line = await asyncio.wait_for(lines.__anext__(), left)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            continue
+        except httpx.HTTPError as e:
+            w.mark(False, type(e).__name__)
+            raise ApiError(502, f"decode server {w.name} failed mid-stream: {type(e).__name__} {e}".rstrip(),
+                           "server_error", "generation_failed") from None
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return _DONE
+        obj = json_or_none(data)
+        if not isinstance(obj, dict):
+            raise ApiError(502, f"decode server {w.name} sent a bad event: {data[:200]!r}", "server_error",
+                           "bad_worker_response")
+        return obj
+
+
+async def _events(first: dict, lines: AsyncIterator[str], w: WorkerRef, deadline: float,
+                  deco: dict) -> AsyncIterator[dict]:
+    """The decode server's event objects, the first one included; an error event raises (the router ends
+    the client's stream with it, without [DONE]), and so does a stream cut before [DONE]."""
+    obj: dict | None = first
+    while obj is not _DONE:
+        if obj is None:
+            raise ApiError(502, f"decode server {w.name} closed the stream before it finished",
+                           "server_error", "generation_failed")
+        msg = stream_error(obj)
+        if msg is not None:
+            raise ApiError(502, f"decode server {w.name} failed mid-stream (vLLM: {msg})", "server_error",
+                           "generation_failed")
+        obj.pop("kv_transfer_params", None)
+        if obj.get("choices") and (obj["choices"][0] or {}).get("finish_reason"):
+            obj["kvbridge"] = deco
+        yield obj
+        obj = await _next_event(lines, w, deadline)

@@ -1,0 +1,72 @@
+"""The `engine: vllm` serving config: validation naming the key, and what each vLLM server is started with."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvbridge.errors import ServeConfigError
+from kvbridge.serving.config import parse_config
+from kvbridge.serving.vllm_workers import server_spec, with_ports
+
+
+def _cfg(**over) -> dict:
+    d = {"model": "/models/llama", "vllm": {"kv_connector": "KVBridgeConnector"},
+         "transceiver": {"transfer_timeout_s": 30},
+         "context_servers": {"engine": "vllm", "urls": ["127.0.0.1:26301"]},
+         "generation_servers": {"engine": "vllm", "tp": 2, "urls": ["127.0.0.1:26302"]}}
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"generation_servers": {"urls": ["127.0.0.1:26302"]}}, "generation_servers.engine"),
+    ({"vllm": {"kv_conector": "x"}}, "vllm.kv_conector: unknown key"),
+    ({"vllm": {"kv_connector": "LMCache"}}, "vllm.kv_connector"),
+    ({"vllm": {"cpus": ["0", "1"]}}, "vllm.cpus"),
+    ({"vllm": {"cpus": "a-b"}}, "cpus"),
+    ({"vllm": {"gpu_memory_utilization": 2}}, "vllm.gpu_memory_utilization"),
+    ({"context_servers": {"engine": "sglang"}}, "context_servers.engine"),
+    ({"context_servers": {"vllm": {}, "urls": ["127.0.0.1:1"]},
+      "generation_servers": {"urls": ["127.0.0.1:2"]}},
+     "context_servers.vllm: only for engine: vllm"),
+])
+def test_a_bad_vllm_config_is_refused_naming_the_key(change, named):
+    with pytest.raises(ServeConfigError, match=named.replace(".", r"\.")):
+        parse_config(_cfg(**change))
+
+
+def test_each_server_gets_its_role_connector_cores_and_token_out_of_argv():
+    cfg = parse_config(_cfg())
+    assert cfg.engine == "vllm" and cfg.generation[0].vllm["cpus"] == "auto"
+    ctx = server_spec(cfg, cfg.context[0], "tok-123")
+    gen = server_spec(cfg, cfg.generation[0], "tok-123")
+    kv = json.loads(_arg(ctx, "--kv-transfer-config"))
+    assert kv["kv_role"] == "kv_producer"
+    assert kv["kv_connector_module_path"].endswith("integrations.vllm.connector")
+    assert kv["kv_connector_extra_config"]["transceiver"] == {"transfer_timeout_s": 30}
+    assert _arg(gen, "--tensor-parallel-size") == "2"
+    assert json.loads(_arg(gen, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+    cores = sorted(os.sched_getaffinity(0))
+    assert ctx.cpus == str(cores[0]) and gen.cpus.count("|") == 1  # one core list per TP rank, round robin
+    assert all("tok-123" not in a for a in ctx.command()) and ctx.environment({})["VLLM_API_KEY"] == "tok-123"
+    assert ctx.port == 26301 and "--served-model-name" in ctx.command()
+
+
+def test_nixl_servers_get_a_cpu_buffer_and_port_zero_becomes_a_free_port():
+    cfg = parse_config(_cfg(vllm={"kv_connector": "NixlConnector", "cpus": "none"},
+                            context_servers={"engine": "vllm", "urls": ["127.0.0.1:0"]}))
+    cfg = with_ports(cfg)
+    s = server_spec(cfg, cfg.context[0], None)
+    assert s.port > 0 and s.cpus is None and "VLLM_API_KEY" not in s.environment({"VLLM_API_KEY": "stale"})
+    kv = json.loads(_arg(s, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "NixlConnector" and kv["kv_buffer_device"] == "cpu"
+    assert s.side_channel_port
+    assert s.environment({})["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(s.side_channel_port)
+
+
+def _arg(spec, flag: str) -> str:
+    cmd = spec.command()
+    return cmd[cmd.index(flag) + 1]
