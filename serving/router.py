@@ -37,10 +37,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .auth import api_keys, install_api_keys, internal_headers
-from .balancer import Pool, WorkerRef, routing_key
+from .balancer import WorkerRef, routing_key
 from .config import ServeConfig
 from .fanout import Part, expand, merge, merge_streams
 from .inflight import Admission, in_flight
+from .membership import worker_set
 from .metrics import RouterMetrics, render
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
 from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
@@ -74,8 +75,8 @@ class Router:
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg, self.rc = cfg, cfg.router
-        self.ctx = Pool([WorkerRef.of(s) for s in cfg.context], self.rc.policy)
-        self.gen = Pool([WorkerRef.of(s) for s in cfg.generation], self.rc.policy)
+        self.members = worker_set(cfg)  # the config's urls, or a disagg_cluster's live membership
+        self.ctx, self.gen = self.members.pool("context"), self.members.pool("generation")
         self.metrics = RouterMetrics()
         self.admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
         self.client = make_client(cfg)
@@ -87,10 +88,12 @@ class Router:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             task = asyncio.create_task(self._health_loop())
+            await self.members.start(self._check)  # a worker that joins is checked at once
             try:
                 yield
             finally:
                 task.cancel()
+                await self.members.stop()
                 await self.client.aclose()
 
         app = FastAPI(title="kvbridge router", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -98,6 +101,7 @@ class Router:
         app.add_exception_handler(ApiError, _api_error)
         app.add_exception_handler(Exception, _unexpected)
         app.get("/health")(self.health)
+        self.members.install(app)
         add_common_routes(app, self.cfg.model_name, time.time(), render)
 
         @app.post("/v1/completions")
@@ -117,6 +121,8 @@ class Router:
                 "policy": self.rc.policy,
                 "context_workers": {w.name: w.healthy for w in self.ctx.workers},
                 "generation_workers": {w.name: w.healthy for w in self.gen.workers}}
+        if self.members.mode != "static":
+            body["cluster"] = self.members.describe()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def _tmo(self, left: float) -> httpx.Timeout:
@@ -135,7 +141,7 @@ class Router:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(w) for w in self.ctx.workers + self.gen.workers))
+            await asyncio.gather(*(self._check(w) for w in [*self.ctx.workers, *self.gen.workers]))
             await asyncio.sleep(self.rc.health_interval_s)
 
     # --- one request ----------------------------------------------------------------------------------
@@ -145,6 +151,7 @@ class Router:
         status, stack = 200, contextlib.ExitStack()
         try:
             ticket = stack.enter_context(self.admission.request())
+            self.members.admit()  # disagg_cluster: 503 + Retry-After below minimal_instances
             body = await read_json(request, ticket)
             kind = "chat" if endpoint == "chat" else "completion"
             parts = self._parts(body, kind)
@@ -419,8 +426,9 @@ def main(argv: list[str]) -> int:
     announce(a.port_file, port)
     server = uvicorn.Server(uvicorn.Config(build_router(cfg), host=cfg.router.bind_host, port=port,
                                            log_level=a.log_level, timeout_graceful_shutdown=5))
-    print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): context "
-          f"{[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}", flush=True)
+    members = (f"workers join through {cfg.cluster.uri} (cluster {cfg.cluster.name})" if cfg.cluster else
+               f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")
+    print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): {members}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

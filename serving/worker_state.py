@@ -74,6 +74,7 @@ class WorkerState:
     endpoints: tuple[str, ...] = ()
     started: float = field(default_factory=time.time)
     failed: str | None = None
+    draining: bool = False  # leaving a disagg_cluster (worker_cluster.py): /health answers 503 "draining"
     digests: DigestIndex = field(default_factory=DigestIndex)
 
     def record_handle(self, handle: int, request_id: int) -> None:
