@@ -8,8 +8,9 @@ Owns the worker side of the registry, in this order (each step bounded):
        whose URL no longer answers with that incarnation is replaced; a live one is a duplicate, and this
        worker stops with an error naming it;
     3. refresh the lease every heartbeat_interval_sec, each call bounded by half an interval (a slow call never
-       costs the lease); a refresh that says the lease is gone (it ran out during a registry outage, or the
-       router holding an http:// registry restarted) registers again at once; a registry that cannot be
+       costs the lease) and check the key still holds this record; a lease that is gone (it ran out during a
+       registry outage, or the router holding an http:// registry restarted) or a record removed or
+       overwritten in the store is registered again at once; a registry that cannot be
        reached is logged once and retried on the next heartbeat, while the worker keeps serving;
     4. `leave()` (SIGTERM): revoke the lease, so the router stops sending new requests here.
 Never stops the worker for a registry outage; only a duplicate worker id is fatal.
@@ -47,6 +48,7 @@ class Registrar:
     headers: dict[str, str] = field(default_factory=dict)  # the internal token, for /health calls
     ready_timeout_s: float = 300.0
     lease: str = ""
+    _value: str = ""
     registrations: int = 0
     last_error: str = ""
     left: bool = False
@@ -66,7 +68,7 @@ class Registrar:
                 if self.left:
                     return
                 try:
-                    alive = await asyncio.wait_for(self.store.refresh(self.lease), self.heartbeat_s / 2)
+                    alive = await asyncio.wait_for(self._heartbeat(), self.heartbeat_s / 2)
                 except (StoreUnavailable, asyncio.TimeoutError) as e:
                     if not outage:
                         log.warning("%s: heartbeat failed (%s); still serving, retrying every %gs",
@@ -77,9 +79,18 @@ class Registrar:
                     log.warning("%s: the registry answers again", self.record.worker_id)
                     outage = False
                 if not alive and not self.left:
-                    log.warning("%s: its lease is gone (expired or the registry restarted); registering again",
+                    log.warning("%s: its registration is gone (the lease expired, the record was removed, or the "
+                                "registry restarted); registering again",
                                 self.record.worker_id)
                     await self._register_until_done(http)
+
+    async def _heartbeat(self) -> bool:
+        """Refresh the lease; False when it is gone or the key no longer holds this record (deleted or
+        overwritten in the registry: an etcd key can go while its lease lives on)."""
+        if not await self.store.refresh(self.lease):
+            return False
+        got = await self.store.get(self.store_key)
+        return got is not None and got.value == self._value
 
     async def leave(self, timeout: float = 2.0) -> None:
         """Revoke the lease (best effort, bounded): the record disappears at once."""
@@ -119,7 +130,7 @@ class Registrar:
             backoff = min(backoff * 2, self.heartbeat_s)
 
     async def _register(self, http: httpx.AsyncClient) -> None:
-        value = encode(self.record, self.key)
+        value = self._value = encode(self.record, self.key)
         prev = 0
         for _ in range(3):
             try:

@@ -54,10 +54,11 @@ class Deployment:
     def log(self, name: str) -> str:
         return str(self.tmp / f"{name}.log")
 
-    def start_worker(self, role: str, name: str, config: str | None = None) -> subprocess.Popen:
-        p = start_process(["worker", "--config", config or self.worker_config, "--role", role, "--name", name],
-                          self.log(name))
-        self.procs[name] = p
+    def start_worker(self, role: str, name: str, tag: str | None = None) -> subprocess.Popen:
+        """`kvbridge worker --name name`, its process and log kept under `tag` (default: the name)."""
+        p = start_process(["worker", "--config", self.worker_config, "--role", role, "--name", name],
+                          self.log(tag or name))
+        self.procs[tag or name] = p
         return p
 
     def health(self) -> dict:
