@@ -2,7 +2,7 @@
 
 The router asks one object, its WorkerSet, for everything about its workers: `pool(role)` (the balancer's
 Pool of that role, whose WorkerRefs carry health and load), `healthy(role)`, `admit()` (503 + Retry-After
-until minimal_instances of each role are healthy), `describe()` (for /health) and `start/stop`. Others hook
+until minimal_instances of each role are up: registered and answered /health since they joined), `describe()` (for /health) and `start/stop`. Others hook
 in there (a KV-aware index, health probing) without knowing where workers come from.
 
     StaticWorkers     today's deployment: the config's urls, fixed.
@@ -126,6 +126,7 @@ class RegistryWorkers(WorkerSet):
         self.refused: collections.deque[dict] = collections.deque(maxlen=REFUSED_KEPT)
         self.up, self.error, self.since = False, "not connected yet", time.monotonic()
         self._tasks: list[asyncio.Task] = []
+        self._seen_up: set[str] = set()  # workers (by id) that answered /health since they (re)joined
         self._on_added: Callable[[WorkerRef], Awaitable[None]] | None = None
         up, workers, self._refused_total, in_flight, util = _families()
         up.set_function(lambda: 1.0 if self.up else 0.0)
@@ -137,9 +138,15 @@ class RegistryWorkers(WorkerSet):
                                         max(1, len(self.healthy(r))))
 
     # --- the WorkerSet interface ------------------------------------------------------------------------------
+    def up_workers(self, role: str) -> list[WorkerRef]:
+        """Registered workers of `role` that answered /health since they joined (one slow probe on a busy host
+        does not take a worker out of the count; routing still prefers the healthy ones)."""
+        self._seen_up.update(w.name for w in self.pools[role].workers if w.healthy)
+        return [w for w in self.pools[role].workers if w.name in self._seen_up]
+
     def admit(self) -> None:
-        short = [f"{r} {len(self.healthy(r))}/{self.spec.minimal_of(r)}" for r in ROLES
-                 if len(self.healthy(r)) < max(1, self.spec.minimal_of(r))]
+        short = [f"{r} {len(self.up_workers(r))}/{self.spec.minimal_of(r)}" for r in ROLES
+                 if len(self.up_workers(r)) < max(1, self.spec.minimal_of(r))]
         if short:
             raise ApiError(503, f"the deployment is below its minimal instances (healthy/needed: "
                                 f"{', '.join(short)}); workers join through {self.spec.uri}", "server_error",
@@ -266,6 +273,7 @@ class RegistryWorkers(WorkerSet):
 
     def _remove(self, wid: str, why: str, quiet: bool = False) -> None:
         rec = self.records.pop(wid, None)
+        self._seen_up.discard(wid)
         if rec is None:
             return
         pool = self.pools[rec.role]

@@ -424,7 +424,13 @@ def main(argv: list[str]) -> int:
         return 1
     port = sock.getsockname()[1]
     announce(a.port_file, port)
-    server = uvicorn.Server(uvicorn.Config(build_router(cfg), host=cfg.router.bind_host, port=port,
+    try:
+        app = build_router(cfg)
+    except KvBridgeError as e:
+        print(f"kvbridge router: {e}", file=sys.stderr)
+        sock.close()
+        return 2
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.bind_host, port=port,
                                            log_level=a.log_level, timeout_graceful_shutdown=5))
     members = (f"workers join through {cfg.cluster.uri} (cluster {cfg.cluster.name})" if cfg.cluster else
                f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")

@@ -80,6 +80,12 @@ def _run(a) -> int:
         if a.name:
             spec = dataclasses.replace(spec, worker_id=_worker_id(a.name))
         check_worker_bind(f"kvbridge worker {spec.name}", spec.bind_host, internal_token(cfg), cfg.insecure)
+        if cfg.cluster is not None and not internal_token(cfg):
+            from ..errors import ServeConfigError
+
+            raise ServeConfigError(f"disagg_cluster: {spec.name} needs the deployment's internal token "
+                                   f"(KVBRIDGE_INTERNAL_TOKEN or internal_token): registrations are signed with a "
+                                   f"key derived from it")
     except KvBridgeError as e:
         print(f"kvbridge worker: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ def cluster_config(uri: str | None, heartbeat_s: float = 1, ttl_s: float = 4, **
         "executor": {"num_blocks": BLOCKS, "tokens_per_block": 8, "threads_per_rank": 1, "timeout_s": 120,
                      "kv_digests": True},
         "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
-        "router": {"port": 0, "request_timeout_s": 120, "health_interval_s": 0.5},
+        "router": {"port": 0, "request_timeout_s": 120, "health_interval_s": 1},
         "disagg_cluster": {**({"cluster_uri": uri} if uri else {}), "heartbeat_interval_sec": heartbeat_s,
                            "inactive_interval_sec": ttl_s, "drain_timeout_sec": 30, **cluster},
         "context_servers": {"tp": 1},

@@ -6,7 +6,7 @@ generation worker join (each takes traffic within one heartbeat interval of the 
 generation worker leaves by SIGTERM (it unregisters and drains: 0 failed requests in that phase); a context
 worker is killed by kill -9 (only retryable errors, each request rerun by the client until it succeeds); and,
 on etcd, etcd itself is stopped for 10 s (service goes on on the last membership, /health and
-kvbridge_router_registry_up say so, and the registry is watched again once etcd is back). Afterwards: 0 hung
+kvbridge_router_registry_up say so, and the registry is watched again once etcd is back), and a second router on the same etcd sees the same workers and answers exactly. Afterwards: 0 hung
 (every thread ended within its deadline), 0 lost (every request answered), every answer equal to the
 aggregated reference, the positional KV check on every answer whose two workers are still up, and every
 pool of the remaining workers full again."""
@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from .cluster import PROMPTS, wait_pool_full
+from .cluster import PROMPTS, start_announced, stop_process, wait_pool_full
 from .conftest import MAX_TOKENS
 from .etcd_server import EtcdServer
 from .kvcheck import assert_kv_positional
@@ -172,6 +172,7 @@ def test_workers_join_drain_and_die_under_load_with_every_answer_exact(backend, 
             assert _registry_up(dep.router) == 1.0
             load.wait_answers(24)
             assert [e for e in load.errors if e[0] in ("etcd_down", "etcd_back")] == []
+            _second_router_sees_the_same_workers(tmp_path, want)
     finally:
         if load is not None:
             load.stop.set()
@@ -196,6 +197,26 @@ def test_workers_join_drain_and_die_under_load_with_every_answer_exact(backend, 
           f"joined -> first request (s): { {k: round(v, 3) for k, v in joined.items()} }")
 
 
+def _second_router_sees_the_same_workers(tmp_path, want) -> None:
+    """Another router on the same etcd: the same members, and an exact answer through it."""
+    p, url = start_announced(["router", "--config", str(tmp_path / "router.yaml")], str(tmp_path / "router2.log"),
+                             timeout=120)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            w = httpx.get(url + "/health", timeout=10).json()["cluster"]["workers"]
+            if set(w) == {"ctx-b", "gen-b"} and all(x["healthy"] for x in w.values()):
+                break
+            assert time.monotonic() < deadline, w
+            time.sleep(0.2)
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0) as oc:
+            out = oc.completions.create(model="seeded:tiny3", prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                        temperature=0)
+        assert out.model_extra["kvbridge"]["token_ids"] == want["prompts"][2]
+    finally:
+        stop_process(p)
+
+
 def _check_after(dep: Deployment, load: Load, want) -> None:
     wrong = [a for a in load.answers if a[2] != want["prompts"][a[1]]]
     assert not wrong, f"{len(wrong)} answers differ from the aggregated reference, e.g. {wrong[0][:5]}"
@@ -205,3 +226,5 @@ def _check_after(dep: Deployment, load: Load, want) -> None:
     assert assert_kv_positional(alive["ctx-b"], alive["gen-b"], [a[5] for a in pairs[-24:]]) >= 10
     for n, url in alive.items():
         assert wait_pool_full(url, BLOCKS, 1) == [BLOCKS], n
+    m = re.search(r"^kvbridge_router_retries_total (\S+)$", httpx.get(dep.router + "/metrics", timeout=10).text, re.M)
+    print(f"\nrouter reruns and retries (kvbridge_router_retries_total): {m.group(1) if m else '?'}")
