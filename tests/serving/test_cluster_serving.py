@@ -24,6 +24,8 @@ from .conftest import MAX_TOKENS
 from .kvcheck import assert_kv_positional
 from .members import Deployment, cluster_config
 
+pytestmark = pytest.mark.slow  # real workers; still part of `make test`
+
 KEY = registry_key(TOKEN, "kvbridge")
 
 
