@@ -41,11 +41,12 @@ def _free_port() -> int:
 
 
 class EtcdServer:
-    def __init__(self, data_dir: str, log_path: str) -> None:
+    def __init__(self, data_dir: str, log_path: str, also_on: str | None = None) -> None:
+        """also_on: another local address etcd's client port listens on (besides 127.0.0.1)."""
         why = etcd_unavailable()
         if why:
             pytest.skip(why)
-        self.data_dir, self.log_path = data_dir, log_path
+        self.data_dir, self.log_path, self.also_on = data_dir, log_path, also_on
         self.client_port, self.peer_port = _free_port(), _free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -57,7 +58,8 @@ class EtcdServer:
         c, p = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         with open(self.log_path, "a") as out:
             self.proc = subprocess.Popen(
-                ["etcd", "--name", "kvb", "--data-dir", self.data_dir, "--listen-client-urls", c,
+                ["etcd", "--name", "kvb", "--data-dir", self.data_dir, "--listen-client-urls",
+                 c + (f",http://{self.also_on}:{self.client_port}" if self.also_on else ""),
                  "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
                  "--initial-cluster", f"kvb={p}"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
