@@ -149,8 +149,12 @@ class RegistryWorkers(WorkerSet):
                  if len(self.up_workers(r)) < max(1, self.spec.minimal_of(r))]
         if short:
             raise ApiError(503, f"the deployment is below its minimal instances (healthy/needed: "
-                                f"{', '.join(short)}); workers join through {self.spec.uri}", "server_error",
+                                f"{', '.join(short)}); workers join through {self._where}", "server_error",
                            "not_enough_workers", retry_after=RETRY_AFTER_S)
+
+    @property
+    def _where(self) -> str:
+        return "this router (http://)" if self.memory is not None else self.spec.uri
 
     def install(self, app) -> None:
         if self.memory is not None:
@@ -171,7 +175,7 @@ class RegistryWorkers(WorkerSet):
         await self.store.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"mode": self.mode, "uri": self.spec.uri, "cluster": self.spec.name,
+        return {"mode": self.mode, "uri": self._where, "cluster": self.spec.name,
                 "registry": "ok" if self.up else "unreachable",
                 **({} if self.up else {"registry_error": self.error,
                                        "last_membership_age_s": round(time.monotonic() - self.since, 1)}),

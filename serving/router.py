@@ -432,7 +432,8 @@ def main(argv: list[str]) -> int:
         return 2
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.bind_host, port=port,
                                            log_level=a.log_level, timeout_graceful_shutdown=5))
-    members = (f"workers join through {cfg.cluster.uri} (cluster {cfg.cluster.name})" if cfg.cluster else
+    where = cfg.cluster and (f"http://{cfg.router.host}:{port}" if cfg.cluster.scheme == "http" else cfg.cluster.uri)
+    members = (f"workers join through {where} (cluster {cfg.cluster.name})" if cfg.cluster else
                f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")
     print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): {members}", flush=True)
     try:

@@ -91,6 +91,10 @@ class Deployment:
         os.killpg(self.procs[name].pid, signal.SIGKILL)  # the worker and its rank processes, at once
         self.procs[name].wait(10)
 
+    def router_log(self) -> str:
+        """Every router log of this deployment (router.log, then router2.log ... of restarts)."""
+        return "".join(p.read_text(errors="replace") for p in sorted(self.tmp.glob("router*.log")))
+
     def tail(self, name: str, n: int = 3000) -> str:
         with open(self.log(name), errors="replace") as f:
             return f.read()[-n:]

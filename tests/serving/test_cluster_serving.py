@@ -19,7 +19,7 @@ import yaml
 from kvbridge.serving.registry.http_store import PROOF_HEADER, HttpStore
 from kvbridge.serving.registry.records import WorkerRecord, access_proof, encode, registry_key, worker_key
 
-from .cluster import MODEL, PROMPTS, TOKEN, Serve, start_announced, stop_process
+from .cluster import HEADERS, MODEL, PROMPTS, TOKEN, Serve, start_announced, stop_process
 from .conftest import MAX_TOKENS
 from .kvcheck import assert_kv_positional
 from .members import Deployment, cluster_config
@@ -31,7 +31,8 @@ KEY = registry_key(TOKEN, "kvbridge")
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
-    d = Deployment(tmp_path_factory.mktemp("cluster"), cluster_config(None))
+    # a long lease: a worker killed by kill -9 is still registered when its replacement registers
+    d = Deployment(tmp_path_factory.mktemp("cluster"), cluster_config(None, heartbeat_s=1, ttl_s=60))
     try:
         d.start_worker("context", "ctx-a")
         d.start_worker("generation", "gen-a")
@@ -122,8 +123,30 @@ def test_a_lost_registration_comes_back_and_survives_a_router_restart(dep, want,
         yaml.safe_dump({**cluster_config(None), "router": {"port": port, "request_timeout_s": 120,
                                                            "health_interval_s": 0.5}}, f)
     dep.router_proc, _ = start_announced(["router", "--config", str(tmp_path / "router.yaml")],
-                                         str(tmp_path / "router2.log"), timeout=120)
+                                         str(dep.tmp / "router2.log"), timeout=120)
     dep.wait_healthy("ctx-a", "gen-a", timeout=60)
+    _exact_through(dep, want)
+
+
+def test_a_restarted_worker_replaces_its_old_incarnation_whose_kv_handles_fail(dep, want):
+    old = dep.members()["ctx-a"]
+    with httpx.Client(headers=HEADERS, timeout=60) as c:  # a prefill whose KV the old incarnation pins
+        r = c.post(old["url"] + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                                                        "temperature": 0,
+                                                        "disaggregated_params": {"request_type": "context_only"}})
+        assert r.status_code == 200, r.text
+        params = r.json()["disaggregated_params"]
+        dep.kill9("ctx-a")
+        dep.start_worker("context", "ctx-a")  # the same id, before the old lease ran out: it replaces it
+        body = dep.wait(lambda b: b["cluster"]["workers"].get("ctx-a", {}).get("incarnation") not in
+                        (None, old["incarnation"]) and b["cluster"]["workers"]["ctx-a"]["healthy"],
+                        "the new incarnation of ctx-a", 240)
+        assert body["cluster"]["workers"]["ctx-a"]["url"] != old["url"]
+        assert "replaces " + old["incarnation"] in dep.router_log()
+        r = c.post(dep.url("gen-a") + "/v1/completions",
+                   json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "disaggregated_params": params})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "kv_transfer_failed", r.text
     _exact_through(dep, want)
 
 
