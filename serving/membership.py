@@ -25,7 +25,8 @@ import collections
 import functools
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..netaddr import is_loopback
@@ -101,8 +102,8 @@ class RegistryWorkers(WorkerSet):
     mode = "registry"
 
     def __init__(self, cfg) -> None:
-        from .auth import internal_token
         from ..errors import ServeConfigError
+        from .auth import internal_token
 
         super().__init__(cfg)
         for p in self.pools.values():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from .store import Change, Conflict, Entry, Snapshot, Store, StoreUnavailable
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import HTTPException, Request

@@ -14,8 +14,8 @@ import collections
 import itertools
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from .store import Change, Conflict, Entry, Snapshot, Store
 

@@ -20,8 +20,8 @@ raises StoreUnavailable when the store cannot be reached in time: the caller dec
 from __future__ import annotations
 
 import abc
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from ...errors import KvBridgeError
 
@@ -35,7 +35,7 @@ class StoreUnavailable(KvBridgeError):
 class Conflict(KvBridgeError):
     """A conditional set found the key in another state; `current` is what is there (None: nothing)."""
 
-    def __init__(self, key: str, current: "Entry | None") -> None:
+    def __init__(self, key: str, current: Entry | None) -> None:
         super().__init__(f"{key}: " + ("exists" if current else "does not exist") +
                          (f" (revision {current.revision})" if current else ""))
         self.key, self.current = key, current

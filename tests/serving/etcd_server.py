@@ -54,7 +54,7 @@ class EtcdServer:
     def uri(self) -> str:
         return f"etcd://127.0.0.1:{self.client_port}"
 
-    def start(self, timeout: float = 60) -> "EtcdServer":
+    def start(self, timeout: float = 60) -> EtcdServer:
         c, p = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         with open(self.log_path, "a") as out:
             self.proc = subprocess.Popen(

@@ -106,7 +106,7 @@ def _first_sent_to(load: Load, name: str, after: float, timeout: float = 60) -> 
 
 def _registry_up(router: str) -> float:
     text = httpx.get(router + "/metrics", timeout=10).text
-    return float(re.search(r"^kvbridge_router_registry_up (\S+)$", text, re.M).group(1))
+    return float(re.search(r"^kvbridge_router_registry_up (\S+)$", text, re.MULTILINE).group(1))
 
 
 @pytest.mark.parametrize("backend", ["http", "etcd"])
@@ -226,5 +226,5 @@ def _check_after(dep: Deployment, load: Load, want) -> None:
     assert assert_kv_positional(alive["ctx-b"], alive["gen-b"], [a[5] for a in pairs[-24:]]) >= 10
     for n, url in alive.items():
         assert wait_pool_full(url, BLOCKS, 1) == [BLOCKS], n
-    m = re.search(r"^kvbridge_router_retries_total (\S+)$", httpx.get(dep.router + "/metrics", timeout=10).text, re.M)
+    m = re.search(r"^kvbridge_router_retries_total (\S+)$", httpx.get(dep.router + "/metrics", timeout=10).text, re.MULTILINE)
     print(f"\nrouter reruns and retries (kvbridge_router_retries_total): {m.group(1) if m else '?'}")

@@ -13,7 +13,6 @@ import uuid
 
 import openai
 import pytest
-
 from kvbridge.serving.auth import TOKEN_ENV
 
 from ..reliability.netns import netns_unavailable

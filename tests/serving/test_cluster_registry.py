@@ -12,7 +12,6 @@ import time
 
 import pytest
 import yaml
-
 from kvbridge.errors import ServeConfigError
 from kvbridge.serving.auth import TOKEN_ENV
 from kvbridge.serving.config import parse_config
@@ -20,8 +19,14 @@ from kvbridge.serving.membership import RegistryWorkers
 from kvbridge.serving.protocol import ApiError
 from kvbridge.serving.registry import Change, Conflict, Snapshot, open_store
 from kvbridge.serving.registry.memory import MemoryStore
-from kvbridge.serving.registry.records import (RegistrationRefused, WorkerRecord, decode, encode, registry_key,
-                                               worker_key)
+from kvbridge.serving.registry.records import (
+    RegistrationRefused,
+    WorkerRecord,
+    decode,
+    encode,
+    registry_key,
+    worker_key,
+)
 
 from .cluster import MODEL
 from .etcd_server import EtcdServer

@@ -15,9 +15,15 @@ import httpx
 import openai
 import pytest
 import yaml
-
 from kvbridge.serving.registry.http_store import PROOF_HEADER, HttpStore
-from kvbridge.serving.registry.records import WorkerRecord, access_proof, encode, registry_key, worker_key
+from kvbridge.serving.registry.records import (
+    WorkerRecord,
+    access_proof,
+    encode,
+    registry_key,
+    worker_key,
+    workers_prefix,
+)
 
 from .cluster import HEADERS, MODEL, PROMPTS, TOKEN, Serve, start_announced, stop_process
 from .conftest import MAX_TOKENS
@@ -108,7 +114,13 @@ def test_a_lost_registration_comes_back_and_survives_a_router_restart(dep, want,
     async def delete() -> None:
         s = HttpStore(dep.router, KEY, 5.0)
         try:
+            w = s.watch(workers_prefix("kvbridge"))  # the router's registry as any client sees it
+            snap = await anext(w)
+            assert {worker_key("kvbridge", n) for n in ("ctx-a", "gen-a")} <= set(snap.entries)
             await s.delete(worker_key("kvbridge", "gen-a"))
+            change = await anext(w)
+            assert (change.kind, change.key) == ("delete", worker_key("kvbridge", "gen-a"))
+            await w.aclose()
         finally:
             await s.close()
 
