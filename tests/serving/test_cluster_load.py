@@ -1,7 +1,8 @@
 """Workers join and leave a serving deployment under load, through both registries that really run: the
 router's own (http://) and a real etcd server started here (etcd://).
 
-32 client threads keep >= 32 requests in flight through the official `openai` client while: a context and a
+32 client threads (a quarter of them streaming) keep >= 32 requests in flight through the official `openai`
+client while: a context and a
 generation worker join (each takes traffic within one heartbeat interval of the router seeing it); a
 generation worker leaves by SIGTERM (it unregisters and drains: 0 failed requests in that phase); a context
 worker is killed by kill -9 (only retryable errors, each request rerun by the client until it succeeds); and,
@@ -53,14 +54,13 @@ class Load:
             n = i
             while not self.stop.is_set():
                 n += 1
-                self.one(oc, n % len(PROMPTS))
+                self.one(oc, n % len(PROMPTS), stream=i % 4 == 0)  # a quarter of the clients stream
 
-    def one(self, oc, k: int) -> None:
+    def one(self, oc, k: int, stream: bool) -> None:
         for _ in range(8):  # a retryable failure is rerun; anything else fails the test
             sent = time.monotonic()
             try:
-                out = oc.completions.create(model="seeded:tiny3", prompt=PROMPTS[k], max_tokens=MAX_TOKENS,
-                                            temperature=0)
+                kb = _ask(oc, k, stream)
             except openai.APIStatusError as e:
                 with self.lock:
                     self.errors.append((self.phase, e.status_code, str(e)[:300]))
@@ -74,7 +74,11 @@ class Load:
                     self.errors.append((self.phase, type(e).__name__, str(e)[:300]))
                 time.sleep(0.2)
                 continue
-            kb = out.model_extra["kvbridge"]
+            except openai.APIError as e:  # a stream that failed after it started (its last event: an error)
+                with self.lock:
+                    self.errors.append((self.phase, "stream_error", str(e)[:300]))
+                time.sleep(0.2)
+                continue
             with self.lock:
                 self.answers.append((self.phase, k, kb["token_ids"], kb["context_worker"],
                                      kb["generation_worker"], kb["handle"], sent))
@@ -91,6 +95,22 @@ class Load:
             assert not self.fatal, self.fatal[:3]
             assert time.monotonic() < deadline, f"fewer than {n} answers in {timeout}s"
             time.sleep(0.1)
+
+
+def _ask(oc, k: int, stream: bool) -> dict:
+    """One completion of PROMPTS[k]: its `kvbridge` object (a stream's token ids joined, its last names)."""
+    if not stream:
+        return oc.completions.create(model="seeded:tiny3", prompt=PROMPTS[k], max_tokens=MAX_TOKENS,
+                                     temperature=0).model_extra["kvbridge"]
+    kb: dict = {"token_ids": []}
+    for chunk in oc.completions.create(model="seeded:tiny3", prompt=PROMPTS[k], max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True):
+        extra = (chunk.model_extra or {}).get("kvbridge") or {}
+        kb["token_ids"] += extra.get("token_ids", [])
+        kb.update({x: extra[x] for x in ("context_worker", "generation_worker", "handle") if x in extra})
+    missing = [x for x in ("context_worker", "generation_worker", "handle") if x not in kb]
+    assert not missing, f"a stream ended without {missing}: {kb}"
+    return kb
 
 
 def _first_sent_to(load: Load, name: str, after: float, timeout: float = 60) -> float:
@@ -192,7 +212,8 @@ def test_workers_join_drain_and_die_under_load_with_every_answer_exact(backend, 
     assert not load.fatal, load.fatal[:3]
     bad = [e for e in load.errors if e[0] not in ("kill",) and e[0] != "after_kill"]
     assert bad == [], bad[:5]
-    assert all(e[1] in RETRYABLE or e[1] in ("APIConnectionError", "APITimeoutError") for e in load.errors)
+    assert all(e[1] in RETRYABLE or e[1] in ("APIConnectionError", "APITimeoutError", "stream_error")
+               for e in load.errors)
     print(f"\n{backend}: {len(load.answers)} answers, {len(load.errors)} retryable errors (kill -9 phase), "
           f"joined -> first request (s): { {k: round(v, 3) for k, v in joined.items()} }")
 
