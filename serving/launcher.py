@@ -99,8 +99,13 @@ class Cluster:
         return {TOKEN_HEADER: self.token}
 
     def start(self) -> None:
-        """Start every worker, wait for their ports, then start the router (it reads the workers' ports)."""
+        """Start every worker, wait for their ports, then start the router (it reads the workers' ports); with
+        disagg_cluster the router first (workers register with it, or with etcd, once they serve)."""
         timeout = self.cfg.startup_timeout_s
+        if self.cfg.cluster is not None:  # the router first: an http:// registry is the router itself
+            self._spawn("router", "router", "router", self.router_url, ["router"])
+            self.cfg = self.cfg.resolved({}, self._announced(self.children[-1], timeout))
+            self.children[-1].url = self.router_url
         if self.cfg.engine == "vllm":  # vLLM binds the port number it is given: pick them now
             from .vllm_workers import with_ports
 
@@ -109,11 +114,14 @@ class Cluster:
         for s in self.cfg.servers():
             self._spawn(s.name, f"{s.role} worker", s.role, s.url,
                         ["worker", "--role", s.role, "--index", str(s.index)])
-        ports = {c.name: self._announced(c, timeout) for c in self.children}
+        workers = [c for c in self.children if c.role != "router"]
+        ports = {c.name: self._announced(c, timeout) for c in workers}
         self.cfg = self.cfg.resolved(ports)
-        for c, s in zip(self.children, self.cfg.servers()):
+        for c, s in zip(workers, self.cfg.servers()):
             c.url = s.url
         self._write_config()
+        if self.cfg.cluster is not None:
+            return
         self._spawn("router", "router", "router", self.router_url, ["router"])
         self.cfg = self.cfg.resolved({}, self._announced(self.children[-1], timeout))
         self.children[-1].url = self.router_url

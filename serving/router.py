@@ -37,13 +37,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .auth import api_keys, install_api_keys, internal_headers
-from .balancer import Pool, WorkerRef, routing_key
+from .balancer import WorkerRef, routing_key
 from .config import ServeConfig
 from .engines import engine_backend
 from .fanout import Part, expand, merge, merge_streams
 from .health import HealthRule, probe
 from .inflight import Admission, in_flight
 from .kv_policy import KvRouting, shown
+from .membership import worker_set
 from .metrics import RouterMetrics, render
 from .overlap_router import ContextFailed, context_early, release_prefetch
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
@@ -78,8 +79,8 @@ class Router:
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg, self.rc = cfg, cfg.router
-        self.ctx = Pool([WorkerRef.of(s) for s in cfg.context], self.rc.policy)
-        self.gen = Pool([WorkerRef.of(s) for s in cfg.generation], self.rc.policy)
+        self.members = worker_set(cfg)  # the config's urls, or a disagg_cluster's live membership
+        self.ctx, self.gen = self.members.pool("context"), self.members.pool("generation")
         self.metrics = RouterMetrics()
         self.admission = Admission(cfg.max_inflight_requests, cfg.max_inflight_body_bytes)
         self.client = make_client(cfg)
@@ -94,10 +95,12 @@ class Router:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             task = asyncio.create_task(self._health_loop())
+            await self.members.start(self._check)  # a worker that joins is checked at once
             try:
                 yield
             finally:
                 task.cancel()
+                await self.members.stop()
                 await self.client.aclose()
                 if self.kv is not None:
                     self.kv.close()
@@ -107,6 +110,7 @@ class Router:
         app.add_exception_handler(ApiError, _api_error)
         app.add_exception_handler(Exception, _unexpected)
         app.get("/health")(self.health)
+        self.members.install(app)
         add_common_routes(app, self.cfg.model_name, time.time(), render)
 
         @app.post("/v1/completions")
@@ -126,6 +130,8 @@ class Router:
                 "policy": self.rc.policy,
                 "context_workers": {w.name: w.healthy for w in self.ctx.workers},
                 "generation_workers": {w.name: w.healthy for w in self.gen.workers}}
+        if self.members.mode != "static":
+            body["cluster"] = self.members.describe()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def _tmo(self, left: float) -> httpx.Timeout:
@@ -138,7 +144,7 @@ class Router:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(w) for w in self.ctx.workers + self.gen.workers))
+            await asyncio.gather(*(self._check(w) for w in [*self.ctx.workers, *self.gen.workers]))
             await asyncio.sleep(self.rc.health_interval_s)
 
     # --- one request ----------------------------------------------------------------------------------
@@ -148,6 +154,7 @@ class Router:
         status, stack = 200, contextlib.ExitStack()
         try:
             ticket = stack.enter_context(self.admission.request())
+            self.members.admit()  # disagg_cluster: 503 + Retry-After below minimal_instances
             body = await read_json(request, ticket)
             kind = "chat" if endpoint == "chat" else "completion"
             parts = self._parts(body, kind)
@@ -448,10 +455,18 @@ def main(argv: list[str]) -> int:
         return 1
     port = sock.getsockname()[1]
     announce(a.port_file, port)
-    server = uvicorn.Server(uvicorn.Config(build_router(cfg), host=cfg.router.bind_host, port=port,
+    try:
+        app = build_router(cfg)
+    except KvBridgeError as e:
+        print(f"kvbridge router: {e}", file=sys.stderr)
+        sock.close()
+        return 2
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.bind_host, port=port,
                                            log_level=a.log_level, timeout_graceful_shutdown=5))
-    print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): context "
-          f"{[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}", flush=True)
+    where = cfg.cluster and (f"http://{cfg.router.host}:{port}" if cfg.cluster.scheme == "http" else cfg.cluster.uri)
+    members = (f"workers join through {where} (cluster {cfg.cluster.name})" if cfg.cluster else
+               f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")
+    print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): {members}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

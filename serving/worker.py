@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     ap.add_argument("--port-file", default=None,
                     help="with port 0 in the config: bind a free port and write it here (JSON)")
+    ap.add_argument("--name", default=None,
+                    help="with disagg_cluster: this worker's id in the cluster (default ctx<index> / gen<index>)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -75,11 +77,19 @@ def _run(a) -> int:
     try:
         cfg = load_config(a.config)
         spec = cfg.server(a.role, a.index)
+        if a.name:
+            spec = dataclasses.replace(spec, worker_id=_worker_id(a.name))
         check_worker_bind(f"kvbridge worker {spec.name}", spec.bind_host, internal_token(cfg), cfg.insecure)
+        if cfg.cluster is not None and not internal_token(cfg):
+            from ..errors import ServeConfigError
+
+            raise ServeConfigError(f"disagg_cluster: {spec.name} needs the deployment's internal token "
+                                   f"(KVBRIDGE_INTERNAL_TOKEN or internal_token): registrations are signed with a "
+                                   f"key derived from it")
     except KvBridgeError as e:
         print(f"kvbridge worker: {e}", file=sys.stderr)
         return 2
-    if spec.port == 0 and not a.port_file:
+    if spec.port == 0 and not a.port_file and cfg.cluster is None:  # a cluster member registers its port
         print(f"kvbridge worker: {spec.name} has port 0 in {a.config}; give it a port, or --port-file to "
               f"bind a free one and write it there", file=sys.stderr)
         return 2
@@ -101,6 +111,14 @@ def _run(a) -> int:
     finally:
         sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _worker_id(name: str) -> str:
+    from ..errors import ServeConfigError
+
+    if not name or len(name) > 64 or not all(c.isalnum() or c in "-_." for c in name):
+        raise ServeConfigError(f"--name {name!r}: use 1-64 letters, digits, '-', '_' or '.'")
+    return name
 
 
 def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
@@ -127,13 +145,22 @@ def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
         st.kv_events = advertised(kv_events, spec.host, ex.cfg.timeout_s) if kv_events else None
         server = None
         app = build_app(st, on_fatal=lambda: setattr(server, "should_exit", True))
-        server = uvicorn.Server(uvicorn.Config(app, host=spec.bind_host, port=spec.port, log_level=log_level,
-                                               timeout_graceful_shutdown=5, lifespan="on"))
+        ucfg = uvicorn.Config(app, host=spec.bind_host, port=spec.port, log_level=log_level,
+                              timeout_graceful_shutdown=5, lifespan="on")
+        if cfg.cluster is None:
+            server = uvicorn.Server(ucfg)
+        else:  # registers once it serves, heartbeats, drains on SIGTERM (worker_cluster.py)
+            from .worker_cluster import ClusterServer, registrar_for
+
+            server = ClusterServer(ucfg, registrar_for(cfg, spec, st, spec.name), st, cfg.cluster.drain_s)
 
         print(f"[{spec.name}] {spec.role} worker ready at {spec.url}: {cfg.model} TP{spec.tp}xPP{spec.pp} "
               f"on {ex.cfg.device}, pid {os.getpid()}, started in {time.monotonic() - t0:.1f}s"
               + (f"; transceiver {', '.join(eps)}" if eps else ""), flush=True)
         server.run(sockets=[sock])
+        if getattr(server, "fatal", None):
+            print(f"[{spec.name}] stopped: {server.fatal}", file=sys.stderr, flush=True)
+            return 2
         if st.failed:
             print(f"[{spec.name}] stopped: its executor failed: {st.failed.splitlines()[0]}", file=sys.stderr,
                   flush=True)

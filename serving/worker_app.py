@@ -124,9 +124,11 @@ class WorkerApp:
     async def health(self, request: Request) -> JSONResponse:
         st, be = self.st, self.st.backend
         err = st.failed or be.ex.error
+        status = "failed" if err else "draining" if st.draining else "ok"
+        code = 200 if status == "ok" else 503
         if not authenticated(request):  # nothing an attacker can use: no endpoint, instance, id or load
-            return JSONResponse({"status": "failed" if err else "ok"}, status_code=503 if err else 200)
-        body = {"status": "failed" if err else "ok", "name": st.spec.name, "role": st.spec.role,
+            return JSONResponse({"status": status}, status_code=code)
+        body = {"status": status, "name": st.spec.name, "role": st.spec.role,
                 "model": st.cfg.model_name, "instance": st.instance, "tp": st.spec.tp, "pp": st.spec.pp,
                 "in_flight": be.in_flight, "pinned_context_requests": len(be.pinned), "pid": os.getpid(),
                 "capacity_tokens": be.ex.cfg.num_blocks * be.ex.cfg.tokens_per_block,
@@ -135,7 +137,7 @@ class WorkerApp:
             body["kv_events"] = st.kv_events
         if err:
             body["error"] = err.splitlines()[0]
-        return JSONResponse(body, status_code=503 if err else 200)
+        return JSONResponse(body, status_code=code)
 
     async def free_blocks(self) -> dict:
         be = self.st.backend

@@ -75,6 +75,7 @@ class WorkerState:
     endpoints: tuple[str, ...] = ()
     started: float = field(default_factory=time.time)
     failed: str | None = None
+    draining: bool = False  # leaving a disagg_cluster (worker_cluster.py): /health answers 503 "draining"
     digests: DigestIndex = field(default_factory=DigestIndex)
     prefetched: Prefetches = field(default_factory=Prefetches)  # overlap: generation requests prefetched
     kv_events: dict | None = None  # {pub, replay, incarnation}: its KV event endpoints (kv_worker.py)

@@ -58,6 +58,11 @@ def _devices(s: ServerSpec) -> list[str]:
 def describe(cfg: ServeConfig) -> str:
     """The deployment, one line per worker and rank."""
     lines = [f"model: {cfg.model}", f"router: {cfg.router.url} (policy {cfg.router.policy})"]
+    cl = cfg.cluster
+    if cl is not None:
+        lines.append(f"disagg_cluster: workers join through {cl.uri} (cluster {cl.name}), heartbeat "
+                     f"{cl.heartbeat_s:g}s, lease {cl.ttl_s:g}s, minimal instances "
+                     f"{', '.join(f'{r} {n}' for r, n in cl.minimal)}; the workers below start with serve")
     for s in cfg.servers():
         if s.engine == "vllm":
             v = s.vllm

@@ -18,6 +18,9 @@ anything.
     kv_cache_config.dtype                  executor.dtype (auto: kvbridge's default for the device)
     cache_transceiver_config               transceiver (transceiver/upstream.py)
     max_batch_size / max_num_tokens        executor.max_batch_seqs / executor.max_batch_tokens
+    disagg_cluster                         disagg_cluster: cluster_uri, cluster_name, minimal_instances,
+                                           heartbeat_interval_sec, inactive_interval_sec as they are (others
+                                           refused by name)
     kvbridge: {...}                        kvbridge's own keys (executor.device, on_transfer_failure, ...)
 
 Top-level engine fields apply to both server groups; a group's own fields override them (mappings such as
@@ -93,6 +96,8 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
         router["port"] = top.pop("port")
     _router(top.pop("router", None), router)
     out["router"] = router
+    if "disagg_cluster" in top:  # the same keys in kvbridge (serving/cluster_config.py validates them)
+        out["disagg_cluster"] = {**_disagg_cluster(top.pop("disagg_cluster")), **(out.get("disagg_cluster") or {})}
     shared = {k: top.pop(k) for k in list(top) if k not in _GROUPS}
     for k in list(shared):
         if k in NO_EFFECT:
@@ -110,6 +115,19 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
                   for k, v in g.items()}
         out[key] = _group(key, {**shared, **merged}, ext.get(key) or {})
     return out
+
+
+_CLUSTER = {"cluster_uri", "cluster_name", "minimal_instances", "heartbeat_interval_sec", "inactive_interval_sec"}
+
+
+def _disagg_cluster(v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ServeConfigError("disagg_cluster: expected a mapping")
+    bad = sorted(str(k) for k in v if k not in _CLUSTER)
+    if bad:
+        raise ServeConfigError(f"disagg_cluster.{bad[0]}: not supported by kvbridge (it maps "
+                               f"{sorted(_CLUSTER)}; drain_timeout_sec goes under kvbridge.disagg_cluster)")
+    return _copy(v)
 
 
 def _router(r: Any, into: dict) -> None:
