@@ -260,6 +260,7 @@ class CudaIpcAgent(TransferAgent):
         self._exports: dict[int, tuple] = {}
         self._remote: dict[str, _Peer] = {}
         self._engines: dict[int, Engine] = {}
+        self._ipc_lock = threading.RLock()  # this agent's own tables (the base class keeps its lock to itself)
 
     @property
     def tuning(self) -> CopyTuning:
@@ -318,7 +319,7 @@ class CudaIpcAgent(TransferAgent):
         except Exception:
             peer.close()
             raise
-        with self._lock:
+        with self._ipc_lock:
             old = self._remote.get(name)
             self._remote[name] = peer
         if old is not None:
@@ -326,7 +327,7 @@ class CudaIpcAgent(TransferAgent):
         return name
 
     def _disconnect(self, peer: str) -> None:
-        with self._lock:
+        with self._ipc_lock:
             old = self._remote.pop(peer, None)
         if old is not None:
             self._retire(old)
@@ -352,7 +353,7 @@ class CudaIpcAgent(TransferAgent):
 
     # --- transfers ------------------------------------------------------------------------------------
     def _engine(self, device: int) -> Engine:
-        with self._lock:
+        with self._ipc_lock:
             e = self._engines.get(device)
             if e is None:
                 e = self._engines[device] = Engine(drv.Device.get(device), self._timing)
