@@ -106,6 +106,7 @@ class Cluster:
             self._spawn("router", "router", "router", self.router_url, ["router"])
             self.cfg = self.cfg.resolved({}, self._announced(self.children[-1], timeout))
             self.children[-1].url = self.router_url
+            self._write_config()
         if self.cfg.engine == "vllm":  # vLLM binds the port number it is given: pick them now
             from .vllm_workers import with_ports
 

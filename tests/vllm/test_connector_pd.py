@@ -82,8 +82,9 @@ def test_different_block_sizes_are_refused_by_name_and_nothing_is_held(servers, 
     assert r.status_code >= 400, r.text[:300]
     assert wait_log(D, f"blocks hold {sizes}"), D.tail()
     assert tokens(completion(D.url, p, 8))  # the decode engine still serves
-    # the prefill's blocks wait for a reader until pickup_timeout_s; the decode engine holds none
     assert wait_no_blocks_held(D.url) == 0
+    # nobody will fetch the prefill: its blocks go back to vLLM when its pickup time (30 s here) runs out
+    assert wait_no_blocks_held(P.url, timeout=90) == 0, "an unclaimed prefill's blocks were never released"
 
 
 def test_decode_prefix_cache_hit_pulls_only_the_blocks_after_it(servers):
