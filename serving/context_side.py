@@ -21,19 +21,24 @@ from .protocol import ApiError, DisaggRequest, GenRequest, new_id
 if TYPE_CHECKING:  # (worker_state imports overlap_worker, which imports this module)
     from .worker_state import WorkerState
 
-__all__ = ["_context", "_context_answer", "_seed", "_sampling", "_prompt_ids", "_kv_bytes_per_token"]
+__all__ = ["_context", "_context_answer", "_need_context", "_seed", "_sampling", "_prompt_ids", "_kv_bytes_per_token"]
 
 
 async def _context(st: WorkerState, req: GenRequest, deadline: float) -> dict[str, Any]:
     spec, be = st.spec, st.backend
-    if spec.role != "context":
-        raise ApiError(400, f"{spec.name} is a generation worker; send context_only requests to a context "
-                            f"worker", code="wrong_role", param="disaggregated_params")
+    _need_context(spec)
     prompt = _prompt_ids(st, req)
     seed = _seed(req)
     t0 = time.monotonic()
     res = await be.prefill(prompt, _sampling(st, req, seed), max(0.1, deadline - t0))
     return _context_answer(st, req, prompt, seed, res, t0)
+
+
+def _need_context(spec) -> None:
+    """A context_only request reached a generation worker: refused by name (400 wrong_role)."""
+    if spec.role != "context":
+        raise ApiError(400, f"{spec.name} is a generation worker; send context_only requests to a context "
+                            f"worker", code="wrong_role", param="disaggregated_params")
 
 
 def _seed(req: GenRequest) -> int:

@@ -41,8 +41,8 @@ from fastapi.responses import StreamingResponse
 from ..errors import ExecutorError, KvBridgeError, KVCacheExhausted
 from ..executor.transceiver_hook import disagg_params
 from ..transceiver import DisaggParams
-from .overlap_router import HANDOVER_HEADER, NDJSON
-from .context_side import _context_answer, _prompt_ids, _sampling, _seed
+from .overlap_router import NDJSON
+from .context_side import _context_answer, _need_context, _prompt_ids, _sampling, _seed
 from .protocol import ApiError, DisaggRequest, parse_disagg, parse_request
 
 log = logging.getLogger("kvbridge.serving.overlap")
@@ -93,9 +93,7 @@ class Prefetches:
 async def context_early(st, req, deadline: float, end) -> StreamingResponse:
     """A context_only request answered in two NDJSON lines (the module docstring); `end(outcome)` once."""
     be, spec = st.backend, st.spec
-    if spec.role != "context":
-        raise ApiError(400, f"{spec.name} is a generation worker; send context_only requests to a context "
-                            f"worker", code="wrong_role", param="disaggregated_params")
+    _need_context(spec)
     prompt = _prompt_ids(st, req)
     seed = _seed(req)
     t0 = time.monotonic()
