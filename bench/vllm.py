@@ -5,8 +5,9 @@ tokens, unique per request so no prefix cache hides a transfer), greedy. Per con
 TTFT p50/p90 (aggregated: to the first streamed token; disaggregated: the prefill hop + the decode hop's
 first token, the protocol of serving/vllm_backend.py), the KV transfer's own time (p50) and bytes per
 request (NixlConnector: the decode server's `vllm:nixl_*` histograms in /metrics, one request at a time;
-KVBridgeConnector: the `kvbridge_transfer` {bytes, ms} it answers in a non-streamed decode's
-`kv_transfer_params`, from one more unique prompt per repetition), requests/s at a fixed concurrency, and
+KVBridgeConnector: the `kvbridge_transfer` {bytes, ms, read_ms} it answers in a non-streamed decode's
+`kv_transfer_params`, from one more unique prompt per repetition; `read_ms_p50` is the like-for-like column:
+NIXL's histogram times its READ alone, kvbridge's read_ms its reads, its ms the whole pull), requests/s at a fixed concurrency, and
 whether every prompt's tokens equal the aggregated server's. Servers run one configuration at a time (the
 aggregated reference alone, as ../shared/vllm/ measured it): NixlConnector in its best configuration here
 (prefill on core 0, decode on core 1, every thread pinned once up); KVBridgeConnector with vLLM's OpenMP
@@ -79,9 +80,9 @@ def _stream(client: httpx.Client, url: str, body: dict, timeout: float) -> tuple
 
 
 def kvbridge_transfer(client: httpx.Client, servers: dict, prompt: list[int], max_tokens: int,
-                      timeout: float = 300.0) -> tuple[float | None, int | None]:
-    """(ms, bytes) of one prefill -> decode whose decode is not streamed: KVBridgeConnector answers them in
-    the decode's kv_transfer_params (`kvbridge_transfer`)."""
+                      timeout: float = 300.0) -> tuple[float | None, int | None, float | None]:
+    """(ms, bytes, read ms) of one prefill -> decode whose decode is not streamed: KVBridgeConnector answers
+    them in the decode's kv_transfer_params (`kvbridge_transfer`; ms: the whole pull, read_ms: its reads)."""
     body = _body(prompt, max_tokens, False)
     r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(body), timeout=timeout)
     kvp = r.json().get("kv_transfer_params")
@@ -89,7 +90,7 @@ def kvbridge_transfer(client: httpx.Client, servers: dict, prompt: list[int], ma
     t = (r.json().get("kv_transfer_params") or {}).get("kvbridge_transfer") or {}
     if r.status_code != 200 or t.get("error"):
         raise RuntimeError(f"decode: HTTP {r.status_code}: {str(r.json())[:300]}")
-    return t.get("ms"), t.get("bytes")
+    return t.get("ms"), t.get("bytes"), t.get("read_ms")
 
 
 def one_request(client: httpx.Client, servers: dict, prompt: list[int], max_tokens: int,
@@ -163,7 +164,7 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
     names = TRANSFER_METRICS.get(name)
     rows, tokens = [], {}
     for n in a.lens:
-        ttfts, xfer_ms, xfer_bytes, errors = [], [], [], []
+        ttfts, xfer_ms, xfer_bytes, read_ms, errors = [], [], [], [], []
         for rep in range(a.reps):
             before = metric_sums(client, servers["decode"], names) if names else {}
             try:
@@ -175,15 +176,17 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
             tokens[(n, rep)] = ids
             if names:
                 ms, nb = _transfer(client, servers["decode"], names, before, a.settle_s)
+                rd = ms  # vLLM's NIXL metric is the READ alone (xferDuration)
             elif name == "kvbridge":
                 try:
-                    ms, nb = kvbridge_transfer(client, servers, prompt_ids(n, 300_000 + 1000 * rep + n),
-                                               a.max_tokens)
+                    ms, nb, rd = kvbridge_transfer(client, servers, prompt_ids(n, 300_000 + 1000 * rep + n),
+                                                   a.max_tokens)
                 except RuntimeError as e:
                     errors.append(str(e)[:200])
                     continue
             if name != "aggregated":
                 xfer_ms.append(ms)
+                read_ms.append(rd)
                 xfer_bytes.append(nb)
         rps = throughput(servers, n, a)
         same = not errors and (ref is None or all(ref.get((n, r)) == tokens.get((n, r))
@@ -191,6 +194,7 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
         nb = [b for b in xfer_bytes if b is not None]
         rows.append({"connector": name, "prompt_tokens": n, "ttft_p50_ms": _pct(ttfts, 0.5),
                      "ttft_p90_ms": _pct(ttfts, 0.9), "transfer_ms_p50": _pct(xfer_ms, 0.5),
+                     "read_ms_p50": _pct([x for x in read_ms if x is not None], 0.5),
                      "kv_bytes": int(statistics.median(nb)) if nb else None, "req_per_s": rps,
                      "tokens_identical": same, "requests": a.reps, "transfers_seen": len(nb),
                      "errors": errors})
@@ -271,10 +275,10 @@ def plot(rows: list[dict], path: str) -> None:
     def draw(fig):
         lens = sorted({r["prompt_tokens"] for r in rows})
         names = [c for c in CONNECTORS if any(r["connector"] == c for r in rows)]
-        panels = (("ttft_p50_ms", "TTFT p50 (ms)"), ("transfer_ms_p50", "KV transfer p50 (ms)"),
-                  ("req_per_s", "requests/s"))
+        panels = (("ttft_p50_ms", "TTFT p50 (ms)"), ("transfer_ms_p50", "KV transfer p50 (ms, whole pull)"),
+                  ("read_ms_p50", "KV reads p50 (ms, like NIXL's xferDuration)"), ("req_per_s", "requests/s"))
         for i, (key, label) in enumerate(panels):
-            ax = fig.add_subplot(1, 3, i + 1)
+            ax = fig.add_subplot(1, len(panels), i + 1)
             w = 0.8 / max(1, len(names))
             for j, c in enumerate(names):
                 vals = [next((r[key] or 0 for r in rows if (r["connector"], r["prompt_tokens"]) == (c, n)), 0)
@@ -286,7 +290,7 @@ def plot(rows: list[dict], path: str) -> None:
             if i == 0:
                 ax.legend()
 
-    save_plot(path, draw, f"vLLM prefill/decode on CPU, tiny Llama ({machine()})")
+    save_plot(path, draw, f"vLLM prefill/decode on CPU, tiny Llama ({machine()})", (14.0, 4.2))
 
 
 def main(argv: list[str]) -> int:
@@ -320,7 +324,7 @@ def main(argv: list[str]) -> int:
     a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-vllm-")
     rows = run(a)
     print(table(rows, ["connector", "prompt_tokens", "ttft_p50_ms", "ttft_p90_ms", "transfer_ms_p50",
-                       "kv_bytes", "req_per_s", "tokens_identical"]))
+                       "read_ms_p50", "kv_bytes", "req_per_s", "tokens_identical"]))
     path = a.json or (None if a.quick else DEFAULT_JSON)
     if path:
         write_json(path, rows)

@@ -44,7 +44,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...formatter.layout import KVLayout, ParallelSplit, KVShape
 from ...transceiver.config import TransceiverConfig
-from .layout import DTYPE_NAMES, EngineShape, describe_caches
+from .layout import DTYPE_NAMES, PACKED_ORDERS, EngineShape, describe_caches
+from .packing import Packing, probe
 from .scheduler import SchedulerSide
 from .work import PullStats, StepWork
 from .worker import WorkerSide
@@ -59,6 +60,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["KVBridgeConnector"]
 
+_TORCH_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
+
 
 class KVBridgeMeta(KVConnectorMetadata):
     def __init__(self, work: StepWork) -> None:
@@ -68,8 +71,8 @@ class KVBridgeMeta(KVConnectorMetadata):
 class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     """One worker's control endpoint and KV layout (wire form), sent to the scheduler once."""
 
-    def __init__(self, rank: int, endpoint: str, layout: dict) -> None:
-        self.rank, self.endpoint, self.layout = rank, endpoint, layout
+    def __init__(self, rank: int, endpoint: str, layout: dict, packing: str = "") -> None:
+        self.rank, self.endpoint, self.layout, self.packing = rank, endpoint, layout, packing
 
 
 class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):
@@ -112,6 +115,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._instance = f"vllm-{ktc.engine_id}"
         self._produce, self._consume = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self._shape = engine_shape(vllm_config)
+        self._cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
+        # a staging pool for a prefill of another block size holds this many tokens (reblock.py)
+        self._staging_tokens = max(int(extra.get("staging_tokens") or 0),
+                                   4 * int(vllm_config.model_config.max_model_len))
+        self._packings: dict[int, Packing] = {}
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -129,13 +137,32 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                kv_caches, extract_layer_index)
         log.info("kvbridge: rank %d KV cache: %s", pool.rank, pool.layout.describe())
         self._worker = WorkerSide(pool, self._config, self._instance, self._produce, self._consume,
-                                  self._digest_dir)
+                                  self._digest_dir, self._packing_of if pool.layout.order in PACKED_ORDERS else None,
+                                  self._staging_tokens)
+
+    def _packing_of(self, tokens_per_block: int) -> Packing:
+        """vLLM's CPU attention kernel's packing for a block size, learned from its own store op (cached)."""
+        got = self._packings.get(tokens_per_block)
+        if got is None:
+            from vllm import _custom_ops as ops
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            s, kv_dtype = self._shape, self._cache_dtype
+            dtype = _TORCH_DTYPES[s.dtype]
+            isa = _get_attn_isa(dtype, tokens_per_block, s.head_dim, kv_dtype)
+
+            def store(k, v, kc, vc, slots):
+                ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, kv_cache_dtype=kv_dtype)
+
+            got = self._packings[tokens_per_block] = probe(store, isa, tokens_per_block, s.head_dim, dtype)
+        return got
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         w = self._worker
-        if w is None or w.endpoint is None:
+        if w is None:
             return None
-        return KVBridgeHandshake(w.cache.rank, w.endpoint, w.cache.layout.to_wire())
+        return KVBridgeHandshake(w.cache.rank, w.endpoint or "", w.cache.layout.to_wire(),
+                                 w.packing.digest if w.packing is not None else "")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -171,12 +198,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     # --- scheduler side ------------------------------------------------------------------------------
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
-        eps, lays = {}, {}
+        eps, lays, packs = {}, {}, {}
         for meta in metadata.values():
             if isinstance(meta, KVBridgeHandshake):
-                eps[meta.rank], lays[meta.rank] = meta.endpoint, meta.layout
+                eps[meta.rank], lays[meta.rank], packs[meta.rank] = meta.endpoint, meta.layout, meta.packing
         if self._sched is not None and eps:
-            self._sched.set_workers(eps, lays)
+            self._sched.set_workers(eps, lays, packs)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.matched_tokens(request.request_id, request.kv_transfer_params,

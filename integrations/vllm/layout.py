@@ -9,10 +9,11 @@ start instead of moved wrongly. Known shapes per layer:
     flash-attention like  [2, blocks, tokens, heads, head_dim] or [blocks, 2, tokens, heads, head_dim], any
                           stride order (NHD / HND)
     MLA                   [blocks, tokens, latent]
-Inside a region the CPU backend packs elements its own way (its vector kernel keeps K column-major,
-[head_dim, block_size], and V row-major): so kvbridge moves whole (block, head, K|V) regions between two
-engines of the SAME block size (`moved_tokens`), never token rows, and the positional digest is taken per
-region in the request's block order. Owns no memory: the tensors stay vLLM's. Imports torch, never vllm.
+Inside a region the CPU backend packs elements its own way (packing.py: learned from the kernel): so kvbridge
+moves whole (block, head, K|V) regions (`moved_tokens`), never token rows — straight into vLLM's blocks when
+both engines use one block size, through a staging pool and a repack when they differ (reblock.py) — and the
+positional digest unpacks regions to token rows first. Owns no memory: the tensors stay vLLM's. Imports
+torch, never vllm.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ import xxhash
 
 from ...errors import LayoutError
 from ...formatter.layout import KVLayout, KVShape, ParallelSplit, PoolAddressing
+from .packing import ELEMENT_INT, Packing, unpack
 
 __all__ = ["EngineShape", "CachePool", "describe_caches", "kv_digest", "moved_tokens", "PACKED_ORDERS",
-           "DTYPE_NAMES"]
+           "DTYPE_NAMES", "GRANULE"]
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2", torch.int8: "int8",
                torch.uint8: "uint8"}
 # orders whose (block, head, K|V) regions an engine packs its own way: moved as whole regions, same block size
 PACKED_ORDERS = frozenset({"lbhkn"})
+GRANULE = 32  # tokens per positional digest key (every CPU-backend block size is a multiple of it)
 # logical axis labels of a 5-D per-layer cache, in the backends' shape order; the first that fits wins
 _FIVE_D = ("kbnh", "bknh", "kbhn", "bkhn")
 
@@ -155,23 +158,37 @@ def _num_blocks(t: torch.Tensor, order: str) -> int:
     return int(sizes[order[1:].index("b")][1])
 
 
-def kv_digest(pool: CachePool, block_ids, num_tokens: int) -> dict[str, str]:
-    """Positional digest of one request on this worker: "layer.head.K|V.i" (global layer and head ids, i the
-    i-th block of the request in token order) -> xxh3-64 of that block's token rows of that head (for the CPU
-    backend: the region's bytes). Two engines of one block size agree on every key exactly when every block of
-    KV sits where it belongs, whatever their TP split; keys from i on compare a partial pull."""
+def kv_digest(pool: CachePool, block_ids, num_tokens: int, packing: Packing | None = None) -> dict[str, str]:
+    """Positional digest of one request on this worker: "layer.head.K|V.g" (global layer and head ids, g the
+    g-th granule of GRANULE tokens in token order) -> xxh3-64 of those tokens' rows of that head, read as
+    token rows (a packed cache is unpacked with its kernel's `packing` first). Two engines agree on every key
+    exactly when every token's KV sits where it belongs, whatever their TP split and block sizes; keys from
+    g on compare a partial pull."""
     lay, a = pool.layout, pool.addressing
-    T = lay.shape.tokens_per_block
-    blocks = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)[:-(-int(num_tokens) // T)])
+    T, n = lay.shape.tokens_per_block, int(num_tokens)
+    nb = -(-n // T)
+    blocks = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)[:nb])
     tp_rank, pp_rank = lay.coords(pool.rank)
     out: dict[str, str] = {}
     for li, layer in enumerate(lay.stage_layers(pp_rank)):
-        flat = pool.buffers[li].detach().reshape(-1).view(torch.uint8)
+        buf = pool.buffers[li].detach()
+        if lay.order in PACKED_ORDERS:
+            if packing is None:
+                raise LayoutError(f"a digest of a {lay.order} cache needs its kernel's packing")
+            regions = buf.view(ELEMENT_INT[buf.element_size()]).view(buf.shape[0], buf.shape[1], 2, -1)
+            rows = unpack(regions.index_select(0, blocks.to(buf.device)), packing)
+            heads = rows.permute(1, 2, 0, 3, 4).reshape(buf.shape[1], 2, nb * T, -1)[:, :, :n]
+        else:
+            flat = buf.reshape(-1).view(torch.uint8)
+            heads = torch.stack([torch.stack([
+                torch.as_strided(flat, (a.num_blocks, T, a.row_bytes), (a.block_stride, a.token_stride, 1),
+                                 flat.storage_offset() + k * a.kv_stride + hi * a.head_stride)
+                .index_select(0, blocks.to(buf.device)).reshape(nb * T, a.row_bytes)[:n]
+                for k in range(lay.shape.kv_factor)]) for hi in range(len(lay.head_range(tp_rank)))])
+        host = heads.cpu().contiguous().numpy()
         for hi, head in enumerate(lay.head_range(tp_rank)):
             for k in range(lay.shape.kv_factor):
-                v = torch.as_strided(flat, (a.num_blocks, T, a.row_bytes), (a.block_stride, a.token_stride, 1),
-                                     flat.storage_offset() + k * a.kv_stride + hi * a.head_stride)
-                rows = v.index_select(0, blocks.to(v.device)).cpu().contiguous().numpy()
-                for i in range(rows.shape[0]):
-                    out[f"{layer}.{head}.{'KV'[k]}.{i}"] = xxhash.xxh3_64_hexdigest(rows[i])
+                for g in range(0, n, GRANULE):
+                    key = f"{layer}.{head}.{'KV'[k]}.{g // GRANULE}"
+                    out[key] = xxhash.xxh3_64_hexdigest(host[hi, k, g:g + GRANULE])
     return out

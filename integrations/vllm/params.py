@@ -34,6 +34,7 @@ class RemotePrefill:
 
     disagg: DisaggParams
     num_tokens: int
+    packing: str = ""  # the prefill kernel's packing digest (packing.Packing.digest), "" for token rows
 
 
 def prefill_answer(disagg: DisaggParams, num_tokens: int) -> dict[str, Any]:
@@ -76,4 +77,7 @@ def remote_prefill_of(params: Any) -> RemotePrefill | None:
         raise ProtocolError(f"kv_transfer_params.{KEY}: {e}") from None
     if not disagg.secret:
         raise ProtocolError(f"kv_transfer_params.{KEY}.secret is missing")
-    return RemotePrefill(disagg, n)
+    packing = body.get("packing", "")
+    if not isinstance(packing, str) or len(packing) > 128:
+        raise ProtocolError(f"kv_transfer_params.{KEY}.packing must be a string of at most 128 characters")
+    return RemotePrefill(disagg, n, packing)

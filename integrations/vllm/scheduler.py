@@ -19,7 +19,7 @@ from typing import Any
 import xxhash
 
 from ...errors import ProtocolError
-from ...formatter.layout import KVLayout
+from ...formatter.layout import KVLayout, KVShape
 from ...formatter.mapping import mapping_for
 from ...transceiver.handles import RequestKey
 from ...transceiver.params import DisaggParams
@@ -52,6 +52,7 @@ class SchedulerSide:
         self.instance, self.local_layout = instance, local_layout
         self.endpoints: tuple[str, ...] = ()
         self.ctx_layout: KVLayout | None = None
+        self.packing = ""  # this engine's kernel packing digest (every worker's, they must agree)
         self._key = RequestKey.new()
         self._next = 1
         self._work = StepWork()
@@ -61,16 +62,23 @@ class SchedulerSide:
         self._stats: dict[str, PullStats] = {}
 
     # --- set-up --------------------------------------------------------------------------------------
-    def set_workers(self, endpoints: dict[int, str], layouts: dict[int, dict]) -> None:
-        """Every worker's control endpoint and layout wire form, by kvbridge rank (from vLLM's handshake)."""
+    def set_workers(self, endpoints: dict[int, str], layouts: dict[int, dict],
+                    packings: dict[int, str] | None = None) -> None:
+        """Every worker's control endpoint, layout wire form and packing digest, by kvbridge rank (from vLLM's
+        handshake)."""
         world = self.local_layout.world_size
         if sorted(endpoints) != list(range(world)):
             raise ProtocolError(f"kvbridge workers reported ranks {sorted(endpoints)}; the engine has {world}")
         fps = {KVLayout.from_wire(w).fingerprint() for w in layouts.values()}
         if len(fps) != 1:
             raise ProtocolError(f"kvbridge workers disagree on the KV layout (fingerprints {sorted(fps)})")
-        self.endpoints = tuple(endpoints[r] for r in range(world))
+        packs = set((packings or {}).values())
+        if len(packs) > 1:
+            raise ProtocolError(f"kvbridge workers disagree on the attention kernel's packing ({sorted(packs)})")
+        # a decode-only engine's workers have no endpoint (no Sender): it publishes nothing
+        self.endpoints = tuple(endpoints[r] for r in range(world)) if all(endpoints.values()) else ()
         self.ctx_layout = KVLayout.from_wire(layouts[0])
+        self.packing = packs.pop() if packs else ""
 
     # --- decode side ---------------------------------------------------------------------------------
     def matched_tokens(self, req_id: str, params: Any, prompt: list[int], num_computed: int) -> tuple[int, bool]:
@@ -100,13 +108,18 @@ class SchedulerSide:
             return None, ("this request's prompt is not the one the remote prefill computed (prompt_hash "
                           "differs): its KV would be another text's")
         ctx, mine = remote.disagg.ctx_layout, self.ctx_layout or self.local_layout
-        if ({ctx.order, mine.order} & PACKED_ORDERS) and ctx.shape.tokens_per_block != mine.shape.tokens_per_block:
-            return None, (f"the prefill's KV blocks hold {ctx.shape.tokens_per_block} tokens, this engine's "
-                          f"{mine.shape.tokens_per_block}: vLLM's CPU attention packs each block its own way "
-                          f"(K column-major), so kvbridge moves whole blocks and needs one block size on both "
-                          f"sides (--block-size)")
+        target = self.local_layout
+        if {ctx.order, mine.order} & PACKED_ORDERS:
+            if ctx.order != mine.order:
+                return None, (f"the prefill's KV cache is laid out {ctx.order}, this engine's {mine.order}: one "
+                              f"packs each block its own way (vLLM's CPU attention), so both must use the same "
+                              f"attention backend")
+            # whole blocks move into a staging pool of the prefill's block size, repacked on the worker
+            s = self.local_layout.shape
+            target = KVLayout(KVShape(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype,
+                                      ctx.shape.tokens_per_block, s.mla), self.local_layout.split, mine.order)
         try:
-            mapping_for(remote.disagg.ctx_layout, self.local_layout)
+            mapping_for(remote.disagg.ctx_layout, target)
         except Exception as e:  # noqa: BLE001 - any layout the formatter cannot map is refused by name
             return None, f"the prefill's KV layout cannot map onto this engine's: {e}"
         return remote, ""
@@ -122,7 +135,7 @@ class SchedulerSide:
             self._work.refusals.append(Refuse(req_id, refusal))
             return
         self._work.pulls.append(Pull(req_id, remote.disagg.to_dict(), tuple(int(b) for b in block_ids),
-                                     remote.num_tokens, self._local.get(req_id, 0)))
+                                     remote.num_tokens, self._local.get(req_id, 0), remote.packing))
 
     def worker_reports(self, stats: dict[str, PullStats], finished_recving) -> None:
         """vLLM's update_connector_output: pulls the workers finished (their stats merged over workers)."""
@@ -146,7 +159,7 @@ class SchedulerSide:
             if stats is None:
                 return False, None
             return False, {"kvbridge_transfer": {"bytes": stats.nbytes, "ms": round(stats.ms, 3),
-                                                 "error": stats.error}}
+                                                 "read_ms": round(stats.read_ms, 3), "error": stats.error}}
         if not finished_ok or not block_ids or num_computed <= 0 or not self.endpoints:
             return False, None
         n = min(num_computed, len(prompt))
@@ -156,6 +169,8 @@ class SchedulerSide:
         disagg = DisaggParams(handle, self.instance, self.endpoints, self.ctx_layout, secret)
         answer = prefill_answer(disagg, n)
         answer[KEY]["prompt_hash"] = prompt_hash(prompt, n)
+        if self.packing:
+            answer[KEY]["packing"] = self.packing
         return True, answer
 
     def take_work(self) -> StepWork:

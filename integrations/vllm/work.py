@@ -33,6 +33,7 @@ class Pull:
     block_ids: tuple[int, ...]
     num_tokens: int
     from_token: int = 0
+    packing: str = ""  # the prefill kernel's packing digest (params.RemotePrefill.packing)
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,10 @@ class PullStats:
     """One worker's outcome of one pull (the scheduler sums the workers' bytes, keeps the slowest time)."""
 
     nbytes: int = 0
-    ms: float = 0.0
+    ms: float = 0.0  # the whole pull: Fetch, reads, confirmation (and a repack between block sizes)
     error: str = ""
+    read_ms: float = 0.0  # the reads alone (first READ posted -> last done), as vLLM's NIXL metric counts
 
     def merge(self, other: "PullStats") -> "PullStats":
-        return PullStats(self.nbytes + other.nbytes, max(self.ms, other.ms), self.error or other.error)
+        return PullStats(self.nbytes + other.nbytes, max(self.ms, other.ms), self.error or other.error,
+                         max(self.read_ms, other.read_ms))

@@ -15,13 +15,17 @@ import logging
 import os
 import time
 from itertools import count
+from typing import Callable
 
+from ...errors import LayoutError
 from ...transceiver.config import TransceiverConfig
 from ...transceiver.params import DisaggParams
 from ...transceiver.pool import LocalPool
 from ...transceiver.receiver import Receiver
 from ...transceiver.sender import Sender
-from .layout import CachePool, kv_digest, moved_tokens
+from .layout import PACKED_ORDERS, CachePool, kv_digest, moved_tokens
+from .packing import Packing
+from .reblock import Reblocker
 from .work import PullStats, StepWork
 
 log = logging.getLogger(__name__)
@@ -38,11 +42,18 @@ class WorkerSide:
         instance: the engine's instance id (the same on all its workers).
         produce / consume: start a Sender (prefill role) / a Receiver (decode role).
         digest_dir: when set, write each request's positional KV digest there (tests, debugging).
+        packing_of: the attention kernel's packing for a block size (packed caches: the CPU backend).
+        staging_tokens: tokens a staging pool for another block size holds (reblock.py).
     """
 
     def __init__(self, pool: CachePool, config: TransceiverConfig, instance: str, produce: bool, consume: bool,
-                 digest_dir: str | None = None) -> None:
+                 digest_dir: str | None = None, packing_of: Callable[[int], Packing] | None = None,
+                 staging_tokens: int = 0) -> None:
         self.cache, self.config, self.digest_dir = pool, config, digest_dir
+        packed = pool.layout.order in PACKED_ORDERS
+        if packed and packing_of is None:
+            raise LayoutError(f"a {pool.layout.order} cache needs its attention kernel's packing")
+        self.packing = packing_of(pool.layout.shape.tokens_per_block) if packed and packing_of else None
         self.pool = LocalPool(pool.layout, pool.rank, list(pool.buffers), pool.num_blocks, config)
         try:
             self.sender = Sender(self.pool, config, instance) if produce else None
@@ -50,6 +61,9 @@ class WorkerSide:
         except BaseException:
             self.pool.close()
             raise
+        self.reblock = (Reblocker(pool, config, instance, packing_of, staging_tokens)
+                        if consume and packed and packing_of else None)
+        self._reblocked: dict[str, tuple[int, int, list[int]]] = {}  # req -> (handle, n, blocks)
         self._ids = count(1)
         self._sent: dict[int, str] = {}  # handle -> vLLM request id
         self._pulls: dict[int, tuple[str, int, int, list[int]]] = {}  # kvbridge id -> (req, handle, n, blocks)
@@ -85,6 +99,8 @@ class WorkerSide:
             rid = self._pull_of.get(req_id)
             if rid is not None and self.receiver is not None:
                 self.receiver.cancel(rid)
+            if req_id in self._reblocked:
+                self.reblock.cancel(req_id)
 
     def _start_pull(self, p) -> None:
         if self.receiver is None:
@@ -93,6 +109,19 @@ class WorkerSide:
         rid = next(self._ids)
         try:
             disagg = DisaggParams.from_dict(p.disagg)
+            ctx_T = disagg.ctx_layout.shape.tokens_per_block
+            if self.packing is not None and ctx_T != self.cache.layout.shape.tokens_per_block:
+                why = self.reblock.check(ctx_T, p.packing)
+                if why:
+                    self._fail(p.req_id, why)
+                    return
+                self.reblock.submit(p.req_id, disagg, list(p.block_ids), p.num_tokens, p.from_token)
+                self._reblocked[p.req_id] = (disagg.ctx_request_id, p.num_tokens, list(p.block_ids))
+                return
+            if self.packing is not None and p.packing != self.packing.digest:
+                self._fail(p.req_id, f"the prefill's attention kernel packs its blocks as {p.packing or 'unknown'}"
+                                     f", this engine's as {self.packing.digest}: whole blocks would land wrong")
+                return
             n = moved_tokens(p.num_tokens, self.cache.layout)
             self.receiver.submit(rid, disagg, list(p.block_ids), n, None, p.from_token)
         except Exception as e:  # noqa: BLE001
@@ -129,9 +158,19 @@ class WorkerSide:
                 if r.ok:
                     self._digest("gen", handle, blocks, n)
                     self._done_recv.add(req_id)
-                    self._stats[req_id] = PullStats(r.nbytes, float(r.timings_ms.get("total", 0.0)))
+                    self._stats[req_id] = PullStats(r.nbytes, float(r.timings_ms.get("total", 0.0)),
+                                                    read_ms=float(r.timings_ms.get("read", 0.0)))
                 else:
                     self._fail(req_id, f"{r.error_type}: {r.error}")
+        if self.reblock is not None:
+            for s in self.reblock.poll():
+                handle, n, blocks = self._reblocked.pop(s.key, (0, 0, []))
+                if s.ok:
+                    self._digest("gen", handle, blocks, n)
+                    self._done_recv.add(s.key)
+                    self._stats[s.key] = PullStats(s.nbytes, s.ms, read_ms=s.read_ms)
+                else:
+                    self._fail(s.key, s.error)
         recving, failed = self._done_recv, self._failed
         self._done_recv, self._failed = set(), set()
         return sending, recving, failed
@@ -143,13 +182,15 @@ class WorkerSide:
     def _digest(self, side: str, handle: int, block_ids, n: int) -> None:
         if not self.digest_dir:
             return
-        d = kv_digest(self.cache, block_ids, n)
+        d = kv_digest(self.cache, block_ids, n, self.packing)
         path = os.path.join(self.digest_dir, f"{side}-{handle}-r{self.cache.rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump({"tokens": n, "rank": self.cache.rank, "at": time.time(), "digest": d}, f)
         os.replace(path + ".tmp", path)
 
     def close(self) -> None:
+        if self.reblock is not None:
+            self.reblock.close()
         for part in (self.sender, self.receiver):
             if part is not None:
                 part.close()
