@@ -84,9 +84,14 @@ class Deployment:
         self.routers: dict[tuple[int, bool], str] = {}
         try:
             self.cluster.start()
-            # generation workers with another transceiver config (a group has one): started by hand
-            pending = [self._spawn(["worker", "--role", "generation", "--index", "0"], {**d, "generation_servers":
-                                   g}, f"gen-extra{i}") for i, g in enumerate(extra_gens or [])]
+            # generation workers with another transceiver config (a group has one): started by hand, with the
+            # deployment's CurveZMQ keys for generation workers (else the context rank refuses their hello)
+            keys = {k: v for k, v in (self.cluster.cfg.raw["generation_servers"].get("transceiver") or {}).items()
+                    if k.startswith("curve_")}
+            pending = [self._spawn(["worker", "--role", "generation", "--index", "0"],
+                                   {**d, "generation_servers": {**g, "transceiver": {**g.get("transceiver", {}),
+                                                                                     **keys}}},
+                                   f"gen-extra{i}") for i, g in enumerate(extra_gens or [])]
             self.cluster.wait_healthy(900)
             self.gens = [(s.url, d["generation_servers"]) for s in self.cluster.cfg.generation]
             self.gens += [(self._port(p, path), g) for (p, path), g in zip(pending, extra_gens or [])]
@@ -250,9 +255,8 @@ def run(a) -> dict[str, Any]:
     hetero_n = [s for s in sizes if s == a.hetero_tokens] or sizes[-1:]
     tpb, blocks = (16, 256) if quick else (32, a.blocks)
     g1, g0 = ("", "") if quick else ("cuda:1", "cuda:0")
-    agents = ([("tcp", "direct", {})] if quick else
-              [(x.split("/")[0], x.split("/")[1], STAGING if x.endswith("/staged") else {})
-               for x in a.agents.split(",")])
+    agents = [(x.split("/")[0], x.split("/")[1], STAGING if x.endswith("/staged") else {})
+              for x in a.agents.split(",")]
     res: dict[str, Any] = {"model": model, "machine": machine(), "quick": quick, "rows": [], "load": {}}
     agg_cache: dict = {}
     # Phase A: TP1 -> TP1, one generation worker per agent
@@ -367,12 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per request of the load run")
     ap.add_argument("--load-tokens", type=int, default=None, help="prompt length of the load run")
-    ap.add_argument("--agents", default="cuda_ipc/direct,nixl/direct,nixl/staged", help="phase A (GPU)")
+    ap.add_argument("--agents", default=None, help="phase A: agent/path,... (default cuda_ipc/direct,nixl/direct,"
+                    "nixl/staged; quick: tcp/direct); the first runs in the deployment, the others in extra "
+                    "generation workers")
     ap.add_argument("--phases", default="ABC", help="A: TP1->TP1 + load, B: hetero TP, C: NIXL over TCP")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="default: the --json path with .png")
     a = ap.parse_args(argv)
     a.prompts = a.prompts or ("64,512" if a.quick else "1024,4096,8192")
+    a.agents = a.agents or ("tcp/direct" if a.quick else "cuda_ipc/direct,nixl/direct,nixl/staged")
     a.hetero_tokens = a.hetero_tokens or (512 if a.quick else 8192)
     a.requests = a.requests or (4 if a.quick else 16)
     a.max_tokens = a.max_tokens or (4 if a.quick else 32)

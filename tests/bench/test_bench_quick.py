@@ -60,9 +60,13 @@ def test_bench_soak_quick(tmp_path):
 
 
 def test_bench_serve_quick(tmp_path):
-    """The CPU form of bench serve: the real router and workers, overlap off and on, exact tokens."""
+    """The CPU form of bench serve: the real router and workers, overlap off and on, exact tokens; a second
+    agent/path runs in an extra generation worker started by the bench (it must get the deployment's CurveZMQ
+    keys: without them the context rank refuses its hello, as the first GPU run of the NIXL rows found)."""
     res = _bench(tmp_path, "serve", "--quick", "--prompts", "64", "--phases", "A", "--repeat", "1",
-                 "--requests", "2")
+                 "--requests", "2", "--agents", "tcp/direct,tcp/staged")
+    assert not res.get("errors"), res.get("errors")
+    assert {(r["agent"], r["path"]) for r in res["rows"]} == {("tcp", "direct"), ("tcp", "staged")}
     assert res["rows"] and all(r["exact"] for r in res["rows"])
     assert {r["streaming"] for r in res["rows"]} == {False, True}
     assert res["load"]["disaggregated"]["req_per_s"] > 0
