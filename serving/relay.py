@@ -56,7 +56,9 @@ async def from_worker(request: Request, coro, w: WorkerRef, who: str, late: str)
     Returns:
         what `coro` returns.
     Raises:
-        ApiError: 504 timeout_error when it timed out, 502 generation_failed when the connection failed.
+        ApiError: 504 timeout_error when it timed out; 502 when the connection failed: generation_unreachable
+            when it could not even connect (nothing was sent: the router may run the request elsewhere),
+            generation_failed otherwise.
     """
     try:
         return await until_gone(request, coro)
@@ -64,8 +66,9 @@ async def from_worker(request: Request, coro, w: WorkerRef, who: str, late: str)
         raise ApiError(504, f"{who} {w.name} {late}", "timeout_error", "timeout") from None
     except httpx.TransportError as e:
         w.mark(False, type(e).__name__)
+        code = "generation_unreachable" if isinstance(e, httpx.ConnectError) else "generation_failed"
         raise ApiError(502, f"{who} {w.name} failed: {type(e).__name__} {e}".rstrip(), "server_error",
-                       "generation_failed") from None
+                       code) from None
 
 
 Send = Callable[[], Awaitable[httpx.Response]]  # one attempt of a hop: a fresh request each call
