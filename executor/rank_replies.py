@@ -48,7 +48,7 @@ class RankReplies:
         self._procs: list = []
         self._pipes: list = []
 
-    # --- internals ---------------------------------------------------------------------------------------
+    # --- sending, reading, waiting -----------------------------------------------------------------------
     def _send(self, msg) -> None:
         self._check()
         try:
