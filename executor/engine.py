@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ExecutorError
@@ -65,50 +64,9 @@ from ..transceiver.stats import TransferStats
 from . import events as E
 from . import plan as P
 from .plan import BatchRow, StepPlan
-from .sampling import SamplingParams, TokenHistory
+from .request import MODES, Request, refusal
 
 __all__ = ["Engine", "Request", "MODES"]
-
-MODES = ("aggregated", "context_only", "generation_only")
-
-
-@dataclass
-class Request:
-    request_id: int
-    prompt: list[int]
-    max_tokens: int
-    mode: str = "aggregated"
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_ids: tuple[int, ...] = ()
-    first_token: int | None = None         # generation-only: the context side's first token
-    ctx_info: dict = field(default_factory=dict)
-    state: str = "waiting"  # waiting, (loading, loaded,) prefill, running, awaiting_kv(, awaiting_token), ctx_done, finished
-    output: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    reserved: int = 0                       # blocks reserved to completion
-    finish_reason: str | None = None
-    transfer: TransferStats | None = None   # generation-only: the transfer's stats from the rank hooks
-    stream: bool = False                    # report each new token (Tok events) before Done
-    loaded: int = 0                         # prompt tokens loaded by the KV connector (not computed)
-    reused: int = 0                         # prompt tokens served from the local prefix cache (block reuse)
-    logprobs: list = field(default_factory=list)  # TokenLogprob of each token sampled HERE (if asked)
-    decode_at: float = 0.0                  # generation-only: unix seconds when it started decoding
-
-    def sample_history(self) -> TokenHistory | None:
-        """The step plan's TokenHistory for this request's next token, or None when it needs none."""
-        sp, n = self.sampling, len(self.output)
-        if not sp.needs_history(n):
-            return None
-        banned = self.stop_ids if n < sp.min_tokens and not sp.ignore_eos else ()
-        prompt = self.prompt if sp.repetition_penalty != 1 else ()
-        counted = sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
-        out = self.output if counted else ()
-        return TokenHistory(tuple(prompt), tuple(out), tuple(banned))
-
-    def row(self, start: int, tokens: list) -> BatchRow:
-        """This request's batch row computing `tokens` from position `start`, its last position sampled."""
-        return BatchRow(self.request_id, start, tokens, True, self.mode == "context_only", self.sampling,
-                        self.sample_history())
 
 
 class Engine:
@@ -153,33 +111,11 @@ class Engine:
         if req.request_id in self.requests:
             self._refuse(req.request_id, f"request id {req.request_id} is already in use")
             return
-        if req.mode not in MODES:
-            self._refuse(req.request_id, f"mode {req.mode!r} is not one of {MODES}")
-            return
-        if not req.prompt or req.max_tokens < 1:
-            self._refuse(req.request_id, "a request needs a non-empty prompt and max_tokens >= 1")
-            return
-        if req.mode == "generation_only" and req.first_token is None and \
-                not req.ctx_info.get("first_token_later"):
-            self._refuse(req.request_id, "a generation-only request needs the context side's first token")
-            return
-        toks = list(req.prompt) + ([req.first_token] if req.first_token is not None else [])
-        bias_ids = [t for t, _ in req.sampling.logit_bias]
-        if self.vocab_size is not None and any(t >= self.vocab_size for t in bias_ids + list(req.stop_ids)):
-            bad = next(t for t in bias_ids + list(req.stop_ids) if t >= self.vocab_size)
-            self._refuse(req.request_id, f"logit_bias/stop token id {bad} is outside the model's vocabulary "
-                                         f"0..{self.vocab_size - 1}")
-            return
-        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in toks):
-            bad = next(t for t in toks if not 0 <= t < self.vocab_size)
-            self._refuse(req.request_id,
-                         f"token id {bad} is outside the model's vocabulary 0..{self.vocab_size - 1}")
+        why = refusal(req, self.vocab_size, self.max_position)
+        if why is not None:
+            self._refuse(req.request_id, why)
             return
         total = len(req.prompt) + (req.max_tokens if req.mode != "context_only" else 1)
-        if total > self.max_position:
-            self._refuse(req.request_id,
-                         f"prompt + max_tokens = {total} exceeds the model's {self.max_position}")
-            return
         req.reserved = self._blocks(total)
         if req.reserved > self.num_blocks:
             self._refuse(req.request_id, f"needs {req.reserved} KV blocks to completion, the pool has only "

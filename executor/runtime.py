@@ -1,7 +1,8 @@
 """`Executor`: the in-process handle to a reference executor of N rank processes (TP x PP).
 
 Owns the rank processes (spawned, one per rank; rank 0 leads) and the parent's side of their pipes: it sends
-commands to the leader and collects events, KV shards and errors from every rank. Every wait has a deadline;
+commands to the leader and collects events, KV shards and errors from every rank (rank_replies.py: the
+reader threads, the reply state and the bounded waits). Every wait has a deadline;
 a rank that dies or reports an error makes every pending and later call raise ExecutorError naming it.
 
 The API (see engine.py for when each call is allowed):
@@ -26,17 +27,16 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from .. import codec
-from ..errors import ExecutorError, KVCacheExhausted
+from ..errors import ExecutorError
 from ..formatter.layout import KVLayout
 from .config import ModelConfig
 from .connector.factory import connector_wire
 from .kv_cache_manager import TORCH_DTYPES
-from .kv_check import KVDigest, RankDigest, merge
+from .kv_check import KVDigest, merge
 from .kv_io import assemble, shard_of
 from .launch import free_port, spawn_ranks, stop_processes
 from .sampling import SamplingParams, TokenLogprob
@@ -44,33 +44,19 @@ from .results import Completion, ContextResult, ExecutorConfig, GenerationHandle
 from . import events as E
 from . import pipe_messages as pm
 from .pipes import Pipes
+from .rank_replies import RankReplies, raise_refusal
 from .worker import rank_main
 
 __all__ = ["ExecutorConfig", "Executor", "ContextResult", "GenerationHandle", "Completion"]
 
 
-@dataclass
-class _State:
-    events: dict = field(default_factory=dict)       # (event class, rid) -> event (events.py)
-    kv: dict = field(default_factory=dict)           # (rid, rank) -> tensor
-    partial: dict = field(default_factory=dict)      # rid -> tokens so far of a streaming request
-    partial_lp: dict = field(default_factory=dict)   # rid -> TokenLogprob entries so far of one
-    stats: dict = field(default_factory=dict)        # rank -> RankStats
-    digests: dict = field(default_factory=dict)      # (rid, rank) -> RankDigest
-    ready: dict = field(default_factory=dict)        # rank -> RankReady
-    fatal: str | None = None
-
-
-class Executor:
+class Executor(RankReplies):
     """Handle to running rank processes. Create with `Executor.start(config)`; close with `close()`."""
 
     def __init__(self, cfg: ExecutorConfig) -> None:
         self.cfg = cfg
+        super().__init__()
         self._ids = itertools.count(1)
-        self._st = _State()
-        self._cv = threading.Condition()
-        self._live: set[int] = set()  # ids submitted, not yet ended (done / refused / req_error / released)
-        self._closing = False
         self.model_config: ModelConfig | None = None
         self.layout: KVLayout | None = None
 
@@ -193,7 +179,7 @@ class Executor:
                 if self._st.fatal:
                     raise ExecutorError(f"while waiting for request {request_id}: {self._st.fatal}")
                 self._cv.wait(min(left, 0.5))
-        _raise_refusal(ev)
+        raise_refusal(ev)
         c = self._completion(request_id, ev)
         return c.tokens, list(c.logprobs), c
 
@@ -290,7 +276,7 @@ class Executor:
         self._send(pm.ReadKv(int(request_id)))
         world = lay.world_size
 
-        def pred(st: _State):
+        def pred(st):
             if (E.ReqError, request_id) in st.events:
                 return st.events.pop((E.ReqError, request_id))
             return all((request_id, r) in st.kv for r in range(world)) or None
@@ -339,124 +325,3 @@ class Executor:
         self._wait_for(lambda st: len(st.stats) == world or None, timeout or self.cfg.timeout_s,
                        "block counts")
         return [self._st.stats[r].free for r in range(world)]
-
-    # --- internals ---------------------------------------------------------------------------------------
-    def _send(self, msg) -> None:
-        self._check()
-        try:
-            self._pipes[0].send(msg)
-        except (OSError, ValueError) as e:
-            raise ExecutorError(f"the leader rank is gone ({e})") from None
-
-    def _check(self) -> None:
-        if self._st.fatal:
-            raise ExecutorError(self._st.fatal)
-        if self._closing:
-            raise ExecutorError("the executor is closed")
-
-    def _read_loop(self, rank: int) -> None:
-        pipes = self._pipes[rank]
-        try:
-            while True:
-                got = pipes.recv(0.5)
-                if got is None:
-                    if not self._procs[rank].is_alive():
-                        raise EOFError
-                    continue
-                msg, payload = got
-                with self._cv:
-                    self._dispatch(rank, msg, payload)
-                    self._cv.notify_all()
-                if isinstance(msg, (pm.RankExit, pm.RankError)):
-                    return
-        except (EOFError, OSError):
-            with self._cv:
-                if not self._closing and self._st.fatal is None:
-                    self._procs[rank].join(2.0)  # its pipe closes just before it is reaped: get the real code
-                    code = self._procs[rank].exitcode
-                    how = f", killed by signal {-code}" if code is not None and code < 0 else ""
-                    self._st.fatal = f"rank {rank} exited (exit code {code}{how}) without a report"
-                self._cv.notify_all()
-        except Exception as e:  # noqa: BLE001 - a malformed frame from a rank is fatal for the executor
-            with self._cv:
-                self._st.fatal = f"rank {rank} sent a bad frame: {e}"
-                self._cv.notify_all()
-
-    def _dispatch(self, rank: int, msg, payload: bytes | None) -> None:
-        """File one rank's message (pipe_messages.py) in the state the waits look at (under self._cv)."""
-        on = _ON_REPLY.get(type(msg))
-        if on is not None:
-            on(self._st, rank, msg, payload)
-        else:  # the leader's other events, waited on by (kind, request id)
-            self._st.events[(type(msg), msg.rid)] = msg
-            if isinstance(msg, _ENDS_ID):  # the id may be used again
-                self._live.discard(msg.rid)
-
-    def _wait_for(self, pred, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                got = pred(self._st)
-                if got is not None:
-                    return got
-                if self._st.fatal:
-                    raise ExecutorError(f"while waiting for {what}: {self._st.fatal}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ExecutorError(f"timed out after {timeout:.0f}s waiting for {what}")
-                self._cv.wait(min(left, 0.5))
-
-    def _wait_event(self, key: tuple[type, int], timeout: float | None, what: str):
-        rid = key[1]
-
-        def pred(st: _State):
-            for k in (key, (E.Refused, rid), (E.ReqError, rid)):
-                if k in st.events:
-                    return st.events.pop(k)
-            if key[0] is not E.Done and (E.Done, rid) in st.events:  # aborted while waiting
-                return st.events.pop((E.Done, rid))
-            return None
-
-        ev = self._wait_for(pred, timeout or self.cfg.timeout_s, what)
-        _raise_refusal(ev)
-        if type(ev) is not key[0]:
-            raise ExecutorError(f"request {rid} ended ({ev.reason}) while waiting for {what}")
-        return ev
-
-
-
-def _raise_refusal(ev) -> None:
-    if isinstance(ev, E.Refused):
-        raise KVCacheExhausted(ev.msg) if "blocks" in ev.msg else ExecutorError(ev.msg)
-    if isinstance(ev, E.ReqError):
-        raise ExecutorError(ev.msg)
-
-
-def _on_error(st: _State, rank: int, msg: pm.RankError, payload) -> None:
-    if st.fatal is None:
-        st.fatal = f"rank {rank} failed: {msg.msg}\n{msg.tb}"
-
-
-def _on_kv(st: _State, rank: int, msg: pm.KvShard, payload) -> None:
-    x = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8).view(TORCH_DTYPES[msg.dtype])
-    st.kv[(msg.rid, rank)] = x.reshape(msg.shape)
-
-
-def _on_tok(st: _State, rank: int, msg: E.Tok, payload) -> None:
-    toks = st.partial.setdefault(msg.rid, [])
-    if msg.n == len(toks) + 1:
-        toks.append(msg.tok)
-        if msg.lp is not None:
-            st.partial_lp.setdefault(msg.rid, []).append(msg.lp)
-
-
-_ON_REPLY = {
-    pm.RankReady: lambda st, rank, msg, payload: st.ready.__setitem__(rank, msg),
-    pm.RankError: _on_error,
-    pm.KvShard: _on_kv,
-    pm.RankStats: lambda st, rank, msg, payload: st.stats.__setitem__(rank, msg),
-    RankDigest: lambda st, rank, msg, payload: st.digests.__setitem__((msg.request_id, rank), msg),
-    E.Tok: _on_tok,
-    pm.RankExit: lambda st, rank, msg, payload: None,
-}
-_ENDS_ID = (E.Done, E.Refused, E.ReqError, E.Released)  # after one of these a request id is free again

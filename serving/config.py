@@ -4,6 +4,8 @@ router and executor options, in the spirit of `trtllm-serve disaggregated -c con
 Owns parsing and validation (every error names the key path, e.g. `context_servers.tp`), merging the shared
 sections with each server group's overrides, and turning one server into its ExecutorConfig. Never starts
 anything and never touches the network.
+The `router:` section is router_spec.py's (RouterSpec); the key-by-key checks every section is read with are
+config_keys.py's.
 
     model: smollm2                      # a model spec (kvbridge generate --help lists them)
     on_transfer_failure: fail           # or recompute: the generation worker prefills the prompt itself
@@ -28,7 +30,6 @@ anything and never touches the network.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,11 +37,19 @@ import yaml
 
 from ..errors import KvBridgeError, ServeConfigError
 from ..transceiver.config import TransceiverConfig
+from .config_keys import config_map as _map
+from .config_keys import copy_tree as _copy
+from .config_keys import device as _device
+from .config_keys import get_key as _get
+from .config_keys import host_port as _host_port
+from .config_keys import known_keys as _known
+from .router_spec import POLICIES, RouterSpec
+from .router_spec import api_keys as _api_keys
+from .router_spec import parse_router as _router
 
 __all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_config", "ROLES", "POLICIES"]
 
 ROLES = ("context", "generation")
-POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 FAILURE_MODES = ("fail", "recompute")
 EXIT_POLICIES = ("restart", "stop")
 
@@ -53,9 +62,6 @@ _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype":
              "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool, "kv_events": bool}
 _GROUP = {"instances", "num_instances", "tp", "pp", "layers_per_stage", "urls", "bind_host", "device",
           "executor", "transceiver", "engine", "vllm"}
-_ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
-           "health_interval_s", "health_timeout_s", "health_failures", "connect_timeout_s", "api_keys",
-           "overlap", "kv_aware"}
 _GROUP_KEY = {"context": "context_servers", "generation": "generation_servers"}
 
 
@@ -103,29 +109,6 @@ class ServerSpec:
 
 
 DEFAULT_STREAM_LAYERS = 4  # serving's context executors mark layers ready every 4 (0 in the config: off)
-
-
-@dataclass(frozen=True)
-class RouterSpec:
-    """The router: where it listens, how it picks workers, and the deadline of every hop."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    bind_host: str = ""
-    policy: str = "round_robin"
-    request_timeout_s: float = 300.0   # a whole request, context hop + generation (streaming included)
-    context_timeout_s: float = 120.0   # one context hop (a prefill); a failed hop is retried elsewhere
-    health_interval_s: float = 2.0     # how often every worker's /health is polled
-    health_timeout_s: float = 5.0      # one /health probe's deadline (serving/health.py)
-    health_failures: int = 3           # consecutive missed probes before a worker is out (refused: at once)
-    connect_timeout_s: float = 5.0     # opening a connection to a worker
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
-    overlap: bool = True               # tell the generation side of a request when its prefill starts
-    kv_aware: dict = field(default_factory=dict)  # policy kv_aware's settings (serving/kv_policy.py)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -300,13 +283,6 @@ def _executor(d: dict, path: str, base: dict | None = None) -> dict[str, Any]:
     return out
 
 
-def _device(dev: Any, where: str) -> str:
-    ok = isinstance(dev, str) and (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()))
-    if not ok:
-        raise ServeConfigError(f"{where}: {dev!r} is not cpu, cuda or cuda:N (rank r on GPU N + r)")
-    return dev
-
-
 def _transceiver(d: dict, path: str) -> None:
     try:
         TransceiverConfig.from_dict(d)
@@ -357,96 +333,3 @@ def _group(role: str, d: dict, path: str, executor: dict, transceiver: dict,
             tri = {**tr, "advertise_host": host}  # reachable where the router reaches the worker
         out.append(ServerSpec(role, i, host, port, bind, tp, pp, lps, exi, tri, engine, vl))
     return tuple(out)
-
-
-def _router(d: dict) -> RouterSpec:
-    _known(d, _ROUTER, "router")
-    r = RouterSpec(host=_get(d, "host", str, "router", "127.0.0.1"),
-                   port=_get(d, "port", int, "router", 8000),
-                   bind_host=_get(d, "bind_host", str, "router", ""),
-                   policy=_get(d, "policy", str, "router", "round_robin"),
-                   request_timeout_s=_get(d, "request_timeout_s", float, "router", 300.0),
-                   context_timeout_s=_get(d, "context_timeout_s", float, "router", 120.0),
-                   health_interval_s=_get(d, "health_interval_s", float, "router", 2.0),
-                   health_timeout_s=_get(d, "health_timeout_s", float, "router", 5.0),
-                   health_failures=_get(d, "health_failures", int, "router", 3),
-                   connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
-                   api_keys=_api_keys(d.get("api_keys", [])),
-                   overlap=_get(d, "overlap", bool, "router", True), kv_aware=_kv_aware(d.get("kv_aware")))
-    if r.policy not in POLICIES:
-        raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
-    if not 0 <= r.port < 65536:
-        raise ServeConfigError(f"router.port: {r.port} is not a TCP port")
-    if r.health_failures < 1:
-        raise ServeConfigError(f"router.health_failures: must be >= 1, got {r.health_failures}")
-    for k in ("request_timeout_s", "context_timeout_s", "health_interval_s", "health_timeout_s",
-              "connect_timeout_s"):
-        if getattr(r, k) <= 0:
-            raise ServeConfigError(f"router.{k}: must be > 0 seconds, got {getattr(r, k)}")
-    return r if r.bind_host else RouterSpec(**{**r.__dict__, "bind_host": r.host})
-
-
-def _kv_aware(v: Any) -> dict:
-    from .kv_policy import parse_settings  # checked here, so a bad setting stops `serve --check`
-
-    return parse_settings(v)
-
-
-def _api_keys(v: Any) -> tuple[str, ...]:
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(k, str) and k.strip() for k in v):
-        raise ServeConfigError("router.api_keys: expected a list of non-empty strings")
-    return tuple(k.strip() for k in v)
-
-
-# --- helpers --------------------------------------------------------------------------------------------
-def _map(v: Any, path: str) -> dict:
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise ServeConfigError(f"{path}: expected a mapping, got {type(v).__name__}")
-    return v
-
-
-def _known(d: dict, known: set, path: str) -> None:
-    bad = sorted(str(k) for k in d if k not in known)
-    if bad:
-        where = f"{path}." if path else ""
-        raise ServeConfigError(f"{where}{bad[0]}: unknown key" + (f" (also {bad[1:]})" if bad[1:] else "") +
-                               f"; known keys{' of ' + path if path else ''}: {sorted(known)}")
-
-
-def _get(d: dict, key: str, t, path: str, default: Any = None, required: bool = False) -> Any:
-    where = f"{path}.{key}" if path else key
-    if key not in d:
-        if required:
-            raise ServeConfigError(f"{where}: missing")
-        return default
-    v = d[key]
-    if t is float and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
-    types = t if isinstance(t, tuple) else (t,)
-    if (isinstance(v, bool) and bool not in types) or not isinstance(v, types) or \
-            (isinstance(v, float) and not math.isfinite(v)):
-        names = " or ".join("null" if x is type(None) else x.__name__ for x in types)
-        raise ServeConfigError(f"{where}: expected {names}, got {v!r}")
-    return v
-
-
-def _host_port(u: Any, path: str) -> tuple[str, int]:
-    if not isinstance(u, str):
-        raise ServeConfigError(f"{path}: expected 'host:port', got {u!r}")
-    s = u.removeprefix("http://").rstrip("/")
-    host, sep, port = s.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ServeConfigError(f"{path}: {u!r} is not 'host:port' (port 0: pick a free one)")
-    return host, int(port)
-
-
-def _copy(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {k: _copy(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_copy(v) for v in d]
-    return d

@@ -17,7 +17,6 @@ runs sequentially. Every wait is bounded by the hop's deadline. Never touches KV
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -28,7 +27,7 @@ from fastapi import Request
 from .balancer import WorkerRef
 from .inflight import in_flight
 from .protocol import DEADLINE_HEADER
-from .relay import json_or_none, until_gone
+from .relay import context_send, json_or_none, until_gone
 
 log = logging.getLogger("kvbridge.serving.router")
 
@@ -94,22 +93,13 @@ async def context_early(router, request: Request, w: WorkerRef, path: str, body:
 
 
 async def _send(router, request: Request, w: WorkerRef, path: str, payload: dict, hop: float) -> httpx.Response:
-    """Open the hop's response; a connection the worker closed under us is retried once, fresh."""
-    for fresh in (False, True):
+    """Open the hop's response (relay.context_send: retried once, fresh, on a connection closed under us)."""
+    def send():
         req = router.client.build_request("POST", w.url + path, json=payload, timeout=router._tmo(hop),
                                           headers={DEADLINE_HEADER: f"{hop:.3f}", HANDOVER_HEADER: "early"})
-        try:
-            return await until_gone(request, router.client.send(req, stream=True))
-        except httpx.TimeoutException:
-            raise ContextFailed(f"{w.name}: no answer within {hop:.1f}s") from None
-        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-            if fresh:
-                w.mark(False, type(e).__name__)
-                raise ContextFailed(f"{w.name}: {type(e).__name__} {e}".rstrip()) from None
-        except httpx.TransportError as e:
-            w.mark(False, type(e).__name__)
-            raise ContextFailed(f"{w.name}: {type(e).__name__} {e}".rstrip()) from None
-    raise AssertionError("unreachable")
+        return router.client.send(req, stream=True)
+
+    return await context_send(request, w, hop, send, ContextFailed)
 
 
 async def _next_line(request: Request, lines, w: WorkerRef) -> Any:

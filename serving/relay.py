@@ -2,7 +2,11 @@
 answer, and relaying a generation worker's stream as event objects, then as server-sent events.
 
 Owns turning whatever a worker sends (or fails to send) into event objects or an ApiError naming the worker;
-every wait is bounded by the request's deadline. Never picks a worker and never retries (router.py does).
+every wait is bounded by the request's deadline. The two failure shapes every hop shares live here:
+`from_worker` (a generation/decode step: a timeout is the client's 504, a broken connection its 502, the
+worker marked down) and `context_send` (a context/prefill hop: a connection the worker closed under us is
+retried once, fresh; any other failure raises the caller's "try another worker" exception). Never picks a
+worker and never retries on another one (router.py, vllm_backend.py do).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 from fastapi import Request
@@ -19,7 +23,8 @@ from fastapi import Request
 from .balancer import WorkerRef
 from .protocol import SSE_DONE, ApiError, sse
 
-__all__ = ["until_gone", "read_body", "Relay", "events", "sse_body", "decoration", "decorate", "json_or_none"]
+__all__ = ["until_gone", "from_worker", "context_send", "read_body", "Relay", "events", "sse_body",
+           "decoration", "decorate", "json_or_none"]
 
 
 async def until_gone(request: Request, coro):
@@ -39,16 +44,64 @@ async def until_gone(request: Request, coro):
                 await task
 
 
-async def read_body(request: Request, resp: httpx.Response, w: WorkerRef, left: float) -> bytes:
+async def from_worker(request: Request, coro, w: WorkerRef, who: str, late: str) -> Any:
+    """Await one step of a generation (decode) hop: sending it, or reading its answer.
+
+    Args:
+        request: the client's request (its going away cancels the step: ApiError 499).
+        coro: the step, e.g. `client.send(req, stream=True)` or `resp.aread()` (bounded by its own timeout).
+        w: the worker it talks to; marked down when its connection fails.
+        who: how the error names the worker's kind, e.g. "generation worker" or "decode server".
+        late: how the error says it timed out, e.g. "did not answer within 3.0s".
+    Returns:
+        what `coro` returns.
+    Raises:
+        ApiError: 504 timeout_error when it timed out; 502 when the connection failed: generation_unreachable
+            when it could not even connect (nothing was sent: the router may run the request elsewhere),
+            generation_failed otherwise.
+    """
     try:
-        return await until_gone(request, resp.aread())
-    except httpx.TimeoutException:
-        raise ApiError(504, f"generation worker {w.name} did not answer within {left:.1f}s",
-                       "timeout_error", "timeout") from None
+        return await until_gone(request, coro)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        raise ApiError(504, f"{who} {w.name} {late}", "timeout_error", "timeout") from None
     except httpx.TransportError as e:
         w.mark(False, type(e).__name__)
-        raise ApiError(502, f"generation worker {w.name} failed: {type(e).__name__} {e}".rstrip(),
-                       "server_error", "generation_failed") from None
+        code = "generation_unreachable" if isinstance(e, httpx.ConnectError) else "generation_failed"
+        raise ApiError(502, f"{who} {w.name} failed: {type(e).__name__} {e}".rstrip(), "server_error",
+                       code) from None
+
+
+Send = Callable[[], Awaitable[httpx.Response]]  # one attempt of a hop: a fresh request each call
+
+
+async def context_send(request: Request, w: WorkerRef, hop: float, send: Send,
+                       failed: type[Exception]) -> httpx.Response:
+    """Send one context (prefill) hop: `send()` makes one attempt; a connection the worker closed under us
+    (a stale pooled connection) is retried once, fresh.
+
+    Raises:
+        failed: "<worker>: <why>", when it timed out (no answer within `hop` seconds) or the connection failed
+            (the worker marked down); the caller tries another worker.
+        ApiError: 499, the client went away.
+    """
+    for fresh in (False, True):
+        try:
+            return await until_gone(request, send())
+        except httpx.TimeoutException:
+            raise failed(f"{w.name}: no answer within {hop:.1f}s") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+            if fresh:
+                w.mark(False, type(e).__name__)
+                raise failed(f"{w.name}: {type(e).__name__} {e}".rstrip()) from None
+        except httpx.TransportError as e:
+            w.mark(False, type(e).__name__)
+            raise failed(f"{w.name}: {type(e).__name__} {e}".rstrip()) from None
+    raise AssertionError("unreachable")  # the second attempt returns or raises
+
+
+async def read_body(request: Request, resp: httpx.Response, w: WorkerRef, left: float) -> bytes:
+    return await from_worker(request, resp.aread(), w, "generation worker",
+                             f"did not answer within {left:.1f}s")
 
 
 def decoration(ctx_data: dict, ctx_w: WorkerRef) -> dict:

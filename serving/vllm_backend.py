@@ -35,7 +35,7 @@ from .balancer import WorkerRef, routing_key
 from .fanout import Part
 from .inflight import in_flight
 from .protocol import ApiError
-from .relay import Relay, json_or_none, until_gone
+from .relay import Relay, context_send, from_worker, json_or_none
 
 __all__ = ["VllmBackend", "PREFILL_KV_PARAMS", "prefill_body", "decode_body", "stream_error"]
 
@@ -152,14 +152,11 @@ class VllmBackend:
             t0 = time.monotonic()
             try:
                 with in_flight(w, self.r.metrics.in_flight.labels(w.name)):
-                    r = await until_gone(request, self.r.client.post(
-                        w.url + path, json=payload, headers=self.headers, timeout=self._timeout(hop)))
-            except httpx.TimeoutException:
-                errors.append(f"{w.name}: no answer within {hop:.1f}s")
-                continue
-            except httpx.TransportError as e:
-                w.mark(False, type(e).__name__)
-                errors.append(f"{w.name}: {type(e).__name__} {e}".rstrip())
+                    r = await context_send(request, w, hop, lambda: self.r.client.post(
+                        w.url + path, json=payload, headers=self.headers, timeout=self._timeout(hop)),
+                        _Failed)
+            except _Failed as e:
+                errors.append(str(e))
                 continue
             ms = (time.monotonic() - t0) * 1e3
             self.r.metrics.hop.labels("context").observe(ms / 1e3)
@@ -185,15 +182,8 @@ class VllmBackend:
             t0 = time.monotonic()
             req = self.r.client.build_request("POST", w.url + path, json=body, headers=self.headers,
                                               timeout=self._timeout(left))
-            try:
-                resp = await until_gone(request, self.r.client.send(req, stream=True))
-            except httpx.TimeoutException:
-                raise ApiError(504, f"decode server {w.name} did not answer within {left:.1f}s",
-                               "timeout_error", "timeout") from None
-            except httpx.TransportError as e:
-                w.mark(False, type(e).__name__)
-                raise ApiError(502, f"decode server {w.name} failed: {type(e).__name__} {e}".rstrip(),
-                               "server_error", "generation_failed") from None
+            resp = await from_worker(request, self.r.client.send(req, stream=True), w, "decode server",
+                                     f"did not answer within {left:.1f}s")
             stack.push_async_callback(resp.aclose)
             if resp.status_code != 200 or not stream:
                 raw = await self._read(request, resp, w, deadline)
@@ -220,16 +210,13 @@ class VllmBackend:
             return Relay(_events(first, lines, w, deadline, deco), stack.pop_all())
 
     async def _read(self, request: Request, resp: httpx.Response, w: WorkerRef, deadline: float) -> bytes:
-        try:
-            left = max(0.05, deadline - time.monotonic())
-            return await until_gone(request, asyncio.wait_for(resp.aread(), left))
-        except (asyncio.TimeoutError, httpx.TimeoutException):
-            raise ApiError(504, f"decode server {w.name} did not finish before the deadline", "timeout_error",
-                           "timeout") from None
-        except httpx.TransportError as e:
-            w.mark(False, type(e).__name__)
-            raise ApiError(502, f"decode server {w.name} failed: {type(e).__name__} {e}".rstrip(),
-                           "server_error", "generation_failed") from None
+        left = max(0.05, deadline - time.monotonic())
+        return await from_worker(request, asyncio.wait_for(resp.aread(), left), w, "decode server",
+                                 "did not finish before the deadline")
+
+
+class _Failed(Exception):
+    """A prefill hop that failed before an answer (another prefill server is tried)."""
 
 
 def _failed(w: WorkerRef, why: str) -> ApiError:

@@ -1,24 +1,31 @@
-"""Every `kvbridge bench` subcommand the README names, in a quick form (small sizes), through the real CLI in
-a subprocess: a broken benchmark fails the suite. Speed is never asserted here, only that each runs to the
-end, exits 0 and writes its JSON. The GPU form (`bench transfer --device cuda`) skips on a machine without
-two CUDA GPUs, saying so; its own numbers come from the device runs (bench/RESULTS.md)."""
+"""Every `kvbridge bench` subcommand the README and docs/*.md name, in a quick form (small sizes), through the
+real CLI in a subprocess: a broken benchmark fails the suite. Speed is never asserted here, only that each
+runs to the end, exits 0 and writes its JSON. The GPU form (`bench transfer --device cuda`) skips on a
+machine without two CUDA GPUs, saying so; its own numbers come from the device runs (bench/RESULTS.md).
+`bench route` and `bench vllm` have their quick tests beside the code they drive (QUICK_TESTS below); the
+last test here keeps the docs and this list in step (issue 24)."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 600  # a busy 2-core box; each takes seconds to a minute or so when the machine is free
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
-def _bench(tmp_path, name: str, *args: str) -> object:
+def _bench(tmp_path, name: str, *args: str, cwd: str | None = None) -> object:
+    """`kvbridge bench NAME ARGS --json PATH` as a user types it (the CLI's own dispatch); its JSON."""
     out = tmp_path / f"{name}.json"
-    p = subprocess.run([sys.executable, "-m", "kvbridge.bench", name, *args, "--json", str(out)],
-                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    p = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", name, *args, "--json", str(out)],
+                       capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd)
     assert p.returncode == 0, f"kvbridge bench {name} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert out.exists(), f"kvbridge bench {name} wrote no JSON:\n{p.stdout[-2000:]}"
     return json.loads(out.read_text())
@@ -34,8 +41,17 @@ def test_bench_transfer_cuda_quick(tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("bench transfer --device cuda needs two CUDA GPUs (this machine has "
                     f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
-    rows = _bench(tmp_path, "transfer", "--device", "cuda", "--total", "64M", "--sizes", "65536", "--reps", "1")
-    assert rows
+    rows = _bench(tmp_path, "transfer", "--device", "cuda", "--agents", "nixl,nccl", "--sizes", "4K,64K",
+                  "--total", "64M", "--repeat", "1")  # the README's GPU rows, small
+    assert rows and all(r.get("verified", True) for r in rows)
+
+
+def test_bench_transfer_host_rows_as_the_readme_gives_them(tmp_path):
+    """The README's host-row command (a MODULE:CLASS agent found from the checkout's root), small."""
+    rows = _bench(tmp_path, "transfer", "--agents", "nixl,examples.custom_agent:CmaAgent,tcp,gloo",
+                  "--repeat", "1", "--sizes", "64K", "--total", "4M", cwd=ROOT)
+    assert {r["agent"] for r in rows} == {"nixl", "CmaAgent", "tcp", "gloo"}, rows
+    assert all(r["verified"] for r in rows), rows
 
 
 def test_bench_plan_quick(tmp_path):
@@ -46,11 +62,19 @@ def test_bench_control_quick(tmp_path):
     assert _bench(tmp_path, "control", "--gens", "1", "--requests", "50", "--window", "8")
 
 
-def test_bench_prefix_quick(tmp_path):
-    """As the README gives it (--quick), smaller still: it reads the workers' /metrics with the internal
-    token (the deployment is closed by default)."""
-    res = _bench(tmp_path, "prefix", "--quick", "--conversations", "2", "--turns", "2", "--threads", "2")
-    assert res["identical"] is True
+def test_bench_control_without_read_ahead_quick(tmp_path):
+    """docs/cli.md's `bench control --no-read-ahead` (the generation side asks before it reads)."""
+    assert _bench(tmp_path, "control", "--no-read-ahead", "--gens", "1", "--requests", "50", "--window", "8")
+
+
+def test_bench_prefix_as_printed(tmp_path):
+    """`kvbridge bench prefix --quick --json PATH` exactly as docs/cli.md and docs/prefix-reuse.md print it
+    (8 conversations x 3 turns, one worker per role; about 35 s on a busy 2-core box). It reads the workers'
+    /metrics with the internal token (the deployment is closed by default)."""
+    res = _bench(tmp_path, "prefix", "--quick")
+    assert res["identical"] is True and (res["conversations"], res["turns"]) == (8, 3), res
+    assert res["reuse"]["prefill_tokens"] < res["no_reuse"]["prefill_tokens"], res
+    assert (tmp_path / "prefix.png").exists()
 
 
 def test_bench_soak_quick(tmp_path):
@@ -70,3 +94,47 @@ def test_bench_serve_quick(tmp_path):
     assert res["rows"] and all(r["exact"] for r in res["rows"])
     assert {r["streaming"] for r in res["rows"]} == {False, True}
     assert res["load"]["disaggregated"]["req_per_s"] > 0
+
+
+def test_control_trace_quick():
+    """docs/control-plane.md's `python -m kvbridge.bench.control_trace`: it wraps the transceiver's private
+    methods by name, so a renamed hop would silently drop out of its table; the main hops must be there."""
+    p = subprocess.run([sys.executable, "-m", "kvbridge.bench.control_trace", "--requests", "20"],
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "publish -> complete" in p.stdout, p.stdout
+    hops = {line.split()[0] for line in p.stdout.splitlines() if line and not line.startswith("#")}
+    assert {"c.publish", "g.fetch_sent", "g.reads_done", "c.io_done"} <= hops, p.stdout
+
+
+QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file relative to the checkout)
+    "transfer": "tests/bench/test_bench_quick.py::test_bench_transfer_quick",
+    "plan": "tests/bench/test_bench_quick.py::test_bench_plan_quick",
+    "control": "tests/bench/test_bench_quick.py::test_bench_control_quick",
+    "prefix": "tests/bench/test_bench_quick.py::test_bench_prefix_as_printed",
+    "soak": "tests/bench/test_bench_quick.py::test_bench_soak_quick",
+    "serve": "tests/bench/test_bench_quick.py::test_bench_serve_quick",
+    "route": "tests/serving/test_bench_route.py::"
+             "test_bench_route_quick_writes_every_row_with_answers_equal_to_aggregated",
+    "vllm": "tests/vllm/test_bench_vllm.py::test_the_quick_bench_writes_every_row_with_identical_tokens",
+    "control_trace": "tests/bench/test_bench_quick.py::test_control_trace_quick",  # python -m kvbridge.bench.X
+}
+
+
+def test_every_bench_the_docs_name_has_a_quick_test():
+    """Issue 24: a `kvbridge bench NAME` (or `python -m kvbridge.bench.NAME`) in README.md or docs/*.md, or
+    in the CLI's list, that no quick test runs fails here, naming where it is shown."""
+    from kvbridge.bench.__main__ import BENCHES
+
+    shown: dict[str, str] = {name: "bench/__main__.py BENCHES" for name in BENCHES}
+    for path in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                for m in re.finditer(r"kvbridge bench ([a-z][\w-]*)|kvbridge\.bench\.([a-z]\w*)", line):
+                    shown.setdefault(m.group(1) or m.group(2), f"{os.path.relpath(path, ROOT)}:{n}")
+    missing = {name: where for name, where in shown.items() if name not in QUICK_TESTS}
+    assert not missing, f"benches shown without a quick test (add one, and a QUICK_TESTS entry): {missing}"
+    for name, test in QUICK_TESTS.items():
+        path, func = test.split("::")
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            assert re.search(rf"^def {func}\(", f.read(), re.M), f"{name}: {test} does not exist"
