@@ -83,6 +83,23 @@ def test_different_block_sizes_are_exact(servers, pre, dec):
     exact_pd(servers, pre, dec, [450, 33], seed=450)
 
 
+def test_prefill_of_another_block_size_killed_between_the_hops(servers):
+    """The staged path's failure: the prefill (block 64) dies after answering; the decode (block 32) fails the
+    request within the peer timeout, keeps serving, holds no block, and its staging pool serves the next one."""
+    P, D = servers.use("p64", "d1")
+    warm = prompt(50, 500)
+    assert tokens(decode(D.url, warm, prefill(P.url, warm)))
+    p = prompt(400, 501)
+    params = prefill(P.url, p)
+    P.kill()
+    r = decode(D.url, p, params)
+    assert r.status_code >= 400, r.text[:200]
+    assert wait_log(D, "PeerGone") or wait_log(D, "DeadlineExceeded"), D.tail()
+    assert tokens(completion(D.url, p, 8))
+    assert wait_no_blocks_held(D.url) == 0
+    exact_pd(servers, "p64", "d1", [300], seed=502)  # a fresh prefill engine, the same staging pool
+
+
 def test_decode_prefix_cache_hit_pulls_only_the_blocks_after_it(servers):
     """A decode engine whose own prefix cache holds the first 3 blocks of a prompt pulls only the rest
     (kvbridge's partial pull from the first uncached token): fewer bytes, the same tokens, and every pulled

@@ -112,3 +112,15 @@ def test_probe_of_vllms_real_cpu_kernel_round_trips():
     cells = json.loads(line[0][7:])
     assert cells and all(c["exact"] for c in cells), cells
     assert not any(c["rows"] for c in cells), "the CPU kernel now stores token rows: revisit reblock.py"
+
+
+def test_a_prefill_that_packs_another_way_is_refused_by_name():
+    from kvbridge.integrations.vllm.reblock import Reblocker
+
+    mine = {T: probe(_column_major_k, "vec", T, 32, torch.float32) for T in (32, 64)}
+    theirs = probe(_dim_pairs_k, "amx", 64, 32, torch.float32)
+    r = Reblocker(None, None, "test", mine.__getitem__, 0)  # check() needs only the packings
+    assert r.check(64, mine[64].digest) == ""
+    why = r.check(64, theirs.digest)
+    assert "packs its 64-token blocks as amx" in why and "vec:64x32" in why
+    assert "unknown" in r.check(64, "")
