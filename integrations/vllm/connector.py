@@ -118,7 +118,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
         # a staging pool for a prefill of another block size holds this many tokens (reblock.py)
         self._staging_tokens = max(int(extra.get("staging_tokens") or 0),
-                                   4 * int(vllm_config.model_config.max_model_len))
+                                   int(vllm_config.model_config.max_model_len))
         self._packings: dict[int, Packing] = {}
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
