@@ -33,7 +33,7 @@ import httpx
 
 from .common import machine, table, write_json
 from .plot import save_plot
-from .prefix import _ask, _pct
+from .prefix import _pct
 
 MODEL = "seeded:tiny3"
 TPB = 8
@@ -129,7 +129,7 @@ def _waves(workload: str, p: dict, seed: int):
             yield reqs[i:i + p["threads"]]
 
 
-def run_policy(policy: str, p: dict, model: str, seed: int) -> dict[str, dict[str, Any]]:
+def run_policy(policy: str, p: dict, model: str, seed: int, workloads=WORKLOADS) -> dict[str, dict[str, Any]]:
     from ..serving.config import parse_config
     from ..serving.launcher import Cluster
 
@@ -141,10 +141,11 @@ def run_policy(policy: str, p: dict, model: str, seed: int) -> dict[str, dict[st
         oracle = _Oracle(cluster)
         try:
             with httpx.Client() as client, ThreadPoolExecutor(p["threads"]) as pool:
-                for wl in WORKLOADS:
+                for wl in workloads:
                     out[wl] = _run_workload(wl, p, seed, cluster, client, pool, oracle)
                     print(f"[bench route] {policy:>13} {wl:>13}: prefill {out[wl]['prefill_tokens']} (oracle "
-                          f"{out[wl]['oracle_prefill_tokens']}), ttft p50 {out[wl]['ttft_p50_ms']} ms", flush=True)
+                          f"{out[wl]['oracle_prefill_tokens']}), ttft p50 {out[wl]['ttft_p50_ms']} ms "
+                          f"{out[wl]['ttft_parts_p50_ms']}", flush=True)
         finally:
             oracle.close()
     finally:
@@ -154,7 +155,7 @@ def run_policy(policy: str, p: dict, model: str, seed: int) -> dict[str, dict[st
 
 def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _Oracle) -> dict[str, Any]:
     before = [_counters(s.url, cluster.token) for s in cluster.cfg.context]
-    ttfts, moved, oracle_prefill, sent, answers = [], 0, 0, [], []
+    ttfts, moved, oracle_prefill, sent, answers, parts = [], 0, 0, [], [], []
     t0 = time.monotonic()
     gen = _waves(wl, p, seed)
     wave = next(gen)
@@ -163,6 +164,7 @@ def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _O
         for pr, g in zip(wave, got):
             oracle_prefill += len(pr) - g["oracle_hit"]
             ttfts.append(g["ttft_s"])
+            parts.append(g["parts"])
             moved += g["bytes"]
             sent.append(pr)
             answers.append(g["tokens"])
@@ -177,7 +179,10 @@ def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _O
     return {"prompt_tokens": int(prompt), "prefill_tokens": int(prompt - reused),
             "oracle_prefill_tokens": int(oracle_prefill), "kv_bytes_moved": moved,
             "ttft_p50_ms": round(_pct(ttfts, 0.5) * 1e3, 1), "ttft_p90_ms": round(_pct(ttfts, 0.9) * 1e3, 1),
-            "req_per_s": round(len(ttfts) / wall, 2), "requests": len(ttfts), "_sent": sent, "_answers": answers}
+            "req_per_s": round(len(ttfts) / wall, 2), "requests": len(ttfts),
+            "ttft_parts_p50_ms": {k: round(_pct([x[k] for x in parts if k in x], 0.5), 1)
+                                  for k in ("to_prefill", "prefill", "after_prefill", "transfer")},
+            "_sent": sent, "_answers": answers}
 
 
 def _ask_with_oracle(client, url: str, prompt: list[int], oracle: _Oracle) -> dict[str, Any]:
@@ -186,6 +191,40 @@ def _ask_with_oracle(client, url: str, prompt: list[int], oracle: _Oracle) -> di
     oracle.client.barrier(60)
     hit = oracle.hit(prompt)
     return {**_ask(client, url, prompt), "oracle_hit": hit}
+
+
+def _ask(client, url: str, prompt: list[int]) -> dict[str, Any]:
+    """One streamed completion: its tokens, TTFT, the bytes moved, and where the TTFT went (`parts`, ms, from
+    the first event's kvbridge timestamps: before the prefill starts = the router's pick, the hops and the
+    context worker's queue; the prefill; after it = the pull, the generation hop and the first event)."""
+    body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "stream": True}
+    t0, u0 = time.monotonic(), time.time() * 1e3
+    ttft, tokens, moved, parts = None, [], 0, {}
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if "error" in ev:
+                raise RuntimeError(f"stream error: {ev['error']}")
+            kb = ev.get("kvbridge") or {}
+            if kb.get("token_ids") and ttft is None:
+                ttft = time.monotonic() - t0
+                parts = _parts(kb, u0, u0 + ttft * 1e3)
+            tokens += kb.get("token_ids", [])
+            moved += int((kb.get("transfer") or {}).get("bytes", 0))
+    return {"tokens": tokens, "ttft_s": ttft or (time.monotonic() - t0), "bytes": moved, "parts": parts}
+
+
+def _parts(kb: dict, sent: float, first: float) -> dict[str, float]:
+    start, end = kb.get("prefill_start_unix_ms"), kb.get("prefill_end_unix_ms")
+    if not isinstance(start, (int, float)) or not isinstance(end, (int, float)):
+        return {}
+    total = ((kb.get("transfer") or {}).get("ms") or {}).get("total")  # the pull, submitted to done
+    return {"to_prefill": start - sent, "prefill": end - start, "after_prefill": first - end,
+            **({"transfer": float(total)} if isinstance(total, (int, float)) else {})}
 
 
 def _reference(model: str, prompts: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
@@ -231,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          "round_robin and kv_aware only")
     ap.add_argument("--policies", default=None, help="comma-separated (default: all four; --quick: 2)")
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--workloads", default=None, help=f"comma-separated (default: {','.join(WORKLOADS)})")
     ap.add_argument("--seed", type=int, default=26)
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", action="store_true", help="keep the other policies' rows already in --json")
@@ -238,17 +278,21 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     p = dict(QUICK if a.quick else FULL)
     pols = a.policies.split(",") if a.policies else (["round_robin", "kv_aware"] if a.quick else list(POLICIES))
+    wls = a.workloads.split(",") if a.workloads else list(WORKLOADS)
+    bad = [w for w in wls if w not in WORKLOADS]
+    if bad:
+        ap.error(f"--workloads: unknown {bad} (known: {', '.join(WORKLOADS)})")
     rows: list[dict[str, Any]] = []
     for pol in pols:
         print(f"[bench route] {pol}: {p['ctx']}+{p['gen']} workers ...", flush=True)
-        for wl, r in run_policy(pol, p, a.model, a.seed).items():
+        for wl, r in run_policy(pol, p, a.model, a.seed, wls).items():
             rows.append({"workload": wl, "policy": pol, **r})
     ref = _reference(a.model, [pr for r in rows for pr in r["_sent"]])
     for r in rows:
         r["identical"] = all(ref[tuple(pr)] == ans for pr, ans in zip(r.pop("_sent"), r.pop("_answers")))
     if a.merge and a.json and os.path.exists(a.json):
         with open(a.json) as f:
-            rows = [r for r in json.load(f)["rows"] if r["policy"] not in pols] + rows
+            rows = [r for r in json.load(f)["rows"] if r["policy"] not in pols or r["workload"] not in wls] + rows
         rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), POLICIES.index(r["policy"])))
     cols = ["workload", "policy", "prompt_tokens", "prefill_tokens", "oracle_prefill_tokens", "kv_bytes_moved",
             "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "identical"]
