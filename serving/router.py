@@ -93,7 +93,7 @@ class Router:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             task = asyncio.create_task(self._health_loop())
-            await self.members.start(self._check)  # a worker that joins is checked at once
+            await self.members.start(self._check, self._gone)  # a worker that joins is checked at once
             try:
                 yield
             finally:
@@ -137,8 +137,12 @@ class Router:
 
     async def _check(self, w: WorkerRef) -> None:  # the rule: serving/health.py
         info = await probe(self.client, w, self._tmo(self.rc.health_timeout_s), self._health)
+        if self.kv is not None:  # (a worker that left while it was probed is not followed again)
+            self.kv.on_health(w, info if w in self.members.pool(w.role).workers else None)
+
+    def _gone(self, w: WorkerRef) -> None:
         if self.kv is not None:
-            self.kv.on_health(w, info)
+            self.kv.forget(w)
 
     async def _health_loop(self) -> None:
         while True:
