@@ -90,3 +90,45 @@ def test_the_kv_index_follows_workers_that_join_and_leave(backend, tmp_path):
             dep.stop()
         if etcd is not None:
             etcd.stop()
+
+
+def _curve_cfg(tmp_path) -> dict:
+    """A kv_aware config whose control plane runs CurveZMQ (keys as `kvbridge serve` makes them)."""
+    import zmq.auth
+
+    ctx_pub, ctx_sec = zmq.auth.create_certificates(str(tmp_path), "context")
+    _gen_pub, gen_sec = zmq.auth.create_certificates(str(tmp_path), "generation")
+    return {"model": "seeded:tiny3", "executor": {"num_blocks": 40, "tokens_per_block": 4},
+            "router": {"port": 0, "policy": "kv_aware"},
+            "context_servers": {"instances": 1, "transceiver": {"curve_secret_key_file": ctx_sec,
+                                                                "curve_authorized_keys_dir": str(tmp_path)}},
+            "generation_servers": {"instances": 1, "transceiver": {"curve_secret_key_file": gen_sec,
+                                                                   "curve_server_public_key_file": ctx_pub}}}
+
+
+def test_a_leaving_worker_is_forgotten_at_once_and_curve_keys_are_pinned(tmp_path, monkeypatch):
+    import zmq
+    from kvbridge.executor.kv_events import BlockStored, KVEventBatch
+    from kvbridge.serving.auth import TOKEN_ENV
+    from kvbridge.serving.balancer import WorkerRef
+    from kvbridge.serving.config import parse_config
+    from kvbridge.serving.curve_keys import expected_server_keys, uses_curve
+    from kvbridge.serving.kv_policy import KvRouting
+
+    monkeypatch.setenv(TOKEN_ENV, "a-token-for-this-test-only-0123456789")
+    cfg = parse_config(_curve_cfg(tmp_path))
+    assert uses_curve(cfg) and set(expected_server_keys(cfg)) == {"context"}
+    kv = KvRouting(cfg)
+    try:
+        w = WorkerRef("ctx-b", "http://127.0.0.1:9", "context", True)
+        kv.index.add_worker("ctx-b", "fp", 4, "i")
+        kv.index.apply("ctx-b", 1, KVEventBatch(0.0, (BlockStored((b"\1" * 16,), None, (1, 2, 3, 4), 4),)))
+        assert kv.index.count("ctx-b") == 1
+        kv.forget(w)  # membership removed it: gone from the index before the call returns
+        assert kv.index.count("ctx-b") == 0 and kv.index.info("ctx-b") is None
+        eps = {"pub": "tcp://127.0.0.1:9", "replay": "tcp://127.0.0.1:9", "incarnation": "i"}
+        kv.on_health(w, {"kv_events": eps})  # no Curve key in a Curve deployment: not followed
+        kv.on_health(w, {"kv_events": {**eps, "curve_server_key": zmq.curve_keypair()[0].decode()}})  # not ours
+        assert kv.client.barrier(10) and "ctx-b" not in kv.client._conns
+    finally:
+        kv.close()
