@@ -15,8 +15,9 @@ request whose generation worker holds all but <= 32 of its prompt tokens skips t
 Per (workload, policy): prefill tokens computed (the context workers' prompt tokens minus their prefix-cache
 hits, from their /metrics, plus the tails generation workers prefilled themselves, from the answers),
 `oracle_prefill_tokens` (what a router that knows every cache exactly would leave to compute: for each
-request, its prompt minus the longest prefix any context worker holds when it is sent, or any worker when
-generation workers may prefill tails, read from an index this client keeps of the workers' own KV events),
+request, its prompt minus the longest prefix any context worker holds when it is sent, or a generation
+worker that holds all but a tail it may prefill itself, read from an index this client keeps of the
+workers' own KV events),
 KV bytes moved (each answer's transfer stats), TTFT p50/p90 (first streamed token), where the TTFT went
 (`ttft_parts_p50_ms`, over the requests that took a context hop: before the prefill starts, the prefill,
 after it until the first token, and the pull alone), requests/s, and `identical`: every answer equals
@@ -90,17 +91,19 @@ def _toks(rng: random.Random, n: int) -> list[int]:
 
 class _Oracle:
     """An index of every context worker's cache from their own KV events (the router's code, in this client);
-    with `generation`, the generation workers' too (a kv_aware deployment with local_prefill_tokens lets a
-    generation worker prefill a short tail itself: its cache then counts as well)."""
+    with `local` N > 0, the generation workers' too, under the deployment's own rule: a generation worker's
+    cache counts for a request when it holds all but at most N of its tokens (it would prefill that tail)."""
 
-    def __init__(self, cluster, generation: bool = False) -> None:
+    def __init__(self, cluster, local: int = 0) -> None:
         from ..executor.kv_events import derive_secret
         from ..serving.auth import TOKEN_HEADER
         from ..serving.kv_index import KvIndex
         from ..serving.kv_subscriber import KvEventsClient
 
         self.client = KvEventsClient(KvIndex(), derive_secret(cluster.token), replay_timeout_s=20)
-        servers = list(cluster.cfg.context) + (list(cluster.cfg.generation) if generation else [])
+        self.local = local
+        self.gen = [s.name for s in cluster.cfg.generation] if local else []
+        servers = list(cluster.cfg.context) + (list(cluster.cfg.generation) if local else [])
         self.names = [s.name for s in servers]
         for s in servers:
             h = httpx.get(s.url + "/health", headers={TOKEN_HEADER: cluster.token}, timeout=60).json()
@@ -112,10 +115,12 @@ class _Oracle:
             time.sleep(0.1)
 
     def hit(self, prompt: list[int]) -> int:
-        """Prompt tokens the best-placed context worker holds now (at most all but the last token)."""
+        """Prompt tokens the best-placed worker holds now (at most all but the last token)."""
         cache: dict = {}
-        best = max(self.client.index.match(n, self.client.index.keys_for(n, prompt, cache))[0] for n in self.names)
-        return min(best * TPB, (len(prompt) - 1) // TPB * TPB)
+        cap = (len(prompt) - 1) // TPB * TPB
+        held = {n: min(cap, TPB * self.client.index.match(n, self.client.index.keys_for(n, prompt, cache))[0])
+                for n in self.names}
+        return max(h for n, h in held.items() if n not in self.gen or (h and len(prompt) - h <= self.local))
 
     def close(self) -> None:
         self.client.close()
@@ -152,7 +157,7 @@ def run_policy(policy: str, p: dict, model: str, seed: int, workloads=WORKLOADS,
     try:
         cluster.start()
         cluster.wait_healthy(600)
-        oracle = _Oracle(cluster, generation=policy == "kv_aware" and bool((kv or {}).get("local_prefill_tokens")))
+        oracle = _Oracle(cluster, int((kv or {}).get("local_prefill_tokens", 0)) if policy == "kv_aware" else 0)
         try:
             with httpx.Client() as client, ThreadPoolExecutor(p["threads"]) as pool:
                 for wl in workloads:
