@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvbridge.serving.launcher:main",
               "launch every worker and the router of a serving config (YAML); --check: validate it only"),
     "worker": ("kvbridge.serving.worker:main", "one context or generation worker of a serving config"),
-    "router": ("kvbridge.serving.router:main", "the OpenAI-compatible router of a serving config"),
+    "router": ("kvbridge.serving.router_cli:main", "the OpenAI-compatible router of a serving config"),
     "verify-layout": ("kvbridge.formatter.cli:main", "check a ctx/gen TP/PP split byte-exact in-process"),
     # agent authors: the TransferAgent conformance suite against your class, as a pass/fail table
     "check-agent": ("kvbridge.agents.conformance.runner:main", "run the agent conformance suite: MODULE:CLASS"),

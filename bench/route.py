@@ -9,11 +9,18 @@ Real workers on CPU (default 4 context + 2 generation, tcp agent, greedy), one f
                     pool holds), interleaved, sent concurrently
     no_reuse        random prompts (the control: nothing to reuse)
 
-Per (workload, policy): prefill tokens the context workers computed (prompt tokens minus their prefix-cache
-hits, from their /metrics), `oracle_prefill_tokens` (what a router that knows every cache exactly would
-leave to compute: for each request, its prompt minus the longest prefix any context worker holds when it is
-sent, read from an index this client keeps of the workers' own KV events), KV bytes moved (each answer's
-transfer stats), TTFT p50/p90 (first streamed token), requests/s, and `identical`: every answer equals
+kv_aware runs with `local_prefill_tokens: 32` (KV_AWARE; `--kv-aware default` for the router's defaults): a
+request whose generation worker holds all but <= 32 of its prompt tokens skips the context hop.
+
+Per (workload, policy): prefill tokens computed (the context workers' prompt tokens minus their prefix-cache
+hits, from their /metrics, plus the tails generation workers prefilled themselves, from the answers),
+`oracle_prefill_tokens` (what a router that knows every cache exactly would leave to compute: for each
+request, its prompt minus the longest prefix any context worker holds when it is sent, or a generation
+worker that holds all but a tail it may prefill itself, read from an index this client keeps of the
+workers' own KV events),
+KV bytes moved (each answer's transfer stats), TTFT p50/p90 (first streamed token), where the TTFT went
+(`ttft_parts_p50_ms`, over the requests that took a context hop: before the prefill starts, the prefill,
+after it until the first token, and the pull alone), requests/s, and `identical`: every answer equals
 aggregated decoding of the same prompt (one aggregated executor, after the runs). Speed is measured, never
 asserted. HTTP and the workers' KV events only: never reads worker internals.
 """
@@ -33,7 +40,7 @@ import httpx
 
 from .common import machine, table, write_json
 from .plot import save_plot
-from .prefix import _ask, _pct
+from .prefix import _pct
 
 MODEL = "seeded:tiny3"
 TPB = 8
@@ -43,17 +50,21 @@ WORKLOADS = ("chat", "shared_system", "no_reuse")
 PATIENT = {"transfer_timeout_s": 120, "peer_timeout_s": 300, "lease_s": 60, "heartbeat_s": 1}
 FULL = {"ctx": 4, "gen": 2, "conversations": 32, "turns": 6, "systems": 8, "system_tokens": 384, "users": 64,
         "no_reuse": 64, "ctx_blocks": 224, "gen_blocks": 512, "threads": 8}
+KV_AWARE = {"local_prefill_tokens": 32}  # kv_aware's settings here: a short tail is prefilled where it decodes
 QUICK = {"ctx": 2, "gen": 1, "conversations": 4, "turns": 2, "systems": 3, "system_tokens": 96, "users": 9,
          "no_reuse": 4, "ctx_blocks": 40, "gen_blocks": 160, "threads": 4}
 
 
-def _config(policy: str, p: dict, model: str) -> dict[str, Any]:
+def _config(policy: str, p: dict, model: str, kv: dict | None = None) -> dict[str, Any]:
+    router = {"port": 0, "policy": policy, "request_timeout_s": 600, "health_interval_s": 0.5}
+    if kv and policy == "kv_aware":
+        router["kv_aware"] = kv
     return {
         "model": model,
         "executor": {"num_blocks": p["ctx_blocks"], "tokens_per_block": TPB, "threads_per_rank": 1,
                      "timeout_s": 300, "enable_block_reuse": True, "kv_events": True},  # events: the oracle
         "transceiver": {"agent": "tcp", "handshake_timeout_s": 10, **PATIENT},
-        "router": {"port": 0, "policy": policy, "request_timeout_s": 600, "health_interval_s": 0.5},
+        "router": router,
         "context_servers": {"instances": p["ctx"], "tp": 1},
         "generation_servers": {"instances": p["gen"], "tp": 1, "executor": {"num_blocks": p["gen_blocks"]}},
     }
@@ -79,30 +90,37 @@ def _toks(rng: random.Random, n: int) -> list[int]:
 
 
 class _Oracle:
-    """An index of every context worker's cache from their own KV events (the router's code, in this client)."""
+    """An index of every context worker's cache from their own KV events (the router's code, in this client);
+    with `local` N > 0, the generation workers' too, under the deployment's own rule: a generation worker's
+    cache counts for a request when it holds all but at most N of its tokens (it would prefill that tail)."""
 
-    def __init__(self, cluster) -> None:
+    def __init__(self, cluster, local: int = 0) -> None:
         from ..executor.kv_events import derive_secret
         from ..serving.auth import TOKEN_HEADER
         from ..serving.kv_index import KvIndex
         from ..serving.kv_subscriber import KvEventsClient
 
         self.client = KvEventsClient(KvIndex(), derive_secret(cluster.token), replay_timeout_s=20)
-        self.names = [s.name for s in cluster.cfg.context]
-        for s in cluster.cfg.context:
+        self.local = local
+        self.gen = [s.name for s in cluster.cfg.generation] if local else []
+        servers = list(cluster.cfg.context) + (list(cluster.cfg.generation) if local else [])
+        self.names = [s.name for s in servers]
+        for s in servers:
             h = httpx.get(s.url + "/health", headers={TOKEN_HEADER: cluster.token}, timeout=60).json()
             self.client.sync_worker(s.name, h["kv_events"])
         deadline = time.monotonic() + 120
         while not all(self.client.synced(n) for n in self.names):
             if time.monotonic() > deadline:
-                raise RuntimeError("the oracle's index never synced with the context workers")
+                raise RuntimeError("the oracle's index never synced with the workers")
             time.sleep(0.1)
 
     def hit(self, prompt: list[int]) -> int:
-        """Prompt tokens the best-placed context worker holds now (at most all but the last token)."""
+        """Prompt tokens the best-placed worker holds now (at most all but the last token)."""
         cache: dict = {}
-        best = max(self.client.index.match(n, self.client.index.keys_for(n, prompt, cache))[0] for n in self.names)
-        return min(best * TPB, (len(prompt) - 1) // TPB * TPB)
+        cap = (len(prompt) - 1) // TPB * TPB
+        held = {n: min(cap, TPB * self.client.index.match(n, self.client.index.keys_for(n, prompt, cache))[0])
+                for n in self.names}
+        return max(h for n, h in held.items() if n not in self.gen or (h and len(prompt) - h <= self.local))
 
     def close(self) -> None:
         self.client.close()
@@ -129,22 +147,24 @@ def _waves(workload: str, p: dict, seed: int):
             yield reqs[i:i + p["threads"]]
 
 
-def run_policy(policy: str, p: dict, model: str, seed: int) -> dict[str, dict[str, Any]]:
+def run_policy(policy: str, p: dict, model: str, seed: int, workloads=WORKLOADS,
+               kv: dict | None = None) -> dict[str, dict[str, Any]]:
     from ..serving.config import parse_config
     from ..serving.launcher import Cluster
 
-    cluster = Cluster(parse_config(_config(policy, p, model)), log_dir=tempfile.mkdtemp(prefix="kvb-route-"))
+    cluster = Cluster(parse_config(_config(policy, p, model, kv)), log_dir=tempfile.mkdtemp(prefix="kvb-route-"))
     out: dict[str, dict[str, Any]] = {}
     try:
         cluster.start()
         cluster.wait_healthy(600)
-        oracle = _Oracle(cluster)
+        oracle = _Oracle(cluster, int((kv or {}).get("local_prefill_tokens", 0)) if policy == "kv_aware" else 0)
         try:
             with httpx.Client() as client, ThreadPoolExecutor(p["threads"]) as pool:
-                for wl in WORKLOADS:
+                for wl in workloads:
                     out[wl] = _run_workload(wl, p, seed, cluster, client, pool, oracle)
                     print(f"[bench route] {policy:>13} {wl:>13}: prefill {out[wl]['prefill_tokens']} (oracle "
-                          f"{out[wl]['oracle_prefill_tokens']}), ttft p50 {out[wl]['ttft_p50_ms']} ms", flush=True)
+                          f"{out[wl]['oracle_prefill_tokens']}), ttft p50 {out[wl]['ttft_p50_ms']} ms "
+                          f"{out[wl]['ttft_parts_p50_ms']}", flush=True)
         finally:
             oracle.close()
     finally:
@@ -154,7 +174,7 @@ def run_policy(policy: str, p: dict, model: str, seed: int) -> dict[str, dict[st
 
 def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _Oracle) -> dict[str, Any]:
     before = [_counters(s.url, cluster.token) for s in cluster.cfg.context]
-    ttfts, moved, oracle_prefill, sent, answers = [], 0, 0, [], []
+    ttfts, moved, oracle_prefill, sent, answers, parts, local, local_prompt = [], 0, 0, [], [], [], 0, 0
     t0 = time.monotonic()
     gen = _waves(wl, p, seed)
     wave = next(gen)
@@ -163,6 +183,9 @@ def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _O
         for pr, g in zip(wave, got):
             oracle_prefill += len(pr) - g["oracle_hit"]
             ttfts.append(g["ttft_s"])
+            parts.append(g["parts"])
+            local += g["local_prefill_tokens"]
+            local_prompt += g["local_prompt_tokens"]
             moved += g["bytes"]
             sent.append(pr)
             answers.append(g["tokens"])
@@ -174,10 +197,16 @@ def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _O
     after = [_counters(s.url, cluster.token) for s in cluster.cfg.context]
     prompt = sum(a["prompt"] - b["prompt"] for a, b in zip(after, before))
     reused = sum(a["reused"] - b["reused"] for a, b in zip(after, before))
-    return {"prompt_tokens": int(prompt), "prefill_tokens": int(prompt - reused),
+    # a request whose tail the generation worker prefilled itself (local_prefill_tokens) counts there
+    return {"prompt_tokens": int(prompt + local_prompt), "prefill_tokens": int(prompt - reused + local),
+            "local_prefill_tokens": local,
             "oracle_prefill_tokens": int(oracle_prefill), "kv_bytes_moved": moved,
             "ttft_p50_ms": round(_pct(ttfts, 0.5) * 1e3, 1), "ttft_p90_ms": round(_pct(ttfts, 0.9) * 1e3, 1),
-            "req_per_s": round(len(ttfts) / wall, 2), "requests": len(ttfts), "_sent": sent, "_answers": answers}
+            "req_per_s": round(len(ttfts) / wall, 2), "requests": len(ttfts),
+            "ttft_parts_p50_ms": {k: round(_pct([x[k] for x in parts if k in x], 0.5), 1)
+                                  for k in ("to_prefill", "prefill", "after_prefill", "transfer")},
+            "local_prefill_requests": sum(1 for x in parts if "local_prefill" in x),
+            "_sent": sent, "_answers": answers}
 
 
 def _ask_with_oracle(client, url: str, prompt: list[int], oracle: _Oracle) -> dict[str, Any]:
@@ -186,6 +215,45 @@ def _ask_with_oracle(client, url: str, prompt: list[int], oracle: _Oracle) -> di
     oracle.client.barrier(60)
     hit = oracle.hit(prompt)
     return {**_ask(client, url, prompt), "oracle_hit": hit}
+
+
+def _ask(client, url: str, prompt: list[int]) -> dict[str, Any]:
+    """One streamed completion: its tokens, TTFT, the bytes moved, and where the TTFT went (`parts`, ms: the
+    router decorates the final event with the prefill's timestamps; before the prefill starts = the router's
+    pick, the hops and the context worker's queue; the prefill; after it = the rest until the first token
+    reached this client, the pull included; and the pull alone)."""
+    body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "stream": True}
+    t0, u0 = time.monotonic(), time.time() * 1e3
+    ttft, tokens, moved, parts, local, local_prompt = None, [], 0, {}, 0, 0
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if "error" in ev:
+                raise RuntimeError(f"stream error: {ev['error']}")
+            kb = ev.get("kvbridge") or {}
+            if kb.get("token_ids") and ttft is None:
+                ttft = time.monotonic() - t0
+            if "prefill_end_unix_ms" in kb or "route" in kb:  # the final event
+                parts = _parts(kb, u0, u0 + (ttft or 0.0) * 1e3)
+                if (kb.get("route") or {}).get("local_prefill"):  # the generation worker computed the tail
+                    local, local_prompt = len(prompt) - int(kb.get("reused_tokens", 0)), len(prompt)
+            tokens += kb.get("token_ids", [])
+            moved += int((kb.get("transfer") or {}).get("bytes", 0))
+    return {"tokens": tokens, "ttft_s": ttft or (time.monotonic() - t0), "bytes": moved, "parts": parts,
+            "local_prefill_tokens": local, "local_prompt_tokens": local_prompt}
+
+
+def _parts(kb: dict, sent: float, first: float) -> dict[str, float]:
+    start, end = kb.get("prefill_start_unix_ms"), kb.get("prefill_end_unix_ms")
+    if not isinstance(start, (int, float)) or not isinstance(end, (int, float)):
+        return {"local_prefill": 1.0} if (kb.get("route") or {}).get("local_prefill") else {}
+    total = ((kb.get("transfer") or {}).get("ms") or {}).get("total")  # the pull, submitted to done
+    return {"to_prefill": start - sent, "prefill": end - start, "after_prefill": first - end,
+            **({"transfer": float(total)} if isinstance(total, (int, float)) else {})}
 
 
 def _reference(model: str, prompts: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
@@ -231,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
                                                          "round_robin and kv_aware only")
     ap.add_argument("--policies", default=None, help="comma-separated (default: all four; --quick: 2)")
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--workloads", default=None, help=f"comma-separated (default: {','.join(WORKLOADS)})")
+    ap.add_argument("--kv-aware", default=",".join(f"{k}={v}" for k, v in KV_AWARE.items()), metavar="K=V,...",
+                    help="router.kv_aware settings of the kv_aware deployment (default: %(default)s; "
+                         "'default': the router's own defaults)")
     ap.add_argument("--seed", type=int, default=26)
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", action="store_true", help="keep the other policies' rows already in --json")
@@ -238,17 +310,23 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     p = dict(QUICK if a.quick else FULL)
     pols = a.policies.split(",") if a.policies else (["round_robin", "kv_aware"] if a.quick else list(POLICIES))
+    wls = a.workloads.split(",") if a.workloads else list(WORKLOADS)
+    bad = [w for w in wls if w not in WORKLOADS]
+    if bad:
+        ap.error(f"--workloads: unknown {bad} (known: {', '.join(WORKLOADS)})")
+    kv = None if a.kv_aware in ("", "default") else \
+        {k: float(v) for k, v in (x.split("=", 1) for x in a.kv_aware.split(","))}
     rows: list[dict[str, Any]] = []
     for pol in pols:
         print(f"[bench route] {pol}: {p['ctx']}+{p['gen']} workers ...", flush=True)
-        for wl, r in run_policy(pol, p, a.model, a.seed).items():
-            rows.append({"workload": wl, "policy": pol, **r})
+        for wl, r in run_policy(pol, p, a.model, a.seed, wls, kv).items():
+            rows.append({"workload": wl, "policy": pol, **r, **({"kv_aware": kv} if kv and pol == "kv_aware" else {})})
     ref = _reference(a.model, [pr for r in rows for pr in r["_sent"]])
     for r in rows:
         r["identical"] = all(ref[tuple(pr)] == ans for pr, ans in zip(r.pop("_sent"), r.pop("_answers")))
     if a.merge and a.json and os.path.exists(a.json):
         with open(a.json) as f:
-            rows = [r for r in json.load(f)["rows"] if r["policy"] not in pols] + rows
+            rows = [r for r in json.load(f)["rows"] if r["policy"] not in pols or r["workload"] not in wls] + rows
         rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), POLICIES.index(r["policy"])))
     cols = ["workload", "policy", "prompt_tokens", "prefill_tokens", "oracle_prefill_tokens", "kv_bytes_moved",
             "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "identical"]

@@ -2,8 +2,10 @@
 
 Lives in rank 0's process, beside the KVCacheManager whose prefix tree it listens to (every rank's allocator
 is identical to rank 0's: plans are replayed on every rank, so rank 0's pool is every rank's pool as the
-worker sees it). Two sockets, both behind ZAP PLAIN (a subscriber presents kv_events.subscriber_password,
-derived from the deployment's internal token; anyone else is refused at the handshake, before any frame):
+worker sees it). Two sockets, both behind ZAP: PLAIN (a subscriber presents kv_events.subscriber_password,
+derived from the deployment's internal token) or, when the worker's control plane runs CurveZMQ
+(`curve_secret_key_file` in the settings), CURVE with the worker's key pair, letting in only the client key
+derived from the token (kv_curve.py); anyone else is refused at the handshake, before any frame:
 
     PUB     tcp://host:P   [topic, seq, payload] per batch (kv_events.py), dropped at the high-water mark
                            (a subscriber sees the gap by sequence number and asks the replay socket)
@@ -33,6 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from .. import codec
 from ..errors import ProtocolError
+from .kv_curve import KeyAllow, server_keys, set_server, subscriber_keys
 from .kv_events import (
     KV_EVENTS_VERSION,
     KVEventLog,
@@ -78,12 +81,20 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._auth = ThreadAuthenticator(self._ctx)
         self._auth.start()
-        self._auth.configure_plain(domain=ZAP_DOMAIN, passwords={ZAP_USER: subscriber_password(self.secret).decode()})
+        curve = cfg.get("curve_secret_key_file")
+        self._curve = server_keys(curve) if curve else None
+        if self._curve is not None:
+            self._auth.configure_curve_callback(ZAP_DOMAIN, KeyAllow(subscriber_keys(self.secret)[0]))
+        else:
+            self._auth.configure_plain(domain=ZAP_DOMAIN,
+                                       passwords={ZAP_USER: subscriber_password(self.secret).decode()})
         host = cfg.get("host") or "127.0.0.1"
         self._pub = self._socket(zmq.PUB, host)
         self._rep = self._socket(zmq.ROUTER, host)
         self.endpoints = {"pub": self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
                           "replay": self._rep.getsockopt_string(zmq.LAST_ENDPOINT)}
+        if self._curve is not None:  # what a subscriber's curve_serverkey must be
+            self.endpoints["curve_server_key"] = self._curve[0].decode("ascii")
         path = cfg.get("endpoint_file")
         if path:
             tmp = path + ".tmp"
@@ -96,8 +107,11 @@ class KVEventPublisher:
     def _socket(self, kind: int, host: str) -> zmq.Socket:
         s = self._ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
-        s.plain_server = True
-        s.zap_domain = ZAP_DOMAIN.encode()
+        if self._curve is not None:
+            set_server(s, self._curve, ZAP_DOMAIN)
+        else:
+            s.plain_server = True
+            s.zap_domain = ZAP_DOMAIN.encode()
         if kind == zmq.PUB:
             s.setsockopt(zmq.SNDHWM, 10000)
         s.bind(f"tcp://{host}:0")

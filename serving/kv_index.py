@@ -159,6 +159,11 @@ class KvIndex:
                 if h not in w.blocks:
                     w.spec[h] = exp
 
+    def count(self, wid: str) -> int:
+        """How many confirmed blocks the index holds of `wid` (0: none, or not tracked)."""
+        w = self._w.get(wid)
+        return len(w.blocks) if w is not None else 0
+
     def blocks_of(self, wid: str) -> dict[bytes, bytes | None]:
         """A copy of `wid`'s confirmed blocks (hash -> parent)."""
         with self._lock:

@@ -22,22 +22,30 @@ is routed least-loaded. The decision and its inputs go into the answer's `kvbrid
 
 Settings (router.kv_aware): prefill_weight, load_weight, request_weight, pull_weight, decode_weight,
 spec_ttl_s, max_index_entries, replay_timeout_s, local_prefill_tokens (0: off). Needs the deployment's internal token (event signatures and
-the subscriber's password derive from it). Never touches KV; opens sockets only through KvEventsClient.
+the subscriber's password or CurveZMQ key derive from it). When the deployment's control plane is CurveZMQ
+(its groups' transceivers have keys, as under `kvbridge serve`), so are the event subscriptions: a worker
+that advertises no Curve key is not followed, and one whose key differs from the public key this router's
+config names for its role is refused (curve_keys.py). Never touches KV; opens sockets only through
+KvEventsClient.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from ..errors import KvBridgeError, ServeConfigError
 from ..executor.kv_events import derive_secret
 from .auth import internal_token
 from .balancer import Pool, WorkerRef
+from .curve_keys import expected_server_keys, uses_curve
 from .kv_index import KvIndex
 from .kv_subscriber import KvEventsClient
 
 __all__ = ["DEFAULTS", "KvRouting", "parse_settings", "shown"]
+
+log = logging.getLogger("kvbridge.serving.kv_events")
 
 DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5, "request_weight": 1.0,
                               "pull_weight": 1.0, "decode_weight": 2.0, "spec_ttl_s": 2.0,
@@ -75,7 +83,9 @@ def _families() -> tuple:
     return (Counter("kvbridge_router_kv_tokens", "kv_aware: prompt tokens routed and those the chosen "
                     "worker held", ["role", "kind"]),
             Gauge("kvbridge_router_kv_index", "kv_aware: the KV index (entries, evicted, gaps_repaired, "
-                  "dumps, rejected_events, event_lag_seconds)", ["what"]))
+                  "dumps, rejected_events, event_lag_seconds)", ["what"]),
+            Gauge("kvbridge_router_kv_index_blocks", "kv_aware: blocks the index holds of each worker it follows",
+                  ["worker"]))
 
 
 class KvRouting:
@@ -89,21 +99,46 @@ class KvRouting:
                                    "internal_token")
         self.s = {**DEFAULTS, **(cfg.router.kv_aware or {})}
         self.index = KvIndex(int(self.s["max_index_entries"]), float(self.s["spec_ttl_s"]))
-        self.client = KvEventsClient(self.index, derive_secret(token), float(self.s["replay_timeout_s"]))
+        self.client = KvEventsClient(self.index, derive_secret(token), float(self.s["replay_timeout_s"]),
+                                     require_curve=uses_curve(cfg))
+        self._server_keys = expected_server_keys(cfg)  # role -> the public key its config names
         self._model = cfg.model
         self._codec = None
         self._pending: dict[str, int] = {}  # worker -> uncached blocks of its context hops in flight
-        self.tokens_c, self.gauge = _families()
+        self.tokens_c, self.gauge, self.blocks_g = _families()
+        self._followed: set[str] = set()  # workers with a kvbridge_router_kv_index_blocks series
 
     def close(self) -> None:
         self.client.close()
 
-    # --- membership, from the router's health checks -------------------------------------------------
+    # --- membership: the router's health checks, and the workers that join or leave ------------------------
+    def forget(self, w: WorkerRef) -> None:
+        """`w` left the deployment (membership removed it): its blocks leave the index now, its events are no
+        longer followed, its in-flight prefill load is forgotten."""
+        self.index.remove_worker(w.name)
+        self.client.remove_worker(w.name)
+        self._pending.pop(w.name, None)
+        if w.name in self._followed:
+            self._followed.discard(w.name)
+            self.blocks_g.remove(w.name)
+
     def on_health(self, w: WorkerRef, body: Any) -> None:
-        """What `w`'s /health said (None: it did not answer): follow its events, or drop its blocks."""
+        """What `w`'s /health said (None: it did not answer): follow its events, or drop its blocks. A worker
+        that joins is checked at once (membership's on_added), so it is dumped, then followed, from there."""
         info = body.get("kv_events") if isinstance(body, dict) else None
         if isinstance(info, dict) and all(isinstance(info.get(k), str) for k in ("pub", "replay", "incarnation")):
-            self.client.sync_worker(w.name, {k: info[k] for k in ("pub", "replay", "incarnation")})
+            got = {k: info[k] for k in ("pub", "replay", "incarnation", "curve_server_key")
+                   if isinstance(info.get(k), str)}
+            want = self._server_keys.get(w.role)
+            if want is not None and got.get("curve_server_key") != want:
+                log.warning("kv events: not following %s: its CurveZMQ key is not the %s key this router's "
+                            "config names", w.name, w.role)
+                self.client.remove_worker(w.name)
+            else:
+                self.client.sync_worker(w.name, got)
+                if w.name not in self._followed:
+                    self._followed.add(w.name)
+                    self.blocks_g.labels(w.name).set_function(lambda n=w.name: self.index.count(n))
         elif body is None:
             self.client.remove_worker(w.name)
         st = self.client.stats

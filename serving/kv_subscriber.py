@@ -1,7 +1,10 @@
 """The router's side of the workers' KV events: subscribe, check, order, repair, and feed the KvIndex.
 
 One thread owns every socket: per worker a SUB (the worker's PUB) and a DEALER (its replay ROUTER), both
-presenting the deployment's subscriber password (ZAP PLAIN, kv_events.subscriber_password). Per worker:
+proving they belong with the deployment's internal token: a CURVE client (the key pair derived from the token,
+executor/kv_curve.py) of the worker's advertised `curve_server_key` when it runs CurveZMQ, else ZAP PLAIN with
+kv_events.subscriber_password. With `require_curve` (the deployment's control plane is Curve) a worker that
+advertises no Curve key is not followed (a downgrade to PLAIN is refused, logged). Per worker:
 
     sync_worker(name, info)   info = the worker's /health "kv_events" ({pub, replay, incarnation}); a new
                               incarnation or endpoint drops what was known and starts over: connect, then a
@@ -28,7 +31,8 @@ import time
 import zmq
 
 from .. import codec
-from ..errors import ProtocolError
+from ..errors import KvBridgeError, ProtocolError
+from ..executor.kv_curve import set_client, subscriber_keys
 from ..executor.kv_events import KV_EVENTS_VERSION, decode_batch, parse_topic, sign, subscriber_password
 from ..executor.kv_publisher import ZAP_USER
 from .kv_index import KvIndex
@@ -59,11 +63,14 @@ class KvEventsClient:
         secret: kv_events.derive_secret(the deployment's internal token).
         replay_timeout_s: bound on one replay/dump answer.
         drop_seqs: fault injection: {worker name: set of seqs} discarded on arrival (tests only).
+        require_curve: follow only workers whose events run CurveZMQ (their info names a curve_server_key).
     """
 
     def __init__(self, index: KvIndex, secret: bytes, replay_timeout_s: float = 5.0,
-                 drop_seqs: dict[str, set[int]] | None = None) -> None:
+                 drop_seqs: dict[str, set[int]] | None = None, require_curve: bool = False) -> None:
         self.index, self.secret = index, secret
+        self.require_curve = require_curve
+        self._curve_keys = subscriber_keys(secret)
         self.replay_timeout_s = float(replay_timeout_s)
         self.drop_seqs = drop_seqs or {}
         self.stats = {"batches": 0, "gaps_repaired": 0, "dumps": 0, "rejected": 0, "event_lag_s": 0.0}
@@ -147,10 +154,18 @@ class KvEventsClient:
                 del self._conns[name]
                 self.index.remove_worker(name)
             if op == "sync":
+                if self.require_curve and not info.get("curve_server_key"):
+                    log.warning("kv events: not following %s: its events are not on CurveZMQ, and this "
+                                "deployment's control plane is", name)
+                    continue
                 try:
-                    c = _Conn(name, info, self._socket(zmq.SUB, info["pub"]),
-                              self._socket(zmq.DEALER, info["replay"]))
-                except zmq.ZMQError as e:
+                    sub = self._socket(zmq.SUB, info)
+                    try:
+                        c = _Conn(name, info, sub, self._socket(zmq.DEALER, info))
+                    except BaseException:
+                        sub.close(0)
+                        raise
+                except (zmq.ZMQError, KvBridgeError) as e:
                     log.warning("kv events: cannot follow %s at %s: %s", name, info, e)
                     continue
                 c.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -158,15 +173,22 @@ class KvEventsClient:
                 self._conns[name] = c
                 self._resync(c)
 
-    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+    def _socket(self, kind: int, info: dict) -> zmq.Socket:
         s = self._ctx.socket(kind)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)
-        s.plain_username = ZAP_USER.encode()
-        s.plain_password = subscriber_password(self.secret)
-        if kind == zmq.SUB:
-            s.setsockopt(zmq.RCVHWM, 100000)
-        s.connect(endpoint)
+        try:
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)
+            if info.get("curve_server_key"):
+                set_client(s, info["curve_server_key"], self._curve_keys)
+            else:
+                s.plain_username = ZAP_USER.encode()
+                s.plain_password = subscriber_password(self.secret)
+            if kind == zmq.SUB:
+                s.setsockopt(zmq.RCVHWM, 100000)
+            s.connect(info["pub" if kind == zmq.SUB else "replay"])
+        except BaseException:
+            s.close(0)
+            raise
         return s
 
     def _drain(self, c: _Conn) -> None:

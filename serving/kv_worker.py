@@ -4,7 +4,10 @@ The events themselves are published by the executor's leader rank (executor/kv_p
 only decides whether they are on (the deployment's router policy is kv_aware), derives their signing key from
 the internal token (closed by default: without a token the worker refuses to start, naming why), and reads
 back the endpoints the leader bound, to advertise them (with the worker's host and incarnation) on the
-authenticated /health. Never opens a socket.
+authenticated /health. When the worker's control plane runs CurveZMQ (its transceiver has a
+`curve_secret_key_file`, as every worker under `kvbridge serve` does), the event sockets run CurveZMQ with
+that key pair (executor/kv_curve.py) and /health advertises its public half (`curve_server_key`). Never opens a
+socket.
 """
 
 from __future__ import annotations
@@ -32,12 +35,17 @@ def kv_events_settings(cfg, spec, instance: str, run_dir: str) -> dict | None:
     if spec.executor.get("enable_block_reuse") is False:
         raise ServeConfigError(f"{spec.name}: KV events (router.policy kv_aware) need executor.enable_block_reuse (a worker "
                                f"without a prefix cache has no KV to route by)")
-    return {"secret": derive_secret(token).hex(), "incarnation": instance, "host": spec.bind_host,
-            "endpoint_file": os.path.join(run_dir, "kv-events.json")}
+    out = {"secret": derive_secret(token).hex(), "incarnation": instance, "host": spec.bind_host,
+           "endpoint_file": os.path.join(run_dir, "kv-events.json")}
+    curve = spec.transceiver.get("curve_secret_key_file")
+    if curve:  # the control plane's CurveZMQ: the event sockets too, with the same key pair
+        out["curve_secret_key_file"] = curve
+    return out
 
 
 def advertised(settings: dict, host: str, timeout: float) -> dict:
-    """{pub, replay, incarnation} as routers reach them, once the leader has bound (waits up to `timeout`)."""
+    """{pub, replay, incarnation[, curve_server_key]} as routers reach them, once the leader has bound (waits
+    up to `timeout`)."""
     path, deadline = settings["endpoint_file"], time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:
@@ -49,4 +57,6 @@ def advertised(settings: dict, host: str, timeout: float) -> dict:
     for k in ("pub", "replay"):
         port = str(eps[k]).rpartition(":")[2]
         out[k] = f"tcp://{host}:{port}"
+    if isinstance(eps.get("curve_server_key"), str):
+        out["curve_server_key"] = eps["curve_server_key"]
     return out

@@ -66,8 +66,9 @@ class WorkerSet:
     def install(self, app) -> None:
         """Routes this worker set serves on the router's app (static: none)."""
 
-    async def start(self, on_added: Callable[[WorkerRef], Awaitable[None]]) -> None:
-        pass
+    async def start(self, on_added: Callable[[WorkerRef], Awaitable[None]],
+                    on_removed: Callable[[WorkerRef], None] | None = None) -> None:
+        """Watch the membership: `on_added(w)` for a worker that joins, `on_removed(w)` for one that leaves."""
 
     async def stop(self) -> None:
         pass
@@ -129,6 +130,7 @@ class RegistryWorkers(WorkerSet):
         self._tasks: list[asyncio.Task] = []
         self._seen_up: set[str] = set()  # workers (by id) that answered /health since they (re)joined
         self._on_added: Callable[[WorkerRef], Awaitable[None]] | None = None
+        self._on_removed: Callable[[WorkerRef], None] | None = None
         up, workers, self._refused_total, in_flight, util = _families()
         up.set_function(lambda: 1.0 if self.up else 0.0)
         for r in ROLES:
@@ -163,8 +165,8 @@ class RegistryWorkers(WorkerSet):
 
             install_routes(app, self.memory, self.key)
 
-    async def start(self, on_added) -> None:
-        self._on_added = on_added
+    async def start(self, on_added, on_removed=None) -> None:
+        self._on_added, self._on_removed = on_added, on_removed
         if self.memory is not None:
             self._tasks.append(asyncio.create_task(self.memory.run_sweeper()))
         self._tasks.append(asyncio.create_task(self._watch_loop()))
@@ -282,6 +284,10 @@ class RegistryWorkers(WorkerSet):
         if rec is None:
             return
         pool = self.pools[rec.role]
+        gone = [w for w in pool.workers if w.name == wid]
         pool.workers[:] = [w for w in pool.workers if w.name != wid]
+        if self._on_removed is not None:
+            for w in gone:
+                self._on_removed(w)  # e.g. the KV index drops its blocks now
         if not quiet:
             log.warning("router: %s worker %s left (%s)", rec.role, wid, why)

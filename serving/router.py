@@ -1,4 +1,4 @@
-"""`kvbridge router --config CONFIG`: the OpenAI-compatible front door of a disaggregated deployment.
+"""The OpenAI-compatible front door of a disaggregated deployment (`kvbridge router`: router_cli.py).
 
 Each request is validated once here, before any hop (validate.py, fanout.py, protocol.parse_request), and
 admitted under the process's bound (inflight.Admission: beyond it 503 + Retry-After). A healthy generation
@@ -24,11 +24,9 @@ manager each (inflight.py). Never touches KV or a model itself.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import sys
 import time
 from typing import Any
 
@@ -50,7 +48,7 @@ from .overlap_router import ContextFailed, context_early, release_prefetch
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
 from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
 
-__all__ = ["main", "build_router", "Router", "MAX_HANDOVERS", "KEEPALIVE_EXPIRY_S"]
+__all__ = ["KEEPALIVE_EXPIRY_S", "MAX_HANDOVERS", "Router", "build_router"]
 
 log = logging.getLogger("kvbridge.serving.router")
 
@@ -95,7 +93,7 @@ class Router:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             task = asyncio.create_task(self._health_loop())
-            await self.members.start(self._check)  # a worker that joins is checked at once
+            await self.members.start(self._check, self._gone)  # a worker that joins is checked at once
             try:
                 yield
             finally:
@@ -139,8 +137,12 @@ class Router:
 
     async def _check(self, w: WorkerRef) -> None:  # the rule: serving/health.py
         info = await probe(self.client, w, self._tmo(self.rc.health_timeout_s), self._health)
+        if self.kv is not None:  # (a worker that left while it was probed is not followed again)
+            self.kv.on_health(w, info if w in self.members.pool(w.role).workers else None)
+
+    def _gone(self, w: WorkerRef) -> None:
         if self.kv is not None:
-            self.kv.on_health(w, info)
+            self.kv.forget(w)
 
     async def _health_loop(self) -> None:
         while True:
@@ -419,56 +421,3 @@ def _internal(e: Exception) -> ApiError:
 
 async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
     return JSONResponse(_internal(e).body(), status_code=500)
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="kvbridge router", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="the serving config (YAML)")
-    ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
-    ap.add_argument("--port-file", default=None,
-                    help="with router.port 0 in the config: bind a free port and write it here (JSON)")
-    ap.add_argument("--api-key", action="append", default=[], help="an API key /v1/* accepts (repeatable)")
-    a = ap.parse_args(argv)
-    import uvicorn
-
-    from .launcher import die_with_parent
-
-    die_with_parent()
-    from ..errors import KvBridgeError
-    from .config import load_config
-
-    try:
-        cfg = load_config(a.config).with_api_keys(tuple(a.api_key))
-    except KvBridgeError as e:
-        print(f"kvbridge router: {e}", file=sys.stderr)
-        return 2
-    if cfg.router.port == 0 and not a.port_file:
-        print(f"kvbridge router: router.port is 0 in {a.config}; give it a port, or --port-file to bind a "
-              f"free one and write it there", file=sys.stderr)
-        return 2
-    from .listen import announce, bind
-
-    try:
-        sock = bind(cfg.router.bind_host, cfg.router.port)
-    except KvBridgeError as e:
-        print(f"kvbridge router: {e}", file=sys.stderr)
-        return 1
-    port = sock.getsockname()[1]
-    announce(a.port_file, port)
-    try:
-        app = build_router(cfg)
-    except KvBridgeError as e:
-        print(f"kvbridge router: {e}", file=sys.stderr)
-        sock.close()
-        return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.bind_host, port=port,
-                                           log_level=a.log_level, timeout_graceful_shutdown=5))
-    where = cfg.cluster and (f"http://{cfg.router.host}:{port}" if cfg.cluster.scheme == "http" else cfg.cluster.uri)
-    members = (f"workers join through {where} (cluster {cfg.cluster.name})" if cfg.cluster else
-               f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")
-    print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): {members}", flush=True)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0 if server.started else 1

@@ -74,6 +74,7 @@ def test_an_index_from_the_advertised_endpoints_equals_every_workers_dump(cluste
         names = []
         for s in cluster.cfg.context + cluster.cfg.generation:
             h = httpx.get(s.url + "/health", headers=HEADERS, timeout=30).json()
+            assert len(h["kv_events"]["curve_server_key"]) == 40  # serve's control plane is Curve: so are events
             client.sync_worker(s.name, h["kv_events"])
             names.append(s.name)
         rng = random.Random(11)

@@ -1,0 +1,69 @@
+"""`kvbridge router --config CONFIG`: the router's process (arguments, the listening socket, uvicorn).
+
+Parses the command line, loads the config, binds the router's port (router.port, or a free one announced in
+--port-file: serving/listen.py), builds the application (router.py's `build_router`) and serves it until
+stopped. Bad arguments or config: exit 2 naming what was wrong; a port that cannot be bound: exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .router import build_router
+
+__all__ = ["main"]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kvbridge router",
+                                 description="the OpenAI-compatible front door of a disaggregated deployment")
+    ap.add_argument("--config", required=True, help="the serving config (YAML)")
+    ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    ap.add_argument("--port-file", default=None,
+                    help="with router.port 0 in the config: bind a free port and write it here (JSON)")
+    ap.add_argument("--api-key", action="append", default=[], help="an API key /v1/* accepts (repeatable)")
+    a = ap.parse_args(argv)
+    import uvicorn
+
+    from .launcher import die_with_parent
+
+    die_with_parent()
+    from ..errors import KvBridgeError
+    from .config import load_config
+
+    try:
+        cfg = load_config(a.config).with_api_keys(tuple(a.api_key))
+    except KvBridgeError as e:
+        print(f"kvbridge router: {e}", file=sys.stderr)
+        return 2
+    if cfg.router.port == 0 and not a.port_file:
+        print(f"kvbridge router: router.port is 0 in {a.config}; give it a port, or --port-file to bind a "
+              f"free one and write it there", file=sys.stderr)
+        return 2
+    from .listen import announce, bind
+
+    try:
+        sock = bind(cfg.router.bind_host, cfg.router.port)
+    except KvBridgeError as e:
+        print(f"kvbridge router: {e}", file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    announce(a.port_file, port)
+    try:
+        app = build_router(cfg)
+    except KvBridgeError as e:
+        print(f"kvbridge router: {e}", file=sys.stderr)
+        sock.close()
+        return 2
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.bind_host, port=port,
+                                           log_level=a.log_level, timeout_graceful_shutdown=5))
+    where = cfg.cluster and (f"http://{cfg.router.host}:{port}" if cfg.cluster.scheme == "http" else cfg.cluster.uri)
+    members = (f"workers join through {where} (cluster {cfg.cluster.name})" if cfg.cluster else
+               f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")
+    print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): {members}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if server.started else 1
