@@ -43,9 +43,9 @@ class CtxPeers:
     def __iter__(self) -> Iterator[CtxPeer]:
         return iter(self._by_endpoint.values())
 
-    def poller(self, wake: zmq.Socket) -> tuple[zmq.Poller, dict[zmq.Socket, CtxPeer]]:
-        """A poller of `wake` and every open peer socket (rebuilt only when a socket opened or closed), and
-        the peers by socket."""
+    def poller(self, wake: int) -> tuple[zmq.Poller, dict[zmq.Socket, CtxPeer]]:
+        """A poller of `wake` (the I/O thread's wake fd) and every open peer socket (rebuilt only when a socket
+        opened or closed), and the peers by socket."""
         socks = {p.sock: p for p in self._by_endpoint.values() if p.sock is not None}
         if self._poller is None or tuple(socks) != self._polled:
             self._poller, self._polled = zmq.Poller(), tuple(socks)

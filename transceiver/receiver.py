@@ -21,6 +21,7 @@ import uuid
 import numpy as np
 import zmq
 
+from ..agents import XferState
 from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError, TransceiverError
 from ..formatter.mapping import MAPPING_VERSION, mapping_for
 from . import messages as m
@@ -120,7 +121,7 @@ class Receiver(IOThread):
         # While reads are in flight, completion is noticed by polling the handles: spin (a zero-timeout poll,
         # yielding the GIL) so a finished read is seen within microseconds; otherwise sleep in the poll.
         busy = any(p.state in _POLLED for p in self._pulls.values())
-        ready = dict(poller.poll(0 if busy else 20))
+        ready = self._wait(poller, 0 if busy else 20)
         if busy and not ready:
             time.sleep(0)
         self._drain_commands()
@@ -345,16 +346,32 @@ class Receiver(IOThread):
         leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
         staged = self._staging.want_staged(pull, leg, peer)
         ahead = pull.ctx_blocks is not None and not staged
-        self._peers.send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers, staged,
-                                       pull.from_token, pull.secret, ahead,
-                                       pull.ctx_blocks if ahead else ()).encode())
         leg.advance(LegState.FETCH_SENT)
-        if ahead:  # the ids are known: the leg is fetched now, its reads go out in this same tick
-            leg.read_ahead_from(pull.ctx_blocks, peer.remote.layout)
+        done = False
+        try:
+            if ahead:  # the ids are known: the leg is fetched now, its reads go out before the Fetch
+                leg.read_ahead_from(pull.ctx_blocks, peer.remote.layout)
+                pull.mark("fetched")
+                pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
+                done = self._piggyback_done(leg)
+        finally:  # a post that failed still sends the Fetch: the failure's Done(ok=False) then releases the reader
+            self._peers.send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers, staged,
+                                           pull.from_token, pull.secret, ahead,
+                                           pull.ctx_blocks if ahead else (), done).encode())
+            if done:
+                leg.advance(LegState.DONE_SENT)
         if not peer.legs:  # an idle peer: its silence is measured from this request on
             peer.last_heard = now
         peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
         return False
+
+    def _piggyback_done(self, leg: Leg) -> bool:
+        """Whether a read-ahead leg's Fetch may carry its Done: every read of the leg was posted and has
+        already finished (a small read on a fast path settles as it is posted), there is nothing to hash
+        (verification mode sends digests with Done), and no test hook wants to run between reads and Done.
+        The context rank then answers the one frame with DoneAck: one message and one wake-up fewer."""
+        return (leg.all_posted and not self.config.verify and self.before_confirm is None
+                and all(h.state() is XferState.DONE for h in leg.handles))
 
     def _step_read(self, pull: Pull, now: float) -> bool:
         """Post what became readable; once every read settled, unpack/hash off the I/O thread if needed."""
@@ -378,7 +395,7 @@ class Receiver(IOThread):
 
     def _step_confirm(self, pull: Pull, now: float) -> bool:
         """Done to every context rank (with digests in verify mode); the pull is done once all acked."""
-        if not any(leg.done_sent for leg in pull.legs.values()):
+        if not all(leg.done_sent for leg in pull.legs.values()):  # (a read-ahead Fetch may have carried one)
             if pull.verifying is not None and not pull.verifying.done():
                 return True
             try:
@@ -387,9 +404,10 @@ class Receiver(IOThread):
                 self._fail(pull, "TransferFailed", f"unpacking or hashing the received KV failed: {ex}")
                 return True
             for r, leg in pull.legs.items():
-                self._peers.send(self._peers.get(leg.endpoint),
-                           m.Done(pull.ctx_request_id, self.pool.rank, True, "", digests.get(r, [])).encode())
-                leg.advance(LegState.DONE_SENT)
+                if not leg.done_sent:
+                    self._peers.send(self._peers.get(leg.endpoint),
+                                     m.Done(pull.ctx_request_id, self.pool.rank, True, "", digests.get(r, [])).encode())
+                    leg.advance(LegState.DONE_SENT)
         if all(leg.state is LegState.ACKED for leg in pull.legs.values()):
             pull.advance(PullState.DONE)
             self._complete(pull)

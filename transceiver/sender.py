@@ -171,7 +171,7 @@ class Sender(IOThread):
 
     # --- I/O thread -----------------------------------------------------------------------------------
     def _loop_once(self) -> None:
-        ready = dict(self._poller.poll(min(0.05, self.config.heartbeat_s / 4) * 1000))
+        ready = self._wait(self._poller, min(0.05, self.config.heartbeat_s / 4) * 1000)
         self._drain_commands()
         if self._router in ready:
             for _ in range(256):
@@ -373,6 +373,10 @@ class Sender(IOThread):
             self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} from token "
                         f"{msg.from_token}: outside its {e.num_tokens} tokens", e.rid, "fetch")
             return
+        if msg.done and not msg.read_ahead:
+            self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} carries its Done without "
+                        f"read-ahead (no block ids to have read)", e.rid, "fetch")
+            return
         if msg.read_ahead:
             why = e.read_ahead_refusal(msg.block_ids, msg.staged)
             if why:
@@ -386,6 +390,9 @@ class Sender(IOThread):
             self._nfetched += 1
         e.read_from[s.gen_rank] = msg.from_token
         e.deadline = time.monotonic() + self.config.lease_s
+        if msg.done:  # its reads already finished: this Fetch is its Done(ok) too, confirmed like any
+            self._reader_done(ident, e, s.gen_rank, True, "", True, "")
+            return
         if msg.read_ahead:
             return  # its reads are posted: no Blocks; its Done is confirmed like any reader's
         local = self.layout.local_layers(self.pool.rank)
