@@ -43,6 +43,7 @@ __all__ = ["Receiver", "ReceiveResult"]
 
 _POLLED = frozenset({PullState.READ, PullState.DRAIN})  # states whose step polls transfer handles every tick
 _SWEEP_S = 0.005  # every pull is stepped at least this often
+_READ_POLL_S = 50e-6  # pause between looks at reads in flight (a spin costs the peer its core: RESULTS.md)
 
 
 class Receiver(IOThread):
@@ -118,12 +119,12 @@ class Receiver(IOThread):
     # --- I/O thread -----------------------------------------------------------------------------------
     def _loop_once(self) -> None:
         poller, socks = self._peers.poller(self._wake_rx)
-        # While reads are in flight, completion is noticed by polling the handles: spin (a zero-timeout poll,
-        # yielding the GIL) so a finished read is seen within microseconds; otherwise sleep in the poll.
+        # While reads are in flight, completion is noticed by polling the handles: a zero-timeout poll, then a
+        # short sleep (_READ_POLL_S) when nothing came; otherwise sleep in the poll.
         busy = any(p.state in _POLLED for p in self._pulls.values())
         ready = self._wait(poller, 0 if busy else 20)
         if busy and not ready:
-            time.sleep(0)
+            time.sleep(_READ_POLL_S)
         self._drain_commands()
         for s, peer in socks.items():
             if s in ready:
