@@ -9,7 +9,7 @@ ids, so the generation rank reads ahead (its reads go out with its Fetch; `--no-
 then the reads). The owner waits in `check_context_transfer_status` when it has nothing to publish, woken by
 the I/O thread (`--owner poll`: it polls every 20 us instead). Two figures per G:
 
-- latency: one request at a time, publish -> complete on the context rank, p50/p99 in microseconds;
+- latency: one request at a time, publish -> complete on the context rank, p50/p90/p99 in microseconds;
 - throughput: `--window` requests in flight across the G ranks, completed requests per second.
 
 Every request must end `complete` on the context rank and `ok` on its generation rank, and the context
@@ -200,7 +200,8 @@ def bench_gens(gens: int, args) -> dict:
           and set(rank.status) == {"complete"})
     return {"gen_ranks": gens, "agent": args.agent, "read_ahead": not args.no_read_ahead, "owner": args.owner,
             "requests": args.requests, "window": args.window,
-            "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
+            "p50_us": float(np.percentile(lat, 50)), "p90_us": float(np.percentile(lat, 90)),
+            "p99_us": float(np.percentile(lat, 99)),
             "p50_us_loaded": float(np.percentile(lat_w, 50)), "p99_us_loaded": float(np.percentile(lat_w, 99)),
             "req_per_s": args.requests / seconds, "gen_stages_p50_ms": stages, "ctx_status": rank.status, **end, "verified": ok}
 
@@ -240,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     print(f"# control plane on loopback, one-block requests, agent {args.agent}; {machine()}", flush=True)
     rows = [bench_gens(int(g), args) for g in args.gens.split(",")]
-    cols = ["gen_ranks", "p50_us", "p99_us", "p50_us_loaded", "req_per_s", "gen_failed", "ctx_pinned_at_end",
-            "verified"]
+    cols = ["gen_ranks", "p50_us", "p90_us", "p99_us", "p50_us_loaded", "req_per_s", "gen_failed",
+            "ctx_pinned_at_end", "verified"]
     print(table(rows, cols))
     write_json(args.json, rows)
     if args.json:

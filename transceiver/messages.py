@@ -34,6 +34,9 @@ Conversation (generation rank G pulls a request from context rank C):
 
 A generation rank counts its KV as received only after DoneAck(valid=True): the context side confirms that
 the blocks were still pinned (lease not expired, not evicted) when the read finished.
+
+One ZeroMQ message may carry up to MAX_BATCH of these frames as its parts (outbox.py: what one I/O loop turn
+sends one peer); each part is decoded and answered on its own.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ PROTOCOL_VERSION = 4  # bump when a message changes shape or meaning (2: Fetch c
 #                        3: read-ahead; 4: a read-ahead Fetch may carry its Done: an older peer would ignore it)
 MAX_FRAME_BYTES = 16 << 20  # 2M block ids fit; a larger frame is refused before decoding
 MAX_BLOCK_IDS = 1 << 21
+MAX_BATCH = 256  # wire messages one ZeroMQ message may carry (its parts); a longer one is refused whole
 
 
 class ErrorCode(str, enum.Enum):

@@ -32,9 +32,11 @@ from .ctx_peer import CtxPeer, PeerState
 from .peers import CtxPeers
 from .handshake import accept_welcome
 from .iothread import IOThread
+from .outbox import each_part
 from .params import DisaggParams
 from .pool import LocalPool
 from .pull import Leg, LegState, Pull, PullState, ReceiveResult
+from .receiver_legs import LegFrames
 from .receiver_work import PullFinisher, StagingPolicy
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,6 @@ class Receiver(IOThread):
                           Touch: lambda c: self._touched.add(c.request_id)}
         self._peer_messages = {m.Welcome: self._on_welcome, m.Error: self._on_error,
                                m.HeartbeatAck: self._on_heartbeat_ack}
-        self._leg_messages = {m.Blocks: self._on_blocks, m.LayersReady: self._on_layers_ready,
-                              m.DoneAck: self._on_done_ack, m.Error: self._on_leg_error}
         self._steps = {PullState.HANDSHAKE: self._step_handshake, PullState.READ: self._step_read,
                        PullState.CONFIRM: self._step_confirm, PullState.DRAIN: self._step_drain}
         if config.verify:
@@ -82,6 +82,7 @@ class Receiver(IOThread):
                         MAPPING_VERSION).encode()
         zctx = zmq.Context()
         self._peers = CtxPeers(zctx, config, hello, f"{self.instance}:{pool.rank}")
+        self._leg_messages = LegFrames(pool.arena, self._fail, self._peers.reset).handlers
         self._start_io(zctx, f"kvb-receiver-r{pool.rank}")
 
     # --- engine-facing API ----------------------------------------------------------------------------
@@ -132,12 +133,13 @@ class Receiver(IOThread):
                     if peer.sock is not s:  # reset by the frame before ("no session"): the socket is closed
                         break
                     try:
-                        frame = s.recv(zmq.NOBLOCK)
+                        parts = s.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     peer.last_heard = time.monotonic()
-                    self._on_frame(peer, frame)
+                    self._on_parts(peer, s, parts)
         self._advance(time.monotonic())
+        self._peers.flush()  # what this turn sent: one message per context rank
 
     def _touch_later(self, rid: int) -> None:
         """Any thread: have the I/O thread step pull `rid` at once (not at the next sweep)."""
@@ -185,6 +187,17 @@ class Receiver(IOThread):
         self._report(result)
 
     # --- frames from context ranks: for the peer, or for the legs of its pulls ---------------------------
+    def _on_parts(self, peer: CtxPeer, sock: zmq.Socket, parts: list[bytes]) -> None:
+        """One ZeroMQ message from a context rank: up to MAX_BATCH wire messages, each handled alone."""
+        def handle(frame: bytes) -> None:
+            if peer.sock is not sock:  # reset by the frame before: the rest was for the closed session
+                raise StopIteration
+            self._on_frame(peer, frame)
+
+        refused = each_part(parts, handle, f"context rank at {peer.endpoint}")
+        if refused:
+            log.warning("context rank at %s: %s; ignored", peer.endpoint, refused)
+
     def _on_frame(self, peer: CtxPeer, frame: bytes) -> None:
         try:
             msg = m.decode(frame)
@@ -244,47 +257,6 @@ class Receiver(IOThread):
             if pull.ctx_request_id == ctx_rid and any(lg.endpoint == peer.endpoint and not lg.done_sent
                                                       for lg in pull.legs.values()):
                 self._fail(pull, etype, error)
-
-    def _on_blocks(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.Blocks) -> None:
-        if leg.state is not LegState.FETCH_SENT:
-            log.warning("request %d: context rank %d sent Blocks while its leg is %s; ignored", pull.request_id,
-                        leg.ctx_rank, leg.state)
-            return
-        if msg.num_tokens != pull.num_tokens:
-            self._fail(pull, "ProtocolError", f"context rank {leg.ctx_rank} holds {msg.num_tokens} tokens of "
-                       f"request {pull.ctx_request_id}, the generation side expects {pull.num_tokens}")
-        leg.advance(LegState.FETCHED)
-        bad = leg.take_blocks(msg, peer.welcome, self.pool.arena)
-        if bad:
-            self._fail(pull, "ProtocolError", bad)
-
-    def _on_layers_ready(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.LayersReady) -> None:
-        leg.layers_ready = max(leg.layers_ready, msg.layers_ready)
-
-    def _on_done_ack(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.DoneAck) -> None:
-        if leg.state is not LegState.DONE_SENT:
-            log.warning("request %d: context rank %d sent DoneAck while its leg is %s; ignored", pull.request_id,
-                        leg.ctx_rank, leg.state)
-            return
-        leg.advance(LegState.ACKED)
-        peer.legs.discard((pull.request_id, leg.ctx_rank))
-        if not msg.valid:
-            self._fail(pull, "LeaseExpired", f"context rank {leg.ctx_rank} released request {pull.ctx_request_id} "
-                       f"before the read was confirmed ({msg.reason})")
-        elif not msg.intact:
-            self._fail(pull, "IntegrityError", f"context rank {leg.ctx_rank}, request {pull.ctx_request_id}: "
-                       f"{msg.reason}")
-
-    def _on_leg_error(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.Error) -> None:
-        if msg.code == m.ErrorCode.NO_SESSION.value and not leg.retried_session and not leg.read_ahead:
-            leg.retried_session = True
-            if leg.state is LegState.FETCH_SENT:  # Fetch again once the new session is up
-                leg.advance(LegState.NEW)
-            self._peers.reset(peer)
-            return
-        etype = m.ERROR_TYPES.get(msg.code, TransceiverError).__name__
-        peer.legs.discard((pull.request_id, leg.ctx_rank))
-        self._fail(pull, etype, f"context rank {leg.ctx_rank} ({leg.endpoint}): {msg.message}")
 
     # --- progress: each pull's state has one step ------------------------------------------------------
     def _advance(self, now: float) -> None:
