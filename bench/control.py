@@ -16,7 +16,7 @@ Every request must end `complete` on the context rank and `ok` on its generation
 rank must end with nothing pinned; the bench exits 1 otherwise.
 
     kvbridge bench control [--gens 1,8,64] [--requests 3000] [--window 64] [--agent nixl] [--no-read-ahead]
-                           [--owner wait|poll] [--json PATH]
+                           [--owner wait|poll] [--read-poll-us US] [--json PATH]
 """
 
 from __future__ import annotations
@@ -56,9 +56,13 @@ def _config(agent: str) -> TransceiverConfig:
     return TransceiverConfig(agents=(agent,), heartbeat_s=0.5, lease_s=10.0, pickup_timeout_s=60.0)
 
 
-def _gen_main(conn, agent: str) -> None:
+def _gen_main(conn, agent: str, read_poll_us: float | None = None) -> None:
     """One generation rank: submit every (rid, params dict, slot) it is handed; report failures at the end."""
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    if read_poll_us is not None:  # an experiment: the receiver's pause between looks at reads in flight
+        from ..transceiver import receiver
+
+        receiver._READ_POLL_S = read_poll_us * 1e-6
     buf = pool_image(LAY, 0, GEN_SLOTS, [], 9).copy()
     failed: list[tuple[int, str]] = []
     timings: dict[str, list[float]] = {}
@@ -94,7 +98,8 @@ def _gen_main(conn, agent: str) -> None:
 class _ContextRank:
     """The context rank under test and the generation ranks it serves."""
 
-    def __init__(self, gens: int, agent: str, read_ahead: bool = True, owner: str = "wait") -> None:
+    def __init__(self, gens: int, agent: str, read_ahead: bool = True, owner: str = "wait",
+                 read_poll_us: float | None = None) -> None:
         self.read_ahead, self.owner = read_ahead, owner
         blocks = [([s], TOKENS, s + 1) for s in range(CTX_SLOTS)]
         self.buf = pool_image(LAY, 0, CTX_SLOTS, blocks, 1).copy()
@@ -103,7 +108,8 @@ class _ContextRank:
         self.conns, self.procs = [], []
         for _ in range(gens):
             a, b = spawn.Pipe()
-            p = spawn.Process(target=_gen_main, args=(b, agent), daemon=True)
+            extra = () if read_poll_us is None else (read_poll_us,)
+            p = spawn.Process(target=_gen_main, args=(b, agent, *extra), daemon=True)
             p.start()
             self.conns.append(a)
             self.procs.append(p)
@@ -186,7 +192,7 @@ class _ContextRank:
 
 
 def bench_gens(gens: int, args) -> dict:
-    rank = _ContextRank(gens, args.agent, not args.no_read_ahead, args.owner)
+    rank = _ContextRank(gens, args.agent, not args.no_read_ahead, args.owner, args.read_poll_us)
     try:
         rank.measure(min(200, args.requests), min(args.window, 8), 120)  # warm-up: connections, handshakes
         with progress_bar(args.requests * 2, f"{gens} gen ranks") as bar:
@@ -199,6 +205,7 @@ def bench_gens(gens: int, args) -> dict:
     ok = (end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0
           and set(rank.status) == {"complete"})
     return {"gen_ranks": gens, "agent": args.agent, "read_ahead": not args.no_read_ahead, "owner": args.owner,
+            "read_poll_us": args.read_poll_us,
             "requests": args.requests, "window": args.window,
             "p50_us": float(np.percentile(lat, 50)), "p90_us": float(np.percentile(lat, 90)),
             "p99_us": float(np.percentile(lat, 99)),
@@ -237,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--owner", choices=["wait", "poll"], default="wait",
                     help="how the context rank's owner learns of completions: blocked in "
                          "check_context_transfer_status (woken by the I/O thread), or polling every 20 us")
+    ap.add_argument("--read-poll-us", type=float, default=None,
+                    help="experiment: the generation ranks' pause between looks at reads in flight (0: spin; "
+                         "default: the receiver's own, 50 us)")
     ap.add_argument("--json", help="write the rows as JSON here (and a PNG plot beside it)")
     args = ap.parse_args(argv)
     print(f"# control plane on loopback, one-block requests, agent {args.agent}; {machine()}", flush=True)
