@@ -15,7 +15,7 @@ they were queued. Frames queued for a peer whose socket is reset before the turn
 from __future__ import annotations
 
 import logging
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 from .messages import MAX_BATCH
 
@@ -35,7 +35,7 @@ def each_part(parts: list[bytes], handle: Callable[[bytes], None], where: str) -
             handle(frame)
         except StopIteration:
             break
-        except Exception:  # noqa: BLE001 - one frame's failure must not drop the rest of its batch
+        except Exception:  # one frame's failure must not drop the rest of its batch
             log.exception("handling a frame from %s failed", where)
     return ""
 

@@ -10,7 +10,7 @@ only the leg's and pull's state through their `advance` and the `fail` callable;
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import TransceiverError
 from . import messages as m

@@ -141,8 +141,8 @@ def unknown_answer(tomb: Tomb | None, secret: bytes, rid: int, rank: int, wait_s
         return m.ErrorCode.CANCELLED, f"request {rid} was cancelled on the context side"
     if status is not None:
         return m.ErrorCode.UNKNOWN_REQUEST, f"request {rid} is already finished"
-    return (m.ErrorCode.UNKNOWN_REQUEST, f"context rank {rank} has no request {rid} (not published within "
-            f"{wait_s:g} s of the fetch)")
+    return m.ErrorCode.UNKNOWN_REQUEST, (f"context rank {rank} has no request {rid} (not published within "
+                                         f"{wait_s:g} s of the fetch)")
 
 
 class EarlyFetches:

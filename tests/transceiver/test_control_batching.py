@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import zmq
-
 from kvbridge.formatter.layout import KVLayout, KVShape
 from kvbridge.formatter.verify import pool_image
 from kvbridge.transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
