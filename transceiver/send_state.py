@@ -25,7 +25,8 @@ import numpy as np
 from . import messages as m
 from .fsm import move
 
-__all__ = ["ENTRY_MOVES", "EarlyFetches", "Entry", "EntryState", "SendResult", "Tomb", "unknown_answer"]
+__all__ = ["ENTRY_MOVES", "EarlyFetches", "Entry", "EntryState", "SendResult", "Tomb", "renew_leases",
+           "unknown_answer"]
 
 
 class EntryState(str, Enum):
@@ -128,6 +129,22 @@ class Tomb:
     status: EntryState  # terminal
     secret: bytes = field(repr=False)
     readers: frozenset[bytes]
+
+
+def renew_leases(entries: dict[int, Entry], early: EarlyFetches, ident: bytes, ids: list[int],
+                 until: float) -> list[bool]:
+    """A reader's heartbeat: extend to `until` the lease of every listed request it fetched; whether each is
+    still pinned for it (a Fetch waiting for its request to be published counts as alive too)."""
+    alive = []
+    for rid in ids:
+        e = entries.get(rid)
+        ok = e is not None and ident in e.fetched.values()
+        if ok:
+            e.deadline = max(e.deadline, until)
+        else:
+            ok = early.waiting(rid, ident)
+        alive.append(ok)
+    return alive
 
 
 def unknown_answer(tomb: Tomb | None, secret: bytes, rid: int, rank: int, wait_s: float) -> tuple[m.ErrorCode, str]:

@@ -38,8 +38,9 @@ from .handles import new_secret
 from .handshake import check_hello
 from .iothread import IOThread
 from .outbox import Outbox, each_part
+from .read_watch import ReadWatch
 from .pool import LocalPool
-from .send_state import EarlyFetches, Entry, EntryState, SendResult, Tomb, unknown_answer
+from .send_state import EarlyFetches, Entry, EntryState, SendResult, Tomb, renew_leases, unknown_answer
 from .sender_work import SenderJobs
 from .sessions import Session, SessionTable
 from .sockets import make_router, stop_authenticator
@@ -100,6 +101,7 @@ class Sender(IOThread):
         self._open_io(zctx, f"kvb-sender-r{pool.rank}")
         self._jobs = SenderJobs(pool, config, self._worker, self._send)  # packing and hashing, off the I/O thread
         self._outbox = Outbox(self._send_parts)
+        self._readers = ReadWatch(pool.agents.values(), config.lease_s)  # agents progress fast while read
         self._poller = zmq.Poller()
         for sock in (self._router, self._wake_rx) + ((self._handshakes.socket,) if self._handshakes else ()):
             self._poller.register(sock, zmq.POLLIN)
@@ -240,6 +242,7 @@ class Sender(IOThread):
 
     def _finish(self, e: Entry, status: EntryState, detail: str) -> None:
         e.advance(status)
+        self._readers.ended(len(e.readers_waiting()))  # readers that never reported Done (expired, cancelled)
         self._entries.pop(e.rid, None)
         for gen_rank in [g for g in e.slots if g not in e.packing]:  # a slot still being packed: _packed frees it
             self.pool.arena.free(e.slots.pop(gen_rank))
@@ -382,6 +385,8 @@ class Sender(IOThread):
                 self._error(ident, m.ErrorCode.READ_AHEAD, f"context rank {self.pool.rank} refuses the read-ahead "
                             f"of request {e.rid}: {why}", e.rid, "fetch")
                 return
+        if not msg.done and s.gen_rank not in e.fetched:
+            self._readers.started()
         e.fetched[s.gen_rank] = ident
         if e.state is EntryState.PUBLISHED:
             e.advance(EntryState.READING)
@@ -390,7 +395,7 @@ class Sender(IOThread):
         e.read_from[s.gen_rank] = msg.from_token
         e.deadline = time.monotonic() + self.config.lease_s
         if msg.done:  # its reads already finished: this Fetch is its Done(ok) too, confirmed like any
-            self._reader_done(ident, e, s.gen_rank, True, "", True, "")
+            self._reader_done(ident, e, s.gen_rank, True, "", True, "", counted=False)
             return
         if msg.read_ahead:
             return  # its reads are posted: no Blocks; its Done is confirmed like any reader's
@@ -407,15 +412,9 @@ class Sender(IOThread):
         except ProtocolError as e:
             self._error(ident, m.ErrorCode.MALFORMED, str(e), reply_to="heartbeat")
             return
-        now, alive = time.monotonic(), []
-        for rid in ids:
-            e = self._entries.get(rid)
-            ok = e is not None and ident in e.fetched.values()
-            if ok:
-                e.deadline = max(e.deadline, now + self.config.lease_s)
-            else:  # a fetch waiting for its request to be published is alive too
-                ok = self._early.waiting(rid, ident)
-            alive.append(ok)
+        alive = renew_leases(self._entries, self._early, ident, ids, time.monotonic() + self.config.lease_s)
+        if any(alive):
+            self._readers.renew()
         self._send(ident, m.HeartbeatAck(ids, alive).encode())
 
     def _on_done(self, ident: bytes, msg: m.Done) -> None:
@@ -436,7 +435,8 @@ class Sender(IOThread):
         self._reader_done(ident, e, s.gen_rank, msg.ok, msg.error, True, "")
 
     def _reader_done(self, ident: bytes, e: Entry, gen_rank: int, ok: bool, error: str, intact: bool,
-                     why: str) -> None:
+                     why: str, counted: bool = True) -> None:
+        self._readers.ended(1 if counted and gen_rank not in e.done else 0)
         e.done[gen_rank] = ok
         if gen_rank in e.slots:
             self.pool.arena.free(e.slots.pop(gen_rank))

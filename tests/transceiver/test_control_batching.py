@@ -145,3 +145,29 @@ def test_read_ahead_pulls_are_byte_exact_and_each_readers_done_arrives_exactly_o
     assert all(len(c) == 1 for c in carried.values()), carried  # exactly one Done per reader
     if not any(c == ["fetch"] for rid, c in carried.items() if rid != 10):
         pytest.skip("no read settled as it was posted on this machine's transport: nothing to piggyback")
+
+
+def test_the_context_ranks_agent_progresses_fast_only_while_a_reader_may_be_reading():
+    blocks = {21: [1, 2], 22: [3, 4]}
+    buf = pool_image(LAY, 0, NB, [(b, 20, r) for r, b in blocks.items()]).copy()
+    with CacheTransceiver.context(buf, LAY, 0, NB, CFG) as ctx:
+        agent = ctx.pool.agents["nixl"]
+        secrets = {r: ctx.respond_and_send_async(_Req(r, b, 20)) for r, b in blocks.items()}
+        s = _session(ctx.endpoint)
+        try:
+            assert not agent.fast_progress  # nobody reads: the idle period (CacheTransceiver's default)
+            s.send(m.Fetch(21, 0, False, False, 0, secrets[21], True, np.array(blocks[21])).encode())
+            s.send(m.Heartbeat([21]).encode())  # answered after the Fetch: it has been taken
+            (ack,) = _answers(s, 1)
+            assert isinstance(ack, m.HeartbeatAck) and ack.alive == [True]
+            assert agent.fast_progress  # a reader's reads may be in flight
+            s.send(m.Done(21, 0, True).encode())
+            (ack,) = _answers(s, 1)
+            assert isinstance(ack, m.DoneAck) and ack.valid
+            assert not agent.fast_progress  # the last reader is done
+            s.send(_fetch_done(22, secrets[22], blocks[22]))  # its reads are over: never counted
+            (ack,) = _answers(s, 1)
+            assert isinstance(ack, m.DoneAck) and ack.valid and not agent.fast_progress
+            assert _finished(ctx, 2) == {21: "complete", 22: "complete"}
+        finally:
+            s.close()
