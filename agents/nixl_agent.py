@@ -109,9 +109,10 @@ class NixlAgent(TransferAgent):
             idle). "nixl": NIXL's progress thread (lowest latency, one busy core). "manual": the owner calls
             `progress()` often (e.g. from an I/O loop that already wakes up).
         progress_interval_s: the "thread" mode's period.
-        idle_progress_s: the "thread" mode's period while nobody said a peer may be reading (`serving`):
-            an owner that knows when peers read (the transceiver's sender) sets it longer, so an idle thread
-            stops taking the GIL and a core every `progress_interval_s`. Default: `progress_interval_s`.
+        idle_progress_s: the "thread" mode's period while nobody said a peer may be reading
+            (`expect_reads`): an owner that knows when peers read (the transceiver's sender) sets it longer,
+            so an idle thread stops taking the GIL and a core every `progress_interval_s`. Default:
+            `progress_interval_s`.
     """
 
     agent_kind = "nixl"
@@ -139,7 +140,7 @@ class NixlAgent(TransferAgent):
             raise AgentError(f"NIXL backends {missing} are not available (plugins: {self._nx.plugin_list})")
         self._reg_descs: dict[int, object] = {}
         self._stop_progress = threading.Event()
-        self._kick = threading.Event()  # set by `serving` and close: the progress thread looks again now
+        self._kick = threading.Event()  # set by `expect_reads` and close: the progress thread looks now
         self._idle_s = progress_interval_s if idle_progress_s is None else float(idle_progress_s)
         self._fast_until = 0.0  # time.monotonic() until which peers may be reading: progress_interval_s
         self._progress_thread = None
@@ -160,7 +161,7 @@ class NixlAgent(TransferAgent):
         """Whether the progress thread runs every `progress_interval_s` now (peers may be reading)."""
         return time.monotonic() < self._fast_until or self._idle_s <= 0
 
-    def serving(self, seconds: float) -> None:
+    def expect_reads(self, seconds: float) -> None:
         """Peers may read this agent's memory for the next `seconds` (0: no longer): the progress thread runs
         every `progress_interval_s` until then, `idle_progress_s` after. Any thread; never blocks."""
         fast_until = time.monotonic() + seconds

@@ -2,13 +2,17 @@
 progress on the target side (NIXL over UCX TCP: emulated reads) does so quickly only then.
 
 Owned by the Sender's I/O thread (no locking). A reader counts from its accepted Fetch until its Done (or its
-request finishes without one); while any reader counts, agents with a `serving(seconds)` hook are told "for a
-lease more" (renewed by the readers' heartbeats), and "no longer" when the last one is done. A Fetch that
-carries its Done never counts: its reads are over. The count only steers speed: a reader missed makes its
+request finishes without one); while any reader counts, agents with an `expect_reads(seconds)` hook are told
+"for a lease more" (renewed by the readers' heartbeats), and "no longer" when the last one is done. A Fetch
+that carries its Done never counts: its reads are over. The count only steers speed: a reader missed makes its
 reads wait for the agent's idle period (they still complete), a reader counted twice keeps the agent fast.
 """
 
 from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("kvbridge.transceiver.sender")
 
 __all__ = ["ReadWatch"]
 
@@ -17,12 +21,12 @@ class ReadWatch:
     """Active readers of one context rank, and the agents told about them.
 
     Args:
-        agents: the rank's transfer agents (those without a `serving` hook are left alone).
+        agents: the rank's transfer agents (those without an `expect_reads` hook are left alone).
         lease_s: how long "peers may be reading" holds without renewal.
     """
 
     def __init__(self, agents, lease_s: float) -> None:
-        self._hooks = [a.serving for a in agents if callable(getattr(a, "serving", None))]
+        self._hooks = [a.expect_reads for a in agents if callable(getattr(a, "expect_reads", None))]
         self._lease_s, self._active = lease_s, 0
 
     def started(self) -> None:
@@ -44,4 +48,7 @@ class ReadWatch:
 
     def _tell(self, seconds: float) -> None:
         for hook in self._hooks:
-            hook(seconds)
+            try:
+                hook(seconds)
+            except Exception as e:  # noqa: BLE001 - a hint about speed must never fail a Fetch or a Done
+                log.warning("transfer agent hint expect_reads(%g) failed: %s", seconds, e)
