@@ -78,6 +78,9 @@ def unpack(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES, max_depth: int = MA
     return obj
 
 
+_SCALAR_TYPES = frozenset({int, str, bytes, bool, float, type(None)})  # what msgpack makes of plain scalars
+
+
 def _check_depth(obj: Any, max_depth: int, what: str) -> None:
     """Nesting depth, and plain values only (msgpack decodes ext type -1, timestamps, without ext_hook)."""
     stack = [(obj, 1)]
@@ -85,11 +88,9 @@ def _check_depth(obj: Any, max_depth: int, what: str) -> None:
         o, d = stack.pop()
         if isinstance(o, msgpack.Timestamp):
             raise ProtocolError(f"{what}: msgpack ext type -1 (timestamp) is not accepted")
-        if isinstance(o, dict):
+        if isinstance(o, (dict, list)):
             if d > max_depth:
                 raise ProtocolError(f"{what}: containers nested deeper than {max_depth}")
-            stack.extend((v, d + 1) for v in o.values())
-        elif isinstance(o, list):
-            if d > max_depth:
-                raise ProtocolError(f"{what}: containers nested deeper than {max_depth}")
-            stack.extend((v, d + 1) for v in o)
+            # scalars need no visit (a control frame is a flat map of them): only containers go on the stack
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o)
+                         if type(v) not in _SCALAR_TYPES)

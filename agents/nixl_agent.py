@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from ..errors import AgentError, PeerError
 from .base import DescriptorList, MemoryKind, MemoryRegion, TransferAgent, TransferHandle, XferState
@@ -108,13 +109,18 @@ class NixlAgent(TransferAgent):
             idle). "nixl": NIXL's progress thread (lowest latency, one busy core). "manual": the owner calls
             `progress()` often (e.g. from an I/O loop that already wakes up).
         progress_interval_s: the "thread" mode's period.
+        idle_progress_s: the "thread" mode's period while nobody said a peer may be reading
+            (`expect_reads`): an owner that knows when peers read (the transceiver's sender) sets it longer,
+            so an idle thread stops taking the GIL and a core every `progress_interval_s`. Default:
+            `progress_interval_s`.
     """
 
     agent_kind = "nixl"
     memory_kinds = frozenset({MemoryKind.DRAM, MemoryKind.VRAM})
 
     def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",), num_threads: int = 0,
-                 progress: str = "thread", progress_interval_s: float = 0.0005) -> None:
+                 progress: str = "thread", progress_interval_s: float = 0.0005,
+                 idle_progress_s: float | None = None) -> None:
         super().__init__(name)
         if progress not in ("thread", "nixl", "manual"):
             raise AgentError(f"NixlAgent progress must be 'thread', 'nixl' or 'manual', got {progress!r}")
@@ -134,6 +140,9 @@ class NixlAgent(TransferAgent):
             raise AgentError(f"NIXL backends {missing} are not available (plugins: {self._nx.plugin_list})")
         self._reg_descs: dict[int, object] = {}
         self._stop_progress = threading.Event()
+        self._kick = threading.Event()  # set by `expect_reads` and close: the progress thread looks now
+        self._idle_s = progress_interval_s if idle_progress_s is None else float(idle_progress_s)
+        self._fast_until = 0.0  # time.monotonic() until which peers may be reading: progress_interval_s
         self._progress_thread = None
         if progress == "thread":
             self._progress_thread = threading.Thread(target=self._progress_loop, args=(progress_interval_s,),
@@ -147,8 +156,26 @@ class NixlAgent(TransferAgent):
         except Exception as e:  # noqa: BLE001 - progress must never raise into its caller
             log.debug("NIXL progress failed: %s", e)
 
+    @property
+    def fast_progress(self) -> bool:
+        """Whether the progress thread runs every `progress_interval_s` now (peers may be reading)."""
+        return time.monotonic() < self._fast_until or self._idle_s <= 0
+
+    def expect_reads(self, seconds: float) -> None:
+        """Peers may read this agent's memory for the next `seconds` (0: no longer): the progress thread runs
+        every `progress_interval_s` until then, `idle_progress_s` after. Any thread; never blocks."""
+        fast_until = time.monotonic() + seconds
+        was_idle = self._fast_until < fast_until and self._fast_until <= time.monotonic()
+        self._fast_until = fast_until
+        if was_idle:
+            self._kick.set()
+
     def _progress_loop(self, interval: float) -> None:
-        while not self._stop_progress.wait(interval):
+        while not self._stop_progress.is_set():
+            self._kick.wait(interval if time.monotonic() < self._fast_until else self._idle_s)
+            self._kick.clear()
+            if self._stop_progress.is_set():
+                return
             self.progress()
 
     def _register(self, region: MemoryRegion, key: int) -> None:
@@ -208,6 +235,7 @@ class NixlAgent(TransferAgent):
 
     def _close(self) -> None:
         self._stop_progress.set()
+        self._kick.set()
         if self._progress_thread is not None:
             self._progress_thread.join(5)
         for key in list(self._reg_descs):

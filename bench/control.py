@@ -9,14 +9,14 @@ ids, so the generation rank reads ahead (its reads go out with its Fetch; `--no-
 then the reads). The owner waits in `check_context_transfer_status` when it has nothing to publish, woken by
 the I/O thread (`--owner poll`: it polls every 20 us instead). Two figures per G:
 
-- latency: one request at a time, publish -> complete on the context rank, p50/p99 in microseconds;
+- latency: one request at a time, publish -> complete on the context rank, p50/p90/p99 in microseconds;
 - throughput: `--window` requests in flight across the G ranks, completed requests per second.
 
 Every request must end `complete` on the context rank and `ok` on its generation rank, and the context
 rank must end with nothing pinned; the bench exits 1 otherwise.
 
     kvbridge bench control [--gens 1,8,64] [--requests 3000] [--window 64] [--agent nixl] [--no-read-ahead]
-                           [--owner wait|poll] [--json PATH]
+                           [--owner wait|poll] [--read-poll-us US] [--nixl-progress-us US] [--json PATH]
 """
 
 from __future__ import annotations
@@ -52,13 +52,19 @@ class _Req:
     disagg_params: object = None
 
 
-def _config(agent: str) -> TransceiverConfig:
-    return TransceiverConfig(agents=(agent,), heartbeat_s=0.5, lease_s=10.0, pickup_timeout_s=60.0)
+def _config(agent: str, tweaks: dict | None = None) -> TransceiverConfig:
+    us = (tweaks or {}).get("nixl_progress_us")
+    options = {} if us is None else {"nixl": {"progress_interval_s": us * 1e-6}}
+    return TransceiverConfig(agents=(agent,), heartbeat_s=0.5, lease_s=10.0, pickup_timeout_s=60.0, options=options)
 
 
-def _gen_main(conn, agent: str) -> None:
+def _gen_main(conn, agent: str, tweaks: dict | None = None) -> None:
     """One generation rank: submit every (rid, params dict, slot) it is handed; report failures at the end."""
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    if (tweaks or {}).get("read_poll_us") is not None:  # an experiment: the pause between looks at reads
+        from ..transceiver import receiver
+
+        receiver._READ_POLL_S = tweaks["read_poll_us"] * 1e-6
     buf = pool_image(LAY, 0, GEN_SLOTS, [], 9).copy()
     failed: list[tuple[int, str]] = []
     timings: dict[str, list[float]] = {}
@@ -72,7 +78,7 @@ def _gen_main(conn, agent: str) -> None:
                 timings.setdefault(k, []).append(v)
         return sum(r.ok for r in results)
 
-    with CacheTransceiver.generation(buf, LAY, 0, GEN_SLOTS, _config(agent)) as gen:
+    with CacheTransceiver.generation(buf, LAY, 0, GEN_SLOTS, _config(agent, tweaks)) as gen:
         conn.send(gen.instance)
         while True:
             if conn.poll(0.01):  # submit at once; reaping results later costs the context rank nothing
@@ -94,16 +100,18 @@ def _gen_main(conn, agent: str) -> None:
 class _ContextRank:
     """The context rank under test and the generation ranks it serves."""
 
-    def __init__(self, gens: int, agent: str, read_ahead: bool = True, owner: str = "wait") -> None:
+    def __init__(self, gens: int, agent: str, read_ahead: bool = True, owner: str = "wait",
+                 tweaks: dict | None = None) -> None:
         self.read_ahead, self.owner = read_ahead, owner
         blocks = [([s], TOKENS, s + 1) for s in range(CTX_SLOTS)]
         self.buf = pool_image(LAY, 0, CTX_SLOTS, blocks, 1).copy()
-        self.ctx = CacheTransceiver.context(self.buf, LAY, 0, CTX_SLOTS, _config(agent))
+        self.ctx = CacheTransceiver.context(self.buf, LAY, 0, CTX_SLOTS, _config(agent, tweaks))
         spawn = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for _ in range(gens):
             a, b = spawn.Pipe()
-            p = spawn.Process(target=_gen_main, args=(b, agent), daemon=True)
+            extra = () if not tweaks else (tweaks,)
+            p = spawn.Process(target=_gen_main, args=(b, agent, *extra), daemon=True)
             p.start()
             self.conns.append(a)
             self.procs.append(p)
@@ -186,7 +194,9 @@ class _ContextRank:
 
 
 def bench_gens(gens: int, args) -> dict:
-    rank = _ContextRank(gens, args.agent, not args.no_read_ahead, args.owner)
+    tweaks = {k: v for k, v in (("read_poll_us", args.read_poll_us), ("nixl_progress_us", args.nixl_progress_us))
+              if v is not None}
+    rank = _ContextRank(gens, args.agent, not args.no_read_ahead, args.owner, tweaks)
     try:
         rank.measure(min(200, args.requests), min(args.window, 8), 120)  # warm-up: connections, handshakes
         with progress_bar(args.requests * 2, f"{gens} gen ranks") as bar:
@@ -199,8 +209,10 @@ def bench_gens(gens: int, args) -> dict:
     ok = (end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0
           and set(rank.status) == {"complete"})
     return {"gen_ranks": gens, "agent": args.agent, "read_ahead": not args.no_read_ahead, "owner": args.owner,
+            "read_poll_us": args.read_poll_us, "nixl_progress_us": args.nixl_progress_us,
             "requests": args.requests, "window": args.window,
-            "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
+            "p50_us": float(np.percentile(lat, 50)), "p90_us": float(np.percentile(lat, 90)),
+            "p99_us": float(np.percentile(lat, 99)),
             "p50_us_loaded": float(np.percentile(lat_w, 50)), "p99_us_loaded": float(np.percentile(lat_w, 99)),
             "req_per_s": args.requests / seconds, "gen_stages_p50_ms": stages, "ctx_status": rank.status, **end, "verified": ok}
 
@@ -236,12 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--owner", choices=["wait", "poll"], default="wait",
                     help="how the context rank's owner learns of completions: blocked in "
                          "check_context_transfer_status (woken by the I/O thread), or polling every 20 us")
+    ap.add_argument("--read-poll-us", type=float, default=None,
+                    help="experiment: the generation ranks' pause between looks at reads in flight (0: spin; "
+                         "default: the receiver's own, 50 us)")
+    ap.add_argument("--nixl-progress-us", type=float, default=None,
+                    help="experiment: the NIXL agents' progress-thread period on both sides (default: the "
+                         "agent's own, 500 us)")
     ap.add_argument("--json", help="write the rows as JSON here (and a PNG plot beside it)")
     args = ap.parse_args(argv)
     print(f"# control plane on loopback, one-block requests, agent {args.agent}; {machine()}", flush=True)
     rows = [bench_gens(int(g), args) for g in args.gens.split(",")]
-    cols = ["gen_ranks", "p50_us", "p99_us", "p50_us_loaded", "req_per_s", "gen_failed", "ctx_pinned_at_end",
-            "verified"]
+    cols = ["gen_ranks", "p50_us", "p90_us", "p99_us", "p50_us_loaded", "req_per_s", "gen_failed",
+            "ctx_pinned_at_end", "verified"]
     print(table(rows, cols))
     write_json(args.json, rows)
     if args.json:

@@ -65,6 +65,13 @@ def _patch_generation() -> None:
     _wrap(R.Receiver, "_on_blocks", "g.io_blocks", lambda pull, *a: pull.ctx_request_id)
     _wrap(R.Receiver, "_step_confirm", "g.reads_done", lambda pull, *a: pull.ctx_request_id)
     _wrap(R.Receiver, "_on_done_ack", "g.io_done_ack", lambda pull, *a: pull.ctx_request_id)
+    try:  # later versions: the handlers of frames about one request live in receiver_legs.py
+        from kvbridge.transceiver import receiver_legs as L
+    except ImportError:
+        L = None
+    if L is not None:
+        _wrap(L.LegFrames, "blocks", "g.io_blocks", lambda pull, *a: pull.ctx_request_id)
+        _wrap(L.LegFrames, "done_ack", "g.io_done_ack", lambda pull, *a: pull.ctx_request_id)
     orig = P.Pull.post_ready_layers
 
     def post(self, *a):

@@ -18,6 +18,7 @@ Every call here is non-blocking or bounded by `timeout_s`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -51,13 +52,15 @@ class CacheTransceiver:
     def context(cls, buffers, layout: KVLayout, rank: int, num_blocks: int, config: TransceiverConfig | None = None,
                 instance: str | None = None) -> "CacheTransceiver":
         config = config or TransceiverConfig()
-        return cls("context", LocalPool(layout, rank, buffers, num_blocks, config), config, instance)
+        return cls("context", LocalPool(layout, rank, buffers, num_blocks, _agent_defaults(config)), config,
+                   instance)
 
     @classmethod
     def generation(cls, buffers, layout: KVLayout, rank: int, num_blocks: int,
                    config: TransceiverConfig | None = None, instance: str | None = None) -> "CacheTransceiver":
         config = config or TransceiverConfig()
-        return cls("generation", LocalPool(layout, rank, buffers, num_blocks, config), config, instance)
+        return cls("generation", LocalPool(layout, rank, buffers, num_blocks, _agent_defaults(config)), config,
+                   instance)
 
     # --- context side ---------------------------------------------------------------------------------
     @property
@@ -127,6 +130,21 @@ class CacheTransceiver:
         if self.receiver is None:
             raise KvBridgeError("this is a context-side transceiver; the call is for the generation side")
         return self.receiver
+
+
+# A NIXL agent's progress thread runs every 0.5 ms only while peers may be reading this rank (the sender tells
+# it: read_watch.py); otherwise every 5 ms, so an idle thread stops taking the GIL and a core share (~15% of a
+# request's latency and throughput on the 2-core box: bench/RESULTS.md). A generation rank's agents are never
+# read from, and its receiver polls every read it posts, which drives them. Options the config names win.
+_AGENT_DEFAULTS = {"nixl": {"idle_progress_s": 0.005}}
+
+
+def _agent_defaults(config: TransceiverConfig) -> TransceiverConfig:
+    """`config` with _AGENT_DEFAULTS under its own agent options (a copy; `config` is untouched)."""
+    options = {kind: dict(opts) for kind, opts in config.options.items()}
+    for kind, defaults in _AGENT_DEFAULTS.items():
+        options[kind] = {**defaults, **options.get(kind, {})}
+    return dataclasses.replace(config, options=options)
 
 
 def _collect(part: Sender | Receiver, at_least: int, timeout_s: float, what: str) -> list:

@@ -1,5 +1,11 @@
 """The skeleton the Sender and the Receiver share: one I/O thread that owns every socket and every piece of
-state, fed by a command queue that any thread may use, woken through an inproc socket pair.
+state, fed by a command queue that any thread may use, woken through an eventfd (a pipe where there is none).
+
+A command wakes the I/O thread only when it sleeps (or is about to) in its poll (`_wait`): a busy loop takes
+queued commands on its next turn anyway, so under load commands cost no wake-up, no system call and no thread
+hand-off of their own. The rule that makes this safe (under the GIL, these steps are sequentially consistent):
+the loop says it is idle, then looks at the queue, then sleeps; a caller queues, then looks at the flag. Either
+the loop sees the command, or the caller sees the flag and wakes it.
 
 Subclasses (Sender, Receiver: this base class IS their loop, so it stays a base class; the work they do
 off the loop is held by composition) implement `_loop_once()` (one bounded wait plus the work it found) and
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -40,11 +47,15 @@ class IOThread:
         """Everything `_start_io` does but starting the thread (`self._thread.start()`): for a subclass whose
         collaborators need the worker before the loop may run."""
         self._zctx = zctx
-        self._wake_rx = zctx.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://wake-{id(self)}")
-        self._wake_tx = zctx.socket(zmq.PAIR)
-        self._wake_tx.connect(f"inproc://wake-{id(self)}")
-        self._wake_lock = threading.Lock()
+        if hasattr(os, "eventfd"):
+            self._wake_rx = self._wake_tx = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:  # pragma: no cover - not Linux
+            self._wake_rx, self._wake_tx = os.pipe()
+            os.set_blocking(self._wake_rx, False)
+            os.set_blocking(self._wake_tx, False)
+        self._wake_lock = threading.Lock()  # no wake may write to the fd once _stop_io closed it
+        self._wake_open = True
+        self._idle = False  # the I/O thread is (about to be) asleep in its poll: commands must wake it
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: collections.deque = collections.deque()
         self._finished_cv = threading.Condition()  # signalled with every result: the owner may wait on it
@@ -79,29 +90,47 @@ class IOThread:
         self._wake()
         self._thread.join(timeout)
         self._worker.shutdown(wait=True, cancel_futures=True)  # no pack/unpack may still touch memory
-        self._wake_rx.close(0)
-        self._wake_tx.close(0)
+        with self._wake_lock:
+            self._wake_open = False
+            for fd in {self._wake_rx, self._wake_tx}:
+                os.close(fd)
         return True
 
     def _command(self, cmd: object, wake: bool = True) -> None:
-        """Queue `cmd` for the I/O thread; `wake=False` leaves it for the loop's next turn (at most one poll
-        away, and at once when a frame arrives: the loop takes commands before frames)."""
+        """Queue `cmd` for the I/O thread, waking it if it sleeps; `wake=False` leaves it for the loop's next
+        turn even then (at most one poll away, and at once when a frame arrives: the loop takes commands
+        before frames)."""
         if self._stop.is_set():
             raise KvBridgeError(f"{self._what} is closed")
         self._cmds.put(cmd)
-        if wake:
+        if wake and self._idle:
             self._wake()
 
     def _wake(self) -> None:
         with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            if self._wake_open:
+                try:
+                    os.write(self._wake_tx, b"\1\0\0\0\0\0\0\0")  # eventfd: +1 (a pipe: one more byte)
+                except BlockingIOError:  # a pipe full of wakes: the loop wakes anyway
+                    pass
+
+    def _wait(self, poller: zmq.Poller, timeout_ms: float) -> dict:
+        """I/O thread: the loop's one blocking wait, on `poller` (which holds `_wake_rx`), at most
+        `timeout_ms`; {socket or fd: events} of what is ready. Marked idle meanwhile, so commands wake it."""
+        if timeout_ms > 0:
+            self._idle = True
+            if not self._cmds.empty():  # queued while we were busy (no wake was sent): take it now
+                timeout_ms = 0
+        try:
+            return dict(poller.poll(timeout_ms))
+        finally:
+            self._idle = False
 
     def _drain_commands(self) -> None:
-        while self._wake_rx.poll(0):
-            self._wake_rx.recv()
+        try:
+            os.read(self._wake_rx, 4096)  # clear the wake (one read empties an eventfd)
+        except BlockingIOError:
+            pass
         while True:
             try:
                 cmd = self._cmds.get_nowait()

@@ -19,6 +19,9 @@ Conversation (generation rank G pulls a request from context rank C):
                                                                       this Fetch; C answers no Blocks, only an
                                                                       Error(read_ahead) when it cannot vouch
                                                                       for them (then the pull fails)
+            Fetch(..., read_ahead=True, block_ids, done=True)         ...and those reads had all finished when
+                                                                      it was sent: the Fetch is also the
+                                                                      reader's Done(ok); C answers DoneAck
     C -> G  Blocks(ctx_request_id, block_ids, num_tokens, layers_ready, lease_s, staging_addr, staging_bytes)
             (staged: the context rank packed the piece into a slot of its arena; one read moves it)
     C -> G  LayersReady(ctx_request_id, layers_ready)                 streaming: pushed as layers finish
@@ -31,6 +34,9 @@ Conversation (generation rank G pulls a request from context rank C):
 
 A generation rank counts its KV as received only after DoneAck(valid=True): the context side confirms that
 the blocks were still pinned (lease not expired, not evicted) when the read finished.
+
+One ZeroMQ message may carry up to MAX_BATCH of these frames as its parts (outbox.py: what one I/O loop turn
+sends one peer); each part is decoded and answered on its own.
 """
 
 from __future__ import annotations
@@ -47,9 +53,11 @@ from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, Protocol
                       RequestCancelled, RequestNotFound)
 from ..formatter.mapping import MAPPING_VERSION
 
-PROTOCOL_VERSION = 3  # bump when a message changes shape (2: Fetch carries the request's secret; 3: read-ahead)
+PROTOCOL_VERSION = 4  # bump when a message changes shape or meaning (2: Fetch carries the request's secret;
+#                        3: read-ahead; 4: a read-ahead Fetch may carry its Done: an older peer would ignore it)
 MAX_FRAME_BYTES = 16 << 20  # 2M block ids fit; a larger frame is refused before decoding
 MAX_BLOCK_IDS = 1 << 21
+MAX_BATCH = 256  # wire messages one ZeroMQ message may carry (its parts); a longer one is refused whole
 
 
 class ErrorCode(str, enum.Enum):
@@ -98,9 +106,9 @@ class Message:
 
     def encode(self) -> bytes:
         d: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": self.TYPE}
-        for f in dataclasses.fields(self):
+        for f in _spec(type(self)):
             v = getattr(self, f.name)
-            if f.metadata.get("blocks"):
+            if f.blocks:
                 v = _blocks_to_bytes(v)
             elif isinstance(v, enum.Enum):
                 v = v.value
@@ -108,6 +116,33 @@ class Message:
                 v = list(v)
             d[f.name] = v
         return pack(d)
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """What encode and decode need to know of one message field, worked out once per class (`_spec`)."""
+
+    name: str
+    kind: Any  # the declared kind (int, str, ...), named in errors
+    want: Any  # what isinstance checks on decode
+    required: bool
+    blocks: bool
+    bound: int  # ints must lie in [-bound, bound)
+    as_tuple: bool  # the default is a tuple: a decoded list becomes one
+
+
+_SPECS: dict[type, tuple[_Field, ...]] = {}
+
+
+def _spec(cls: type) -> tuple[_Field, ...]:
+    """The fields of message class `cls` (cached: dataclasses.fields and metadata lookups cost per message)."""
+    spec = _SPECS.get(cls)
+    if spec is None:
+        spec = tuple(_Field(f.name, _kind(f), _SCALARS[_kind(f)], f.default is dataclasses.MISSING,
+                            bool(f.metadata.get("blocks")), 1 << 63 if f.metadata.get("wide") else 1 << 62,
+                            isinstance(f.default, tuple)) for f in dataclasses.fields(cls))
+        _SPECS[cls] = spec
+    return spec
 
 
 def _kind(f: dataclasses.Field) -> Any:
@@ -163,11 +198,12 @@ class Fetch(Message):
     secret: bytes = msg(bytes, default=b"")  # the request's secret (DisaggParams.secret)
     read_ahead: bool = msg(bool, default=False)  # reads already posted from `block_ids`: answer no Blocks
     block_ids: Any = msg(bytes, blocks=True, default=(), compare=False)  # read-ahead: the ids G reads from
+    done: bool = msg(bool, default=False)  # read-ahead only: those reads all finished; this is also Done(ok)
 
     def __repr__(self) -> str:  # never log the secret
         return f"Fetch(ctx_request_id={self.ctx_request_id}, gen_rank={self.gen_rank}, stream={self.stream}, " \
                f"staged={self.staged}, from_token={self.from_token}, read_ahead={self.read_ahead}, " \
-               f"secret=<{len(self.secret)} bytes>)"
+               f"done={self.done}, secret=<{len(self.secret)} bytes>)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,23 +285,23 @@ def decode(frame: bytes) -> Message:
         raise ProtocolError(f"control frame: unknown message type {t!r}")
     what = f"{t} message"
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in _spec(cls):
         if f.name not in d:
-            if f.default is not dataclasses.MISSING:
+            if not f.required:
                 continue
             raise ProtocolError(f"{what}: missing field {f.name!r}")
         val = d[f.name]
-        want = _SCALARS[_kind(f)]
+        want = f.want
         if not isinstance(val, want) or (want is int and isinstance(val, bool)):
-            raise ProtocolError(f"{what}: field {f.name!r} should be {_kind(f).__name__}, got {type(val).__name__}")
-        bound = 1 << 63 if f.metadata.get("wide") else 1 << 62  # request handles use all 63 bits
-        if isinstance(val, int) and not isinstance(val, bool) and not -bound <= val < bound:
+            raise ProtocolError(f"{what}: field {f.name!r} should be {f.kind.__name__}, got {type(val).__name__}")
+        # request handles use all 63 bits (bound 2**63 for "wide" fields)
+        if isinstance(val, int) and not isinstance(val, bool) and not -f.bound <= val < f.bound:
             raise ProtocolError(f"{what}: field {f.name!r} is out of range")
-        if f.metadata.get("blocks"):
+        if f.blocks:
             val = _blocks_from_bytes(val, what)
         elif want == (float, int):
             val = float(val)
-        elif isinstance(f.default, tuple):
+        elif f.as_tuple:
             val = tuple(val)
         kwargs[f.name] = val
     # Unknown fields are ignored (not an error): within one protocol version, fields are only ever added

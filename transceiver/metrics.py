@@ -32,33 +32,45 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["ENABLED", "on_received", "on_sent", "set_pinned", "on_rejected_peer"]
 
+_PHASES = {"handshake+fetch": "handshake", "plan": "plan", "read": "read", "confirm": "release", "total": "total"}
+_children: dict[tuple, object] = {}  # (id(metric), label values) -> its labelled child: labels() costs per call
+
+
+def _child(metric, *values: str):
+    """`metric.labels(*values)`, looked up once: outcomes, phases and ranks are a handful of values each."""
+    key = (id(metric), values)  # the metrics are module globals: their ids stay theirs
+    c = _children.get(key)
+    if c is None:
+        c = _children[key] = metric.labels(*values)
+    return c
+
 
 def on_received(result) -> None:
     """Record a generation-side ReceiveResult."""
     if not ENABLED:
         return
-    TRANSFERS.labels("generation", "ok" if result.ok else (result.error_type or "error")).inc()
+    _child(TRANSFERS, "generation", "ok" if result.ok else (result.error_type or "error")).inc()
     if result.ok:
         BYTES.inc(result.nbytes)
         FRAGMENTS.inc(result.fragments)
-    names = {"handshake+fetch": "handshake", "plan": "plan", "read": "read", "confirm": "release", "total": "total"}
     for k, v in result.timings_ms.items():
-        if k in names:
-            PHASE.labels(names[k]).observe(v / 1e3)
+        name = _PHASES.get(k)
+        if name is not None:
+            _child(PHASE, name).observe(v / 1e3)
 
 
 def on_sent(status: str) -> None:
     """Record a context-side request finishing with `status`."""
     if not ENABLED:
         return
-    TRANSFERS.labels("context", status).inc()
+    _child(TRANSFERS, "context", status).inc()
     if status == "expired":
         EXPIRIES.inc()
 
 
 def set_pinned(rank: int, n: int) -> None:
     if ENABLED:
-        PINNED.labels(str(rank)).set(n)
+        _child(PINNED, str(rank)).set(n)
 
 
 def on_rejected_peer(reason: str) -> None:

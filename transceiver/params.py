@@ -7,6 +7,7 @@ never opens a connection and never prints the secret (it stays out of repr).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ class DisaggParams:
 
     @property
     def layout_fingerprint(self) -> str:
-        return self.ctx_layout.fingerprint()
+        return _fingerprint(self.ctx_layout)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"ctx_request_id": self.ctx_request_id, "ctx_instance": self.ctx_instance,
@@ -82,17 +83,47 @@ class DisaggParams:
         if not eps or len(eps) > _MAX_ENDPOINTS or not all(
                 isinstance(e, str) and e.startswith("tcp://") and len(e) < 256 for e in eps):
             raise ProtocolError("disaggregated params: endpoints must be 1..4096 'tcp://host:port' strings")
-        layout = KVLayout.from_wire(d["ctx_layout"])
+        layout = _layout(d["ctx_layout"])
         fp = d.get("layout_fingerprint")
-        if fp is not None and fp != layout.fingerprint():
+        if fp is not None and fp != _fingerprint(layout):
             raise ProtocolError(f"disaggregated params: layout_fingerprint {fp!r} does not match the layout given "
-                                f"({layout.fingerprint()})")
+                                f"({_fingerprint(layout)})")
         rid = d["ctx_request_id"]
         if not 0 <= rid < _MAX_ID:
             raise ProtocolError("disaggregated params: ctx_request_id must be in 0..2**63-1")
         blocks = d.get("ctx_block_ids")
         return cls(rid, d["ctx_instance"], tuple(eps), layout, _secret(d.get("secret", "")),
                    None if blocks is None else _block_ids(blocks))
+
+
+# Every request of a context executor carries the same layout: it is parsed, validated and hashed once.
+_CACHE_MAX = 256
+_layouts: dict[str, KVLayout] = {}  # canonical JSON of a wire layout -> the layout KVLayout.from_wire made of it
+_fingerprints: dict[KVLayout, str] = {}
+
+
+def _layout(w: Any) -> KVLayout:
+    """KVLayout.from_wire(w), remembered by w's canonical JSON (types kept apart: true is not 1)."""
+    try:
+        key = json.dumps(w, sort_keys=True)
+    except (TypeError, ValueError):  # not plain JSON: from_wire names what is wrong
+        return KVLayout.from_wire(w)
+    hit = _layouts.get(key)
+    if hit is None:
+        hit = KVLayout.from_wire(w)
+        if len(_layouts) >= _CACHE_MAX:
+            _layouts.clear()
+        _layouts[key] = hit
+    return hit
+
+
+def _fingerprint(layout: KVLayout) -> str:
+    fp = _fingerprints.get(layout)
+    if fp is None:
+        if len(_fingerprints) >= _CACHE_MAX:
+            _fingerprints.clear()
+        fp = _fingerprints[layout] = layout.fingerprint()
+    return fp
 
 
 def _block_ids(v: Any) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """A generation rank's context peers: one DEALER socket and one session per context rank endpoint.
 
 Owns the peers' sockets: opening one (with a Hello) when a pull needs the endpoint, sending without
-blocking, closing one on reset, the silence watch and the heartbeats. Owned by the Receiver's I/O thread only
+blocking (a loop turn's frames to one peer as one message: outbox.py), closing one on reset, the silence watch and the heartbeats. Owned by the Receiver's I/O thread only
 (no locking). Never touches a pull: what to fail when a peer falls silent, and which requests a heartbeat
 renews, the Receiver says (callables).
 """
@@ -17,6 +17,7 @@ import zmq
 from . import messages as m
 from .config import TransceiverConfig
 from .ctx_peer import CtxPeer, PeerState
+from .outbox import Outbox
 from .sockets import make_dealer
 
 log = logging.getLogger("kvbridge.transceiver.receiver")
@@ -38,14 +39,15 @@ class CtxPeers:
         self._zctx, self._config, self._hello, self._prefix = zctx, config, hello, ident_prefix
         self._by_endpoint: dict[str, CtxPeer] = {}
         self._poller: zmq.Poller | None = None
+        self._outbox = Outbox(self._send_parts)  # frames of this loop turn, by endpoint: `flush` sends them
         self._polled: tuple = ()
 
     def __iter__(self) -> Iterator[CtxPeer]:
         return iter(self._by_endpoint.values())
 
-    def poller(self, wake: zmq.Socket) -> tuple[zmq.Poller, dict[zmq.Socket, CtxPeer]]:
-        """A poller of `wake` and every open peer socket (rebuilt only when a socket opened or closed), and
-        the peers by socket."""
+    def poller(self, wake: int) -> tuple[zmq.Poller, dict[zmq.Socket, CtxPeer]]:
+        """A poller of `wake` (the I/O thread's wake fd) and every open peer socket (rebuilt only when a socket
+        opened or closed), and the peers by socket."""
         socks = {p.sock: p for p in self._by_endpoint.values() if p.sock is not None}
         if self._poller is None or tuple(socks) != self._polled:
             self._poller, self._polled = zmq.Poller(), tuple(socks)
@@ -70,15 +72,27 @@ class CtxPeers:
         return peer
 
     def send(self, peer: CtxPeer, frame: bytes) -> None:
+        """Queue `frame` for `peer`; it leaves with the others of this loop turn (`flush`)."""
         if peer.sock is None:  # reset after silence or an error; its context rank's lease covers the rest
             return
+        self._outbox.add(peer.endpoint, frame)
+
+    def flush(self) -> None:
+        """The loop turn's end: send every peer what was queued for it, as one message."""
+        self._outbox.flush()
+
+    def _send_parts(self, endpoint: str, frames: list[bytes]) -> None:
+        peer = self._by_endpoint.get(endpoint)
+        if peer is None or peer.sock is None:
+            return
         try:
-            peer.sock.send(frame, zmq.NOBLOCK)
+            peer.sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:  # queue full: the deadline covers retries
             log.debug("send to %s failed: %s", peer.endpoint, e)
 
     def reset(self, peer: CtxPeer) -> None:
         """Drop a peer's socket and session (queued stale frames go with it); the next use re-handshakes."""
+        self._outbox.drop(peer.endpoint)
         if peer.sock is not None:
             peer.sock.close(0)
         peer.forget()

@@ -21,6 +21,7 @@ import uuid
 import numpy as np
 import zmq
 
+from ..agents import XferState
 from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError, TransceiverError
 from ..formatter.mapping import MAPPING_VERSION, mapping_for
 from . import messages as m
@@ -31,9 +32,11 @@ from .ctx_peer import CtxPeer, PeerState
 from .peers import CtxPeers
 from .handshake import accept_welcome
 from .iothread import IOThread
+from .outbox import each_part
 from .params import DisaggParams
 from .pool import LocalPool
 from .pull import Leg, LegState, Pull, PullState, ReceiveResult
+from .receiver_legs import LegFrames
 from .receiver_work import PullFinisher, StagingPolicy
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ __all__ = ["Receiver", "ReceiveResult"]
 
 _POLLED = frozenset({PullState.READ, PullState.DRAIN})  # states whose step polls transfer handles every tick
 _SWEEP_S = 0.005  # every pull is stepped at least this often
+_READ_POLL_S = 50e-6  # pause between looks at reads in flight (a spin costs the peer its core: RESULTS.md)
 
 
 class Receiver(IOThread):
@@ -70,8 +74,6 @@ class Receiver(IOThread):
                           Touch: lambda c: self._touched.add(c.request_id)}
         self._peer_messages = {m.Welcome: self._on_welcome, m.Error: self._on_error,
                                m.HeartbeatAck: self._on_heartbeat_ack}
-        self._leg_messages = {m.Blocks: self._on_blocks, m.LayersReady: self._on_layers_ready,
-                              m.DoneAck: self._on_done_ack, m.Error: self._on_leg_error}
         self._steps = {PullState.HANDSHAKE: self._step_handshake, PullState.READ: self._step_read,
                        PullState.CONFIRM: self._step_confirm, PullState.DRAIN: self._step_drain}
         if config.verify:
@@ -80,6 +82,7 @@ class Receiver(IOThread):
                         MAPPING_VERSION).encode()
         zctx = zmq.Context()
         self._peers = CtxPeers(zctx, config, hello, f"{self.instance}:{pool.rank}")
+        self._leg_messages = LegFrames(pool.arena, self._fail, self._peers.reset).handlers
         self._start_io(zctx, f"kvb-receiver-r{pool.rank}")
 
     # --- engine-facing API ----------------------------------------------------------------------------
@@ -117,12 +120,12 @@ class Receiver(IOThread):
     # --- I/O thread -----------------------------------------------------------------------------------
     def _loop_once(self) -> None:
         poller, socks = self._peers.poller(self._wake_rx)
-        # While reads are in flight, completion is noticed by polling the handles: spin (a zero-timeout poll,
-        # yielding the GIL) so a finished read is seen within microseconds; otherwise sleep in the poll.
+        # While reads are in flight, completion is noticed by polling the handles: a zero-timeout poll, then a
+        # short sleep (_READ_POLL_S) when nothing came; otherwise sleep in the poll.
         busy = any(p.state in _POLLED for p in self._pulls.values())
-        ready = dict(poller.poll(0 if busy else 20))
+        ready = self._wait(poller, 0 if busy else 20)
         if busy and not ready:
-            time.sleep(0)
+            time.sleep(_READ_POLL_S)
         self._drain_commands()
         for s, peer in socks.items():
             if s in ready:
@@ -130,12 +133,13 @@ class Receiver(IOThread):
                     if peer.sock is not s:  # reset by the frame before ("no session"): the socket is closed
                         break
                     try:
-                        frame = s.recv(zmq.NOBLOCK)
+                        parts = s.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     peer.last_heard = time.monotonic()
-                    self._on_frame(peer, frame)
+                    self._on_parts(peer, s, parts)
         self._advance(time.monotonic())
+        self._peers.flush()  # what this turn sent: one message per context rank
 
     def _touch_later(self, rid: int) -> None:
         """Any thread: have the I/O thread step pull `rid` at once (not at the next sweep)."""
@@ -183,6 +187,17 @@ class Receiver(IOThread):
         self._report(result)
 
     # --- frames from context ranks: for the peer, or for the legs of its pulls ---------------------------
+    def _on_parts(self, peer: CtxPeer, sock: zmq.Socket, parts: list[bytes]) -> None:
+        """One ZeroMQ message from a context rank: up to MAX_BATCH wire messages, each handled alone."""
+        def handle(frame: bytes) -> None:
+            if peer.sock is not sock:  # reset by the frame before: the rest was for the closed session
+                raise StopIteration
+            self._on_frame(peer, frame)
+
+        refused = each_part(parts, handle, f"context rank at {peer.endpoint}")
+        if refused:
+            log.warning("context rank at %s: %s; ignored", peer.endpoint, refused)
+
     def _on_frame(self, peer: CtxPeer, frame: bytes) -> None:
         try:
             msg = m.decode(frame)
@@ -242,47 +257,6 @@ class Receiver(IOThread):
             if pull.ctx_request_id == ctx_rid and any(lg.endpoint == peer.endpoint and not lg.done_sent
                                                       for lg in pull.legs.values()):
                 self._fail(pull, etype, error)
-
-    def _on_blocks(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.Blocks) -> None:
-        if leg.state is not LegState.FETCH_SENT:
-            log.warning("request %d: context rank %d sent Blocks while its leg is %s; ignored", pull.request_id,
-                        leg.ctx_rank, leg.state)
-            return
-        if msg.num_tokens != pull.num_tokens:
-            self._fail(pull, "ProtocolError", f"context rank {leg.ctx_rank} holds {msg.num_tokens} tokens of "
-                       f"request {pull.ctx_request_id}, the generation side expects {pull.num_tokens}")
-        leg.advance(LegState.FETCHED)
-        bad = leg.take_blocks(msg, peer.welcome, self.pool.arena)
-        if bad:
-            self._fail(pull, "ProtocolError", bad)
-
-    def _on_layers_ready(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.LayersReady) -> None:
-        leg.layers_ready = max(leg.layers_ready, msg.layers_ready)
-
-    def _on_done_ack(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.DoneAck) -> None:
-        if leg.state is not LegState.DONE_SENT:
-            log.warning("request %d: context rank %d sent DoneAck while its leg is %s; ignored", pull.request_id,
-                        leg.ctx_rank, leg.state)
-            return
-        leg.advance(LegState.ACKED)
-        peer.legs.discard((pull.request_id, leg.ctx_rank))
-        if not msg.valid:
-            self._fail(pull, "LeaseExpired", f"context rank {leg.ctx_rank} released request {pull.ctx_request_id} "
-                       f"before the read was confirmed ({msg.reason})")
-        elif not msg.intact:
-            self._fail(pull, "IntegrityError", f"context rank {leg.ctx_rank}, request {pull.ctx_request_id}: "
-                       f"{msg.reason}")
-
-    def _on_leg_error(self, pull: Pull, leg: Leg, peer: CtxPeer, msg: m.Error) -> None:
-        if msg.code == m.ErrorCode.NO_SESSION.value and not leg.retried_session and not leg.read_ahead:
-            leg.retried_session = True
-            if leg.state is LegState.FETCH_SENT:  # Fetch again once the new session is up
-                leg.advance(LegState.NEW)
-            self._peers.reset(peer)
-            return
-        etype = m.ERROR_TYPES.get(msg.code, TransceiverError).__name__
-        peer.legs.discard((pull.request_id, leg.ctx_rank))
-        self._fail(pull, etype, f"context rank {leg.ctx_rank} ({leg.endpoint}): {msg.message}")
 
     # --- progress: each pull's state has one step ------------------------------------------------------
     def _advance(self, now: float) -> None:
@@ -345,16 +319,32 @@ class Receiver(IOThread):
         leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
         staged = self._staging.want_staged(pull, leg, peer)
         ahead = pull.ctx_blocks is not None and not staged
-        self._peers.send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers, staged,
-                                       pull.from_token, pull.secret, ahead,
-                                       pull.ctx_blocks if ahead else ()).encode())
         leg.advance(LegState.FETCH_SENT)
-        if ahead:  # the ids are known: the leg is fetched now, its reads go out in this same tick
-            leg.read_ahead_from(pull.ctx_blocks, peer.remote.layout)
+        done = False
+        try:
+            if ahead:  # the ids are known: the leg is fetched now, its reads go out before the Fetch
+                leg.read_ahead_from(pull.ctx_blocks, peer.remote.layout)
+                pull.mark("fetched")
+                pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
+                done = self._piggyback_done(leg)
+        finally:  # a post that failed still sends the Fetch: the failure's Done(ok=False) then releases the reader
+            self._peers.send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers, staged,
+                                           pull.from_token, pull.secret, ahead,
+                                           pull.ctx_blocks if ahead else (), done).encode())
+            if done:
+                leg.advance(LegState.DONE_SENT)
         if not peer.legs:  # an idle peer: its silence is measured from this request on
             peer.last_heard = now
         peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
         return False
+
+    def _piggyback_done(self, leg: Leg) -> bool:
+        """Whether a read-ahead leg's Fetch may carry its Done: every read of the leg was posted and has
+        already finished (a small read on a fast path settles as it is posted), there is nothing to hash
+        (verification mode sends digests with Done), and no test hook wants to run between reads and Done.
+        The context rank then answers the one frame with DoneAck: one message and one wake-up fewer."""
+        return (leg.all_posted and not self.config.verify and self.before_confirm is None
+                and all(h.state() is XferState.DONE for h in leg.handles))
 
     def _step_read(self, pull: Pull, now: float) -> bool:
         """Post what became readable; once every read settled, unpack/hash off the I/O thread if needed."""
@@ -378,7 +368,7 @@ class Receiver(IOThread):
 
     def _step_confirm(self, pull: Pull, now: float) -> bool:
         """Done to every context rank (with digests in verify mode); the pull is done once all acked."""
-        if not any(leg.done_sent for leg in pull.legs.values()):
+        if not all(leg.done_sent for leg in pull.legs.values()):  # (a read-ahead Fetch may have carried one)
             if pull.verifying is not None and not pull.verifying.done():
                 return True
             try:
@@ -387,9 +377,10 @@ class Receiver(IOThread):
                 self._fail(pull, "TransferFailed", f"unpacking or hashing the received KV failed: {ex}")
                 return True
             for r, leg in pull.legs.items():
-                self._peers.send(self._peers.get(leg.endpoint),
-                           m.Done(pull.ctx_request_id, self.pool.rank, True, "", digests.get(r, [])).encode())
-                leg.advance(LegState.DONE_SENT)
+                if not leg.done_sent:
+                    self._peers.send(self._peers.get(leg.endpoint),
+                                     m.Done(pull.ctx_request_id, self.pool.rank, True, "", digests.get(r, [])).encode())
+                    leg.advance(LegState.DONE_SENT)
         if all(leg.state is LegState.ACKED for leg in pull.legs.values()):
             pull.advance(PullState.DONE)
             self._complete(pull)

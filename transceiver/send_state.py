@@ -15,6 +15,7 @@ pool.
 
 from __future__ import annotations
 
+import hmac
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -24,7 +25,8 @@ import numpy as np
 from . import messages as m
 from .fsm import move
 
-__all__ = ["ENTRY_MOVES", "EarlyFetches", "Entry", "EntryState", "SendResult", "Tomb"]
+__all__ = ["ENTRY_MOVES", "EarlyFetches", "Entry", "EntryState", "SendResult", "Tomb", "renew_leases",
+           "unknown_answer"]
 
 
 class EntryState(str, Enum):
@@ -109,8 +111,9 @@ class Entry:
                     "caller; leave ctx_block_ids out of its DisaggParams")
         if staged:
             return "a read-ahead cannot be staged"
-        if not np.array_equal(block_ids, self.blocks):
-            return (f"the {block_ids.size} block ids in its DisaggParams are not the {self.blocks.size} it was "
+        ids = np.asarray(block_ids, dtype=np.int64)  # (a Fetch without ids carries an empty tuple)
+        if ids.shape != self.blocks.shape or not (ids == self.blocks).all():
+            return (f"the {ids.size} block ids in its DisaggParams are not the {self.blocks.size} it was "
                     f"published with")
         return ""
 
@@ -126,6 +129,37 @@ class Tomb:
     status: EntryState  # terminal
     secret: bytes = field(repr=False)
     readers: frozenset[bytes]
+
+
+def renew_leases(entries: dict[int, Entry], early: EarlyFetches, ident: bytes, ids: list[int],
+                 until: float) -> list[bool]:
+    """A reader's heartbeat: extend to `until` the lease of every listed request it fetched; whether each is
+    still pinned for it (a Fetch waiting for its request to be published counts as alive too)."""
+    alive = []
+    for rid in ids:
+        e = entries.get(rid)
+        ok = e is not None and ident in e.fetched.values()
+        if ok:
+            e.deadline = max(e.deadline, until)
+        else:
+            ok = early.waiting(rid, ident)
+        alive.append(ok)
+    return alive
+
+
+def unknown_answer(tomb: Tomb | None, secret: bytes, rid: int, rank: int, wait_s: float) -> tuple[m.ErrorCode, str]:
+    """The Error for a Fetch or Done of request `rid` that context rank `rank` does not hold: a finished
+    request's status is told only to whoever shows its secret; anyone else hears "no request", exactly as for a
+    request never published (a Fetch waited `wait_s` for its publish)."""
+    status = tomb.status if tomb is not None and hmac.compare_digest(tomb.secret, secret) else None
+    if status is EntryState.EXPIRED:
+        return m.ErrorCode.LEASE_EXPIRED, f"request {rid}: its lease expired and its blocks were released"
+    if status is EntryState.CANCELLED:
+        return m.ErrorCode.CANCELLED, f"request {rid} was cancelled on the context side"
+    if status is not None:
+        return m.ErrorCode.UNKNOWN_REQUEST, f"request {rid} is already finished"
+    return m.ErrorCode.UNKNOWN_REQUEST, (f"context rank {rank} has no request {rid} (not published within "
+                                         f"{wait_s:g} s of the fetch)")
 
 
 class EarlyFetches:

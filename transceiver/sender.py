@@ -37,8 +37,10 @@ from .config import TransceiverConfig, local_host_id
 from .handles import new_secret
 from .handshake import check_hello
 from .iothread import IOThread
+from .outbox import Outbox, each_part
+from .read_watch import ReadWatch
 from .pool import LocalPool
-from .send_state import EarlyFetches, Entry, EntryState, SendResult, Tomb
+from .send_state import EarlyFetches, Entry, EntryState, SendResult, Tomb, renew_leases, unknown_answer
 from .sender_work import SenderJobs
 from .sessions import Session, SessionTable
 from .sockets import make_router, stop_authenticator
@@ -67,6 +69,7 @@ class Sender(IOThread):
         self.pool, self.config = pool, config
         self.instance = instance or uuid.uuid4().hex
         self.layout = pool.layout
+        self._local_layers = self.layout.local_layers(pool.rank)  # asked per publish and per fetch
         zctx = zmq.Context()
         try:
             self._router, self.endpoint = make_router(zctx, config)
@@ -97,6 +100,8 @@ class Sender(IOThread):
                           m.Done: self._on_done}
         self._open_io(zctx, f"kvb-sender-r{pool.rank}")
         self._jobs = SenderJobs(pool, config, self._worker, self._send)  # packing and hashing, off the I/O thread
+        self._outbox = Outbox(self._send_parts)
+        self._readers = ReadWatch(pool.agents.values(), config.lease_s)  # agents progress fast while read
         self._poller = zmq.Poller()
         for sock in (self._router, self._wake_rx) + ((self._handshakes.socket,) if self._handshakes else ()):
             self._poller.register(sock, zmq.POLLIN)
@@ -116,7 +121,7 @@ class Sender(IOThread):
         secret = new_secret() if minted else bytes(secret)
         if len(secret) < 16:
             raise KvBridgeError(f"request {ctx_request_id}: a request secret must be at least 16 bytes")
-        local = self.layout.local_layers(self.pool.rank)
+        local = self._local_layers
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
         need = -(-int(num_tokens) // self.layout.shape.tokens_per_block)
         if blocks.size < need or (blocks.size and (blocks.min() < 0 or blocks.max() >= self.pool.num_blocks)):
@@ -171,7 +176,7 @@ class Sender(IOThread):
 
     # --- I/O thread -----------------------------------------------------------------------------------
     def _loop_once(self) -> None:
-        ready = dict(self._poller.poll(min(0.05, self.config.heartbeat_s / 4) * 1000))
+        ready = self._wait(self._poller, min(0.05, self.config.heartbeat_s / 4) * 1000)
         self._drain_commands()
         if self._router in ready:
             for _ in range(256):
@@ -188,6 +193,7 @@ class Sender(IOThread):
         if now >= self._expire_at:  # leases and pickups are seconds: a sweep per frame would cost O(requests)
             self._expire_at = now + _SWEEP_S
             self._expire(now)
+        self._outbox.flush()  # what this turn answered: one message per generation rank
 
     def _do_command(self, cmd: Publish | Layers | CancelSend) -> None:
         self._commands[type(cmd)](cmd)
@@ -199,7 +205,7 @@ class Sender(IOThread):
             log.warning("request %d published twice; keeping the first", c.rid)
             return
         self._tomb.pop(c.rid, None)
-        complete = c.layers_ready >= self.layout.local_layers(self.pool.rank)
+        complete = c.layers_ready >= self._local_layers
         self._entries[c.rid] = Entry(c.rid, c.blocks, c.num_tokens, c.layers_ready,
                                      time.monotonic() + self.config.pickup_timeout_s, c.secret,
                                      read_ahead_ok=c.minted and complete)
@@ -236,6 +242,7 @@ class Sender(IOThread):
 
     def _finish(self, e: Entry, status: EntryState, detail: str) -> None:
         e.advance(status)
+        self._readers.ended(len(e.readers_waiting()))  # readers that never reported Done (expired, cancelled)
         self._entries.pop(e.rid, None)
         for gen_rank in [g for g in e.slots if g not in e.packing]:  # a slot still being packed: _packed frees it
             self.pool.arena.free(e.slots.pop(gen_rank))
@@ -272,8 +279,11 @@ class Sender(IOThread):
         return busy
 
     def _send(self, ident: bytes, frame: bytes) -> None:
+        self._outbox.add(ident, frame)  # sent at the end of this loop turn
+
+    def _send_parts(self, ident: bytes, frames: list[bytes]) -> None:
         try:
-            self._router.send_multipart([ident, frame], zmq.NOBLOCK)
+            self._router.send_multipart([ident, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # peer vanished (ROUTER_MANDATORY) or queue full
             if e.errno == zmq.EHOSTUNREACH:
                 self._sessions.drop(ident)  # it disconnected: its session goes with it
@@ -283,12 +293,15 @@ class Sender(IOThread):
         self._send(ident, m.Error(code.value, text, rid, reply_to).encode())
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            if frames:
-                self._error(frames[0], m.ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames) - 1}")
-            return
-        ident, frame = frames
-        self._sessions.heard(ident, time.monotonic())
+        """One ZeroMQ message: the peer's identity, then up to MAX_BATCH wire messages, each handled alone."""
+        ident = frames[0]
+        if 2 <= len(frames) <= m.MAX_BATCH + 1:
+            self._sessions.heard(ident, time.monotonic())
+        refused = each_part(frames[1:], lambda frame: self._on_frame(ident, frame), repr(ident[:64]))
+        if refused:
+            self._error(ident, m.ErrorCode.MALFORMED, refused)
+
+    def _on_frame(self, ident: bytes, frame: bytes) -> None:
         try:
             msg = m.decode(frame)
         except ProtocolError as e:
@@ -327,19 +340,8 @@ class Sender(IOThread):
         return s
 
     def _unknown(self, ident: bytes, rid: int, reply_to: str, secret: bytes = b"") -> None:
-        tomb = self._tomb.get(rid)
-        status = tomb.status if tomb is not None and hmac.compare_digest(tomb.secret, secret) else None
-        if status is EntryState.EXPIRED:
-            self._error(ident, m.ErrorCode.LEASE_EXPIRED, f"request {rid}: its lease expired and its blocks were "
-                        "released", rid, reply_to)
-        elif status is EntryState.CANCELLED:
-            self._error(ident, m.ErrorCode.CANCELLED, f"request {rid} was cancelled on the context side", rid,
-                        reply_to)
-        elif status is not None:
-            self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"request {rid} is already finished", rid, reply_to)
-        else:
-            self._error(ident, m.ErrorCode.UNKNOWN_REQUEST, f"context rank {self.pool.rank} has no request {rid} "
-                        f"(not published within {self.config.handshake_timeout_s:g} s of the fetch)", rid, reply_to)
+        code, text = unknown_answer(self._tomb.get(rid), secret, rid, self.pool.rank, self.config.handshake_timeout_s)
+        self._error(ident, code, text, rid, reply_to)
 
     def _on_fetch(self, ident: bytes, msg: m.Fetch) -> None:
         s = self._session(ident, msg, msg.ctx_request_id)
@@ -373,12 +375,18 @@ class Sender(IOThread):
             self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} from token "
                         f"{msg.from_token}: outside its {e.num_tokens} tokens", e.rid, "fetch")
             return
+        if msg.done and not msg.read_ahead:
+            self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} carries its Done without "
+                        f"read-ahead (no block ids to have read)", e.rid, "fetch")
+            return
         if msg.read_ahead:
             why = e.read_ahead_refusal(msg.block_ids, msg.staged)
             if why:
                 self._error(ident, m.ErrorCode.READ_AHEAD, f"context rank {self.pool.rank} refuses the read-ahead "
                             f"of request {e.rid}: {why}", e.rid, "fetch")
                 return
+        if not msg.done and s.gen_rank not in e.fetched:
+            self._readers.started()
         e.fetched[s.gen_rank] = ident
         if e.state is EntryState.PUBLISHED:
             e.advance(EntryState.READING)
@@ -386,9 +394,12 @@ class Sender(IOThread):
             self._nfetched += 1
         e.read_from[s.gen_rank] = msg.from_token
         e.deadline = time.monotonic() + self.config.lease_s
+        if msg.done:  # its reads already finished: this Fetch is its Done(ok) too, confirmed like any
+            self._reader_done(ident, e, s.gen_rank, True, "", True, "", counted=False)
+            return
         if msg.read_ahead:
             return  # its reads are posted: no Blocks; its Done is confirmed like any reader's
-        local = self.layout.local_layers(self.pool.rank)
+        local = self._local_layers
         if msg.staged and self.pool.arena is not None and e.layers_ready >= local and \
                 self._jobs.stage(ident, e, s, msg.from_token):
             return  # Blocks goes out once the pack is done (SenderJobs)
@@ -401,15 +412,9 @@ class Sender(IOThread):
         except ProtocolError as e:
             self._error(ident, m.ErrorCode.MALFORMED, str(e), reply_to="heartbeat")
             return
-        now, alive = time.monotonic(), []
-        for rid in ids:
-            e = self._entries.get(rid)
-            ok = e is not None and ident in e.fetched.values()
-            if ok:
-                e.deadline = max(e.deadline, now + self.config.lease_s)
-            else:  # a fetch waiting for its request to be published is alive too
-                ok = self._early.waiting(rid, ident)
-            alive.append(ok)
+        alive = renew_leases(self._entries, self._early, ident, ids, time.monotonic() + self.config.lease_s)
+        if any(alive):
+            self._readers.renew()
         self._send(ident, m.HeartbeatAck(ids, alive).encode())
 
     def _on_done(self, ident: bytes, msg: m.Done) -> None:
@@ -430,7 +435,8 @@ class Sender(IOThread):
         self._reader_done(ident, e, s.gen_rank, msg.ok, msg.error, True, "")
 
     def _reader_done(self, ident: bytes, e: Entry, gen_rank: int, ok: bool, error: str, intact: bool,
-                     why: str) -> None:
+                     why: str, counted: bool = True) -> None:
+        self._readers.ended(1 if counted and gen_rank not in e.done else 0)
         e.done[gen_rank] = ok
         if gen_rank in e.slots:
             self.pool.arena.free(e.slots.pop(gen_rank))

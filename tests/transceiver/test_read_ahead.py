@@ -41,6 +41,7 @@ class _Relay:
         self.front.bind("tcp://127.0.0.1:0")
         self.endpoint = self.front.getsockopt_string(zmq.LAST_ENDPOINT)
         self.target, self.backs, self.seen = endpoint, {}, []
+        self.dones: list[tuple[int, int, str, bool]] = []  # (request, gen rank, "fetch" | "done", carries Done)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -51,22 +52,25 @@ class _Relay:
             for s in (self.front, *self.backs.values()):
                 poller.register(s, zmq.POLLIN)
             for s, _ in poller.poll(50):
-                if s is self.front:
-                    ident, frame = s.recv_multipart()
+                if s is self.front:  # one message may carry several frames (a loop turn's batch)
+                    ident, *frames = s.recv_multipart()
                     if ident not in self.backs:
                         self.backs[ident] = self.zctx.socket(zmq.DEALER)
                         self.backs[ident].setsockopt(zmq.LINGER, 0)
                         self.backs[ident].connect(self.target)
-                    self._note("g>c", frame)
-                    self.backs[ident].send(frame)
+                    self._note("g>c", frames)
+                    self.backs[ident].send_multipart(frames)
                 else:
-                    frame = s.recv()
-                    self._note("c>g", frame)
-                    self.front.send_multipart([next(i for i, b in self.backs.items() if b is s), frame])
+                    frames = s.recv_multipart()
+                    self._note("c>g", frames)
+                    self.front.send_multipart([next(i for i, b in self.backs.items() if b is s), *frames])
 
-    def _note(self, way: str, frame: bytes) -> None:
-        msg = m.decode(frame)
-        self.seen.append((way, msg.TYPE, getattr(msg, "read_ahead", None)))
+    def _note(self, way: str, frames: list[bytes]) -> None:
+        for frame in frames:
+            msg = m.decode(frame)
+            self.seen.append((way, msg.TYPE, getattr(msg, "read_ahead", None)))
+            if isinstance(msg, (m.Fetch, m.Done)):
+                self.dones.append((msg.ctx_request_id, msg.gen_rank, msg.TYPE, getattr(msg, "done", True)))
 
     def types(self, way: str) -> list[str]:
         return sorted({t for w, t, _ in self.seen if w == way and t not in ("heartbeat", "heartbeat_ack")})

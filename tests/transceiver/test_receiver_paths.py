@@ -130,20 +130,22 @@ class _Proxy:
             for s in (self.front, *self.backs.values()):
                 poller.register(s, zmq.POLLIN)
             for s, _ in poller.poll(50):
-                if s is self.front:
-                    ident, frame = s.recv_multipart()
-                    self._back(ident).send(frame)
+                if s is self.front:  # one message may carry several frames (a loop turn's batch)
+                    ident, *frames = s.recv_multipart()
+                    self._back(ident).send_multipart(frames)
                     continue
-                frame = s.recv()
-                msg = m.decode(frame)
-                if isinstance(msg, m.Welcome):
-                    welcome = msg
-                elif isinstance(msg, m.Blocks) and msg.staging_addr >= 0:
-                    msg = self.rewrite(welcome, msg)
-                    self.sent.append(msg)
-                    frame = msg.encode()
+                out = []
+                for frame in s.recv_multipart():
+                    msg = m.decode(frame)
+                    if isinstance(msg, m.Welcome):
+                        welcome = msg
+                    elif isinstance(msg, m.Blocks) and msg.staging_addr >= 0:
+                        msg = self.rewrite(welcome, msg)
+                        self.sent.append(msg)
+                        frame = msg.encode()
+                    out.append(frame)
                 ident = next(i for i, b in self.backs.items() if b is s)
-                self.front.send_multipart([ident, frame])
+                self.front.send_multipart([ident, *out])
 
     def close(self) -> None:
         self.stop.set()
