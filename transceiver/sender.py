@@ -138,8 +138,7 @@ class Sender(IOThread):
 
     @property
     def sessions(self) -> int:
-        """Generation-rank sessions this rank holds now (bounded by max_sessions)."""
-        return len(self._sessions)
+        return len(self._sessions)  # generation-rank sessions held now (bounded by max_sessions)
 
     @property
     def pinned(self) -> int:
@@ -149,8 +148,7 @@ class Sender(IOThread):
 
     @property
     def fetches(self) -> int:
-        """Fetches accepted since start: each is a generation rank now reading (or about to read) a request's
-        blocks. Lets a caller wait for that event instead of guessing how long it takes."""
+        """Fetches accepted since start (generation ranks reading, or about to read, a request's blocks)."""
         with self._count_lock:
             return self._nfetched
 
