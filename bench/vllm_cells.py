@@ -261,9 +261,27 @@ def _spec(model: str, connector: str | None, tp: int, block: int, cpus: str, a, 
 
 
 def _start(servers: list[VllmServer], a) -> None:
-    """Start the servers one at a time (the one with more ranks first), each healthy before the next."""
+    """Start the servers one at a time (the one with more ranks first), each healthy before the next.
+
+    A port can be taken between _port()'s check and the server's bind (this range lies inside the kernel's
+    ephemeral one, where the other server's sockets land): such a start is retried on other ports, twice.
+    """
     for s in sorted(servers, key=lambda s: -s.spec.tensor_parallel_size):
-        s.start().wait_healthy(a.startup_timeout)
+        for attempt in range(3):
+            at = _size(s.log_path)
+            try:
+                s.start().wait_healthy(a.startup_timeout)
+                break
+            except VllmStartError:
+                with open(s.log_path, "rb") as f:
+                    f.seek(at)
+                    taken = b"Address already in use" in f.read()
+                if attempt == 2 or not taken:
+                    raise
+                s.stop()
+                side = _port() if s.spec.side_channel_port is not None else None
+                s.spec = dataclasses.replace(s.spec, port=_port(), side_channel_port=side)
+                print(f"  a port was taken during start-up; again on {s.spec.port}", flush=True)
 
 
 def reference(model: str, cells: list[Cell], a) -> dict[str, tuple[list[int], list[float]]]:
