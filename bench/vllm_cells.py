@@ -264,10 +264,10 @@ def _start(servers: list[VllmServer], a) -> None:
     """Start the servers one at a time (the one with more ranks first), each healthy before the next.
 
     A port can be taken between _port()'s check and the server's bind (this range lies inside the kernel's
-    ephemeral one, where the other server's sockets land): such a start is retried on other ports, twice.
+    ephemeral one, where any outgoing connection may take it): such a start is retried on other ports.
     """
     for s in sorted(servers, key=lambda s: -s.spec.tensor_parallel_size):
-        for attempt in range(3):
+        for attempt in range(5):
             at = _size(s.log_path)
             try:
                 s.start().wait_healthy(a.startup_timeout)
@@ -276,7 +276,7 @@ def _start(servers: list[VllmServer], a) -> None:
                 with open(s.log_path, "rb") as f:
                     f.seek(at)
                     taken = b"Address already in use" in f.read()
-                if attempt == 2 or not taken:
+                if attempt == 4 or not taken:
                     raise
                 s.stop()
                 side = _port() if s.spec.side_channel_port is not None else None
