@@ -117,13 +117,15 @@ _PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:([A-Z]+)\s+\d\d-\d\d [\d:]+\s+
 def log_reason(text: str, limit: int = 300) -> str:
     """The reason a server's new log lines give for a failed request, or "".
 
-    KVBridgeConnector's own line first ("kvbridge: ... refused: <why>" or "... failed: <why>"), else the first
+    KVBridgeConnector's own line first ("kvbridge: ... refused: <why>" or "... failed: <why>", the request's id
+    left out), else the first
     exception line (`SomeError: message`, the root of a chained traceback) outside traceback frames, with
     vLLM's logging prefix removed; cut to `limit` characters.
     """
     m = _KVBRIDGE.search(text)
-    if m:
-        return m.group(1).strip()[:limit]
+    if m:  # without the request's id: the same refusal reads the same on every prompt
+        why = re.sub(r"^request \S+: ", "", m.group(1).strip())
+        return re.sub(r"^KV load of request \S+ ", "KV load ", why)[:limit]
     for line in text.splitlines():
         p = _PREFIX.match(line.strip())
         body = line.strip()[p.end():]

@@ -59,8 +59,9 @@ def test_log_reason_prefers_kvbridges_line_then_the_root_exception():
     kvb = ("INFO 11-26 00:10:01 [core.py:10] something with Error: not this\n"
            "(EngineCore pid=12) WARNING 11-26 00:10:02 [scheduler.py:121] kvbridge: request cmpl-1: "
            "kv_transfer_params refused: the prompt is not the one the remote prefill computed\n")
-    assert log_reason(kvb) == ("request cmpl-1: kv_transfer_params refused: the prompt is not the one the "
-                               "remote prefill computed")
+    assert log_reason(kvb) == "kv_transfer_params refused: the prompt is not the one the remote prefill computed"
+    failed = "ERROR 11-26 00:10:02 [worker.py:105] kvbridge: KV load of request cmpl-2 failed: RequestNotFound: 7\n"
+    assert log_reason(failed) == "KV load failed: RequestNotFound: 7"
     nixl = ("(EngineCore pid=7) ERROR 11-26 00:10:03 [core.py:99] Traceback (most recent call last):\n"
             '(EngineCore pid=7) ERROR 11-26 00:10:03 [core.py:99]   File "x.py", line 3, in f\n'
             "(EngineCore pid=7) ERROR 11-26 00:10:03 [core.py:99] AssertionError: Local block size 32 is not "
