@@ -366,7 +366,8 @@ def render(rows: list[dict], note: str) -> str:
     def cell_text(r: dict | None) -> str:
         if r is None:
             return "(not run)"
-        text = f"**{r['outcome']}**" + (f" ({r['detail']})" if r["detail"] else "")
+        kind, _, why = r["outcome"].partition(": ")
+        text = f"**{kind}**" + (f": {why}" if why else "") + (f" ({r['detail']})" if r["detail"] else "")
         return text.replace("|", "\\|").replace("\n", " ")
 
     connectors = [c for c in ("kvbridge", "nixl") if any(r["connector"] == c for r in rows)]

@@ -92,20 +92,23 @@ def classify(ref_tokens: list[int], ref_logprobs: list[float] | None, a: Answer,
 def combine(outcomes: list[Outcome]) -> tuple[str, str]:
     """A cell's row from its prompts' outcomes: (outcome, detail).
 
-    outcome is the most serious kind among them (KINDS), written `exact`, `wrong`, `hang`, `refused: <its
-    first reason>` or `error: <its first reason>`; detail counts each kind and gives the first reason of
-    each kind that is not the outcome's own.
+    outcome is the most serious kind among them (KINDS), written `exact`, `wrong`, `hang`, `refused: <each
+    distinct reason, up to three>` or `error: <the same>`; detail counts each kind ("3/3 exact") with what
+    it was (exact: the largest logprob difference; other kinds: the first prompt's reason), the outcome's own
+    reasons not repeated.
     """
     if not outcomes:
         return "error: no request was run", ""
-    kind = next(k for k in KINDS if any(o.kind == k for o in outcomes))
-    first = {k: next(o.detail for o in outcomes if o.kind == k) for k in KINDS if any(o.kind == k for o in outcomes)}
-    n = len(outcomes)
-    outcome = f"{kind}: {first[kind]}" if kind in ("refused", "error") else kind
+    kinds = [k for k in KINDS if any(o.kind == k for o in outcomes)]
+    kind, n = kinds[0], len(outcomes)
+    reasons = list(dict.fromkeys(o.detail for o in outcomes if o.kind == kind))
+    outcome = f"{kind}: {'; '.join(reasons[:3])}" if kind in ("refused", "error") else kind
     parts = []
-    for k, why in first.items():
-        count = sum(o.kind == k for o in outcomes)
-        parts.append(f"{k} {count}/{n}" + ("" if k == kind and kind in ("refused", "error") else f" ({why})"))
+    for k in kinds:
+        of_k = [o for o in outcomes if o.kind == k]
+        worst = max(of_k, key=lambda o: o.max_dlogprob or 0.0) if k == "exact" else of_k[0]
+        same = k == kind and kind in ("refused", "error")
+        parts.append(f"{len(of_k)}/{n} {k}" + ("" if same else f": {worst.detail}"))
     return outcome, "; ".join(parts)
 
 

@@ -45,12 +45,14 @@ def test_no_answer_in_time_is_a_hang_and_a_dead_server_an_error():
 
 
 def test_a_cell_takes_its_most_serious_prompt_and_counts_the_rest():
-    ex, wr = Outcome("exact", "ok", 0.0), Outcome("wrong", "tokens equal, logprobs off by up to 0.07", 0.07)
-    outcome, detail = combine([ex, wr, ex])
-    assert outcome == "wrong" and "exact 2/3" in detail and "wrong 1/3 (tokens equal" in detail
-    outcome, detail = combine([Outcome("refused", "RequestNotFound: 7"), Outcome("refused", "prompt differs")])
-    assert outcome == "refused: RequestNotFound: 7" and detail == "refused 2/2"
-    assert combine([Outcome("refused", "x"), Outcome("hang", "decode hop")])[0] == "hang"
+    ex, wr = Outcome("exact", "ok 0", 0.0), Outcome("wrong", "tokens equal, logprobs off by up to 0.07", 0.07)
+    outcome, detail = combine([ex, wr, Outcome("exact", "ok 2e-06", 2e-6)])
+    assert outcome == "wrong" and detail == "1/3 wrong: tokens equal, logprobs off by up to 0.07; 2/3 exact: ok 2e-06"
+    refusals = [Outcome("refused", "RequestNotFound: 7"), Outcome("refused", "prompt differs"),
+                Outcome("refused", "RequestNotFound: 7")]
+    assert combine(refusals) == ("refused: RequestNotFound: 7; prompt differs", "3/3 refused")
+    assert combine([Outcome("refused", "x"), Outcome("hang", "decode hop")]) == (
+        "hang", "1/2 hang: decode hop; 1/2 refused: x")
     assert combine([ex])[0] == "exact"
     assert combine([])[0].startswith("error")
 
@@ -87,16 +89,16 @@ def test_forgeries_edit_what_each_connector_reads():
 
 def test_the_table_goes_between_the_markers_only(tmp_path):
     rows = [{"cell": "TP1 -> TP1", "connector": c, "outcome": o, "detail": d}
-            for c, o, d in (("nixl", "wrong", "a|b"), ("kvbridge", "exact", ""))]
+            for c, o, d in (("nixl", "wrong", "a|b"), ("kvbridge", "refused: why", ""))]
     text = render(rows, "note")
-    assert "| TP1 -> TP1 | **exact** | **wrong** (a\\|b) |" in text
+    assert "| TP1 -> TP1 | **refused**: why | **wrong** (a\\|b) |" in text
     assert text.index("KVBridgeConnector") < text.index("NixlConnector")
     doc = tmp_path / "d.md"
     doc.write_text(f"before\n{BEGIN}\nold table\n{END}\nafter\n")
     assert update_doc(str(doc), text)
     new = doc.read_text()
     assert new.startswith("before\n") and new.endswith(f"{END}\nafter\n") and "old table" not in new
-    assert "**exact**" in new
+    assert "**refused**: why" in new
     (tmp_path / "none.md").write_text("no markers\n")
     assert not update_doc(str(tmp_path / "none.md"), text)
     assert (tmp_path / "none.md").read_text() == "no markers\n"
