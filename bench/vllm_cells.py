@@ -23,7 +23,7 @@ Deadlines: a server's start `--startup-timeout` (300 s), each hop `--deadline` (
 takes well under a second). A cell stops sending after its first hang.
 
     kvbridge bench vllm-cells [--cells NAME ...] [--connectors nixl kvbridge] [--lens 16 300 700]
-                              [--json PATH] [--doc PATH | --no-doc]
+                              [--json PATH] [--doc PATH | --no-doc]     # a partial run: no files unless named
 """
 
 from __future__ import annotations
@@ -397,8 +397,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds each hop may take (else: hang)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--json", default=DEFAULT_JSON)
-    ap.add_argument("--doc", default=DEFAULT_DOC, help="the markdown file whose vllm-cells markers get the table")
+    ap.add_argument("--json", default=None, help=f"where the rows go (default, on a full sweep: {DEFAULT_JSON})")
+    ap.add_argument("--doc", default=None, help="the markdown file whose vllm-cells markers get the table "
+                                                f"(default, on a full sweep: {DEFAULT_DOC})")
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--python", default=None, help="vLLM's interpreter (default $KVBRIDGE_VLLM_PYTHON or .venv-vllm)")
     ap.add_argument("--log-dir", default=None, help="the servers' logs (default: a temporary folder)")
@@ -411,6 +412,9 @@ def main(argv: list[str]) -> int:
         print(f"kvbridge bench vllm-cells: {why}", file=sys.stderr)
         return 2
     a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-vllm-cells-")
+    full = len(a.cells) == len(CELLS) and len(set(a.connectors)) == len(CONNECTORS)  # the run of record's files
+    a.json = a.json or (DEFAULT_JSON if full else None)
+    a.doc = a.doc or (DEFAULT_DOC if full else None)
     t0 = time.time()
     rows = run(a)
     print(table(rows, ["cell", "connector", "outcome", "prompts", "seconds"]))
