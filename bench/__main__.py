@@ -13,6 +13,7 @@ BENCHES = {  # name: (module, one line)
     "soak": ("kvbridge.bench.soak", "the reliability soak: mutated frames, a hammered live rank, requests"),
     "serve": ("kvbridge.bench.serve", "TTFT aggregated vs disaggregated through router and workers, overlap on/off"),
     "vllm": ("kvbridge.bench.vllm", "real vLLM: aggregated vs NixlConnector vs KVBridgeConnector"),
+    "vllm-cells": ("kvbridge.bench.vllm_cells", "issue 28's cells, NixlConnector and KVBridgeConnector in one run"),
     "route": ("kvbridge.bench.route", "KV-aware routing vs round_robin / least_loaded / prefix_aware, 3 workloads"),
 }
 
