@@ -182,11 +182,15 @@ class WorkerSide:
     def _digest(self, side: str, handle: int, block_ids, n: int) -> None:
         if not self.digest_dir:
             return
-        d = kv_digest(self.cache, block_ids, n, self.packing)
-        path = os.path.join(self.digest_dir, f"{side}-{handle}-r{self.cache.rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"tokens": n, "rank": self.cache.rank, "at": time.time(), "digest": d}, f)
-        os.replace(path + ".tmp", path)
+        try:  # a debugging aid: it may fail (disk, folder), it never fails the request or the engine
+            d = kv_digest(self.cache, block_ids, n, self.packing)
+            os.makedirs(self.digest_dir, exist_ok=True)
+            path = os.path.join(self.digest_dir, f"{side}-{handle}-r{self.cache.rank}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump({"tokens": n, "rank": self.cache.rank, "at": time.time(), "digest": d}, f)
+            os.replace(path + ".tmp", path)
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvbridge: writing the KV digest of request %d to %s failed: %s", handle, self.digest_dir, e)
 
     def close(self) -> None:
         if self.reblock is not None:
