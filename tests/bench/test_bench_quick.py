@@ -104,7 +104,8 @@ def test_control_trace_quick():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "publish -> complete" in p.stdout, p.stdout
     hops = {line.split()[0] for line in p.stdout.splitlines() if line and not line.startswith("#")}
-    assert {"c.publish", "g.fetch_sent", "g.reads_done", "c.io_done"} <= hops, p.stdout
+    assert {"c.publish", "g.fetch_sent", "g.reads_done", "g.io_done_ack"} <= hops, p.stdout
+    assert {"c.io_done", "c.io_fetch"} & hops, p.stdout  # a Fetch may carry its Done (protocol 4)
 
 
 QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file relative to the checkout)
@@ -117,6 +118,7 @@ QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file rel
     "route": "tests/serving/test_bench_route.py::"
              "test_bench_route_quick_writes_every_row_with_answers_equal_to_aggregated",
     "vllm": "tests/vllm/test_bench_vllm.py::test_the_quick_bench_writes_every_row_with_identical_tokens",
+    "vllm-cells": "tests/vllm/test_bench_vllm_cells.py::test_the_tp1_cell_runs_both_connectors_and_kvbridge_is_exact",
     "control_trace": "tests/bench/test_bench_quick.py::test_control_trace_quick",  # python -m kvbridge.bench.X
 }
 
