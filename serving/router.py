@@ -46,7 +46,7 @@ from .membership import worker_set
 from .metrics import RouterMetrics, render
 from .overlap_router import ContextFailed, context_early, release_prefetch
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
-from .relay import Relay, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
+from .relay import Relay, context_send, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
 
 __all__ = ["KEEPALIVE_EXPIRY_S", "MAX_HANDOVERS", "Router", "build_router"]
 
@@ -318,24 +318,15 @@ class Router:
         """One context request; a connection the worker closed under us is retried once, fresh."""
         payload = {**body, "disaggregated_params": {"request_type": "context_only"}}
         t0 = time.monotonic()
-        for fresh in (False, True):
-            try:
-                with in_flight(w, self.metrics.in_flight.labels(w.name)):
-                    r = await until_gone(request, self.client.post(
-                        w.url + path, json=payload, headers={DEADLINE_HEADER: f"{hop:.3f}"},
-                        timeout=self._tmo(hop)))
-                self.metrics.hop.labels("context").observe(time.monotonic() - t0)
-                return r
-            except httpx.TimeoutException:
-                raise _HopFailed(f"{w.name}: no answer within {hop:.1f}s") from None
-            except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-                if fresh:
-                    w.mark(False, type(e).__name__)
-                    raise _HopFailed(f"{w.name}: {type(e).__name__} {e}".rstrip()) from None
-            except httpx.TransportError as e:
-                w.mark(False, type(e).__name__)
-                raise _HopFailed(f"{w.name}: {type(e).__name__} {e}".rstrip()) from None
-        raise AssertionError("unreachable")
+
+        async def send() -> httpx.Response:
+            with in_flight(w, self.metrics.in_flight.labels(w.name)):
+                return await self.client.post(w.url + path, json=payload, headers={DEADLINE_HEADER: f"{hop:.3f}"},
+                                              timeout=self._tmo(hop))
+
+        r = await context_send(request, w, hop, send, _HopFailed)
+        self.metrics.hop.labels("context").observe(time.monotonic() - t0)
+        return r
 
     async def _generation_hop(self, request: Request, path: str, body: dict, stream: bool, deadline: float,
                               w: WorkerRef, deco: dict):
