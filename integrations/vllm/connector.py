@@ -20,7 +20,9 @@ calls each and what it may do (vLLM's own contract, kv_connector/v1/base.py):
 | get_transfer_results | worker, every step | finished sends / receives / failed receives |
 | build_connector_worker_meta / update_connector_output | worker -> scheduler, every step | pull stats |
 | request_finished | scheduler, once per request, before its blocks are freed | prefill: keep the blocks, answer kvbridge's kv_transfer_params; decode: cancel a pull in flight |
-| wait_for_layer_load, save_kv_layer, wait_for_save | worker, per layer / step | nothing: the KV moves between steps, not inside the forward |
+| save_kv_layer | worker, after each attention layer wrote its KV | early decode: the streamed requests' layers up to it are readable |
+| wait_for_save | worker, after the forward | early decode: every layer readable |
+| wait_for_layer_load | worker, before each attention layer | nothing: a decode request waits for its whole KV (async load) |
 | shutdown | worker, at exit | close the transceiver (agents, sockets, registrations) |
 
 A failed pull is reported as a failed receive, so vLLM fails the request or recomputes it locally as its
@@ -139,6 +141,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._worker = WorkerSide(pool, self._config, self._instance, self._produce, self._consume,
                                   self._digest_dir, self._packing_of if pool.layout.order in PACKED_ORDERS else None,
                                   self._staging_tokens)
+        self._worker.set_layer_names(sorted(kv_caches, key=extract_layer_index))
 
     def _packing_of(self, tokens_per_block: int) -> Packing:
         """vLLM's CPU attention kernel's packing for a block size, learned from its own store op (cached)."""
@@ -174,10 +177,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        if self._worker is not None:
+            self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None:
+            self._worker.forward_done()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
@@ -206,15 +211,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._sched.set_workers(eps, lays, packs)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        sp = request.sampling_params
         return self._sched.matched_tokens(request.request_id, request.kv_transfer_params,
-                                          list(request.prompt_token_ids or ()), num_computed_tokens)
+                                          list(request.prompt_token_ids or ()), num_computed_tokens,
+                                          sp.max_tokens if sp is not None else None)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if num_external_tokens > 0:
             self._sched.after_alloc(request.request_id, list(blocks.get_block_ids()[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return KVBridgeMeta(self._sched.take_work())
+        return KVBridgeMeta(self._sched.take_work(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -7,6 +7,8 @@ unguessable and a restarted prefill engine's old handles name nothing.
 
     prefill: request_finished(do_remote_decode) -> Publish (blocks stay vLLM's until every worker reports
              the request finished sending: read and confirmed, lease expired, or cancelled)
+    early:   matched_tokens(kvbridge_early) -> the step that runs the prompt's last chunk -> Publish(streamed)
+             (layers marked ready by the forward) -> request_finished -> Finished (its sends may be reported)
     decode:  matched_tokens -> after_alloc -> Pull (or Refuse: bad params fail the load, nothing is pulled)
              request_finished while pulling -> cancel
 """
@@ -24,7 +26,8 @@ from ...formatter.mapping import mapping_for
 from ...transceiver.handles import RequestKey
 from ...transceiver.params import DisaggParams
 from .layout import PACKED_ORDERS
-from .params import KEY, RemotePrefill, prefill_answer, remote_prefill_of, wants_remote_decode
+from .params import (KEY, EarlyPublish, RemotePrefill, bound_secret, early_publish_of, prefill_answer,
+                     remote_prefill_of, wants_remote_decode)
 from .work import Publish, Pull, PullStats, Refuse, StepWork
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,8 @@ class SchedulerSide:
         self._local: dict[str, int] = {}  # decode req -> tokens its local prefix cache held when asked
         self._pulling: set[str] = set()
         self._stats: dict[str, PullStats] = {}
+        self._early: dict[str, _Early] = {}  # prefill req -> its early publish (router-minted handle)
+        self._early_handles: set[int] = set()
 
     # --- set-up --------------------------------------------------------------------------------------
     def set_workers(self, endpoints: dict[int, str], layouts: dict[int, dict],
@@ -81,8 +86,11 @@ class SchedulerSide:
         self.packing = packs.pop() if packs else ""
 
     # --- decode side ---------------------------------------------------------------------------------
-    def matched_tokens(self, req_id: str, params: Any, prompt: list[int], num_computed: int) -> tuple[int, bool]:
+    def matched_tokens(self, req_id: str, params: Any, prompt: list[int], num_computed: int,
+                       max_tokens: int | None = None) -> tuple[int, bool]:
         """vLLM's get_num_new_matched_tokens: tokens a remote prefill provides beyond the local prefix."""
+        if req_id not in self._early and wants_remote_decode(params):
+            self._early_of(req_id, params, prompt, max_tokens)
         if req_id not in self._seen:
             self._seen[req_id] = self._parse(params, prompt)
         remote, refusal = self._seen[req_id]
@@ -100,6 +108,9 @@ class SchedulerSide:
             return None, str(e)
         if remote is None:
             return None, ""
+        if remote.num_tokens > len(prompt):
+            return None, f"the remote prefill holds {remote.num_tokens} tokens, this request's prompt has {len(prompt)}"
+        remote = remote.for_prompt(prompt_hash(prompt, remote.num_tokens or len(prompt)), len(prompt))
         n = remote.num_tokens
         if n > len(prompt):
             return None, f"the remote prefill holds {n} tokens, this request's prompt has {len(prompt)}"
@@ -155,11 +166,14 @@ class SchedulerSide:
         self._seen.pop(req_id, None)
         self._local.pop(req_id, None)
         stats = self._stats.pop(req_id, None)
+        if req_id in self._early:
+            return self._early_finished(req_id, finished_ok)
         if not wants_remote_decode(params):
             if stats is None:
                 return False, None
             return False, {"kvbridge_transfer": {"bytes": stats.nbytes, "ms": round(stats.ms, 3),
-                                                 "read_ms": round(stats.read_ms, 3), "error": stats.error}}
+                                                 "read_ms": round(stats.read_ms, 3), "error": stats.error,
+                                                 "first_read_unix_ms": round(stats.first_read_unix_ms, 3)}}
         if not finished_ok or not block_ids or num_computed <= 0 or not self.endpoints:
             return False, None
         n = min(num_computed, len(prompt))
@@ -173,7 +187,82 @@ class SchedulerSide:
             answer[KEY]["packing"] = self.packing
         return True, answer
 
-    def take_work(self) -> StepWork:
+    def take_work(self, scheduler_output: Any = None) -> StepWork:
         """vLLM's build_connector_meta: this step's work for every worker (and a fresh list for the next)."""
+        if self._early and scheduler_output is not None:
+            self._early_step(scheduler_output)
         work, self._work = self._work, StepWork()
         return work
+
+    # --- early decode (prefill side) -----------------------------------------------------------------
+    def _early_of(self, req_id: str, params: Any, prompt: list[int], max_tokens: int | None) -> None:
+        """Note a prefill request the router told its decode about before it ran (params.py: early decode)."""
+        try:
+            ep = early_publish_of(params)
+        except ProtocolError as e:
+            log.warning("kvbridge: request %s: %s; it publishes when it finishes instead", req_id, e)
+            return
+        if ep is None:
+            return
+        why = ("this engine publishes nothing (kv_role kv_consumer)" if not self.endpoints else
+               f"it may generate {max_tokens} tokens (an early publish needs max_tokens 1: the blocks must "
+               f"not move after the forward that writes them)" if max_tokens != 1 else
+               f"handle {ep.handle} is already in use" if ep.handle in self._early_handles else "")
+        if why:
+            log.warning("kvbridge: request %s cannot publish early: %s; its decode's pull will fail", req_id, why)
+            return
+        n = len(prompt)
+        self._early_handles.add(ep.handle)
+        self._early[req_id] = _Early(EarlyPublish(ep.handle, bound_secret(ep.secret, prompt_hash(prompt, n))),
+                                     ep.secret, n, prompt_hash(prompt, n))
+
+    def _early_step(self, so: Any) -> None:
+        """Follow the early requests' blocks through this step; publish those whose prompt completes in it."""
+        for new in so.scheduled_new_reqs:
+            st = self._early.get(new.req_id)
+            if st is not None:
+                st.blocks, st.computed = list(new.block_ids[0]), int(new.num_computed_tokens)
+        c = so.scheduled_cached_reqs
+        for i, req_id in enumerate(c.req_ids):
+            st = self._early.get(req_id)
+            if st is None:
+                continue
+            more = c.new_block_ids[i]
+            if req_id in c.resumed_req_ids:
+                st.blocks = list(more[0]) if more else []
+            elif more:
+                st.blocks += list(more[0])
+            st.computed = int(c.num_computed_tokens[i])
+        for req_id, st in self._early.items():
+            steps = so.num_scheduled_tokens.get(req_id, 0)
+            if st.published or not steps or st.computed + steps < st.n:
+                continue
+            st.published = True
+            self._work.publishes.append(Publish(req_id, st.ep.handle, st.ep.secret, tuple(st.blocks), st.n,
+                                                streamed=True))
+
+    def _early_finished(self, req_id: str, finished_ok: bool) -> tuple[bool, dict | None]:
+        st = self._early.pop(req_id)
+        self._early_handles.discard(st.ep.handle)
+        if not st.published:  # finished before its last chunk ran (aborted): nothing was published
+            return False, None
+        self._work.finished.append(req_id)
+        if not finished_ok:
+            self._work.send_cancels.append(req_id)
+            return True, None
+        disagg = DisaggParams(st.ep.handle, self.instance, self.endpoints, self.ctx_layout, st.raw_secret)
+        answer = prefill_answer(disagg, st.n)
+        answer[KEY].update(early=True, prompt_hash=st.prompt_hash)
+        if self.packing:
+            answer[KEY]["packing"] = self.packing
+        return True, answer
+
+
+class _Early:
+    """An early prefill request: its handle and bound secret, the blocks vLLM gave it so far."""
+
+    def __init__(self, ep: EarlyPublish, raw_secret: bytes, n: int, phash: str) -> None:
+        self.ep, self.raw_secret, self.n, self.prompt_hash = ep, raw_secret, n, phash
+        self.blocks: list[int] = []
+        self.computed = 0
+        self.published = False

@@ -21,6 +21,7 @@ class Publish:
     secret: bytes = field(repr=False)
     block_ids: tuple[int, ...]
     num_tokens: int
+    streamed: bool = False  # early decode: published before the forward; layers marked as they are written
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,12 @@ class StepWork:
     pulls: list[Pull] = field(default_factory=list)
     refusals: list[Refuse] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # decode requests aborted while their pull runs
+    finished: list[str] = field(default_factory=list)  # streamed prefill requests vLLM has finished
+    send_cancels: list[str] = field(default_factory=list)  # streamed prefill requests aborted: unpublish
 
     def __bool__(self) -> bool:
-        return bool(self.publishes or self.pulls or self.refusals or self.cancels)
+        return bool(self.publishes or self.pulls or self.refusals or self.cancels or self.finished or
+                    self.send_cancels)
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,9 @@ class PullStats:
     ms: float = 0.0  # the whole pull: Fetch, reads, confirmation (and a repack between block sizes)
     error: str = ""
     read_ms: float = 0.0  # the reads alone (first READ posted -> last done), as vLLM's NIXL metric counts
+    first_read_unix_ms: float = 0.0  # wall clock of the first READ posted (0: none), for overlap evidence
 
     def merge(self, other: "PullStats") -> "PullStats":
+        firsts = [t for t in (self.first_read_unix_ms, other.first_read_unix_ms) if t]
         return PullStats(self.nbytes + other.nbytes, max(self.ms, other.ms), self.error or other.error,
-                         max(self.read_ms, other.read_ms))
+                         max(self.read_ms, other.read_ms), min(firsts) if firsts else 0.0)

@@ -6,6 +6,12 @@ Owns the Sender (prefill role) and Receiver (decode role) of this rank and the m
 ids and kvbridge's ids. Never frees a block: it reports a request finished and vLLM frees it, so a block
 under a read in flight is never handed back (the Sender reports a request only once its readers confirmed,
 its lease ran out or it was cancelled; a failed pull is reported only after its reads settled).
+
+Early decode (params.py): a streamed publish goes out before the forward with no layer ready; each
+`layer_saved` (vLLM's save_kv_layer, after the attention layer wrote its KV) marks the request's layers up to
+that one ready, `forward_done` (wait_for_save) all of them. Its finished send is held back until the
+scheduler says vLLM finished the request (a read can end before the forward does, and vLLM frees the blocks
+of a request it reports, running or not).
 """
 
 from __future__ import annotations
@@ -72,25 +78,55 @@ class WorkerSide:
         self._failed: set[str] = set()
         self._stats: dict[str, PullStats] = {}
         self._release: set[str] = set()  # prefill requests that could not be published: free at once
+        self._layer_pos: dict[str, int] = {}  # vLLM layer name -> its position among this rank's layers
+        self._streaming: dict[int, int] = {}  # streamed handles of this forward -> layers marked ready
+        self._unfinished: set[str] = set()  # streamed requests vLLM has not finished yet
+        self._held: set[str] = set()  # ... whose send ended already: reported once vLLM finished them
+        self._handle_of: dict[str, int] = {}  # streamed prefill request -> handle (cancel)
+        self._published: dict[int, tuple[tuple[int, ...], int]] = {}  # streamed handle -> (blocks, tokens)
 
     @property
     def endpoint(self) -> str | None:
         return self.sender.endpoint if self.sender is not None else None
 
+    def set_layer_names(self, names: list[str]) -> None:
+        """This rank's vLLM layer names in kvbridge's order (the pool's buffers)."""
+        self._layer_pos = {n: i for i, n in enumerate(names)}
+
     def apply(self, work: StepWork) -> None:
         """Act on one step's work: publish, start pulls, refuse, cancel. Never raises for one request."""
+        for req_id in work.finished:
+            self._unfinished.discard(req_id)
+            if req_id in self._held:
+                self._held.discard(req_id)
+                self._release.add(req_id)
         for p in work.publishes:
             if self.sender is None:
                 log.error("kvbridge: request %s asks for remote decode but this engine is not a producer", p.req_id)
                 continue
             try:
-                self.sender.publish(p.handle, p.block_ids, moved_tokens(p.num_tokens, self.cache.layout), None,
-                                    p.secret)
+                if p.handle in self._sent:
+                    raise ValueError(f"handle {p.handle} is already published here")
+                self.sender.publish(p.handle, p.block_ids, moved_tokens(p.num_tokens, self.cache.layout),
+                                    0 if p.streamed else None, p.secret)
                 self._sent[p.handle] = p.req_id
-                self._digest("ctx", p.handle, p.block_ids, p.num_tokens)
+                if p.streamed:
+                    self._streaming[p.handle] = 0
+                    self._unfinished.add(p.req_id)
+                    self._handle_of[p.req_id] = p.handle
+                    self._published[p.handle] = (p.block_ids, p.num_tokens)
+                else:
+                    self._digest("ctx", p.handle, p.block_ids, p.num_tokens)
             except Exception as e:  # noqa: BLE001 - one request fails, the worker keeps serving
                 log.error("kvbridge: publishing request %s failed (its blocks go back): %s", p.req_id, e)
-                self._release.add(p.req_id)
+                (self._held if p.streamed else self._release).add(p.req_id)
+                if p.streamed:
+                    self._unfinished.add(p.req_id)
+        for req_id in work.send_cancels:
+            h = self._handle_of.pop(req_id, None)
+            if h is not None and self.sender is not None:
+                self._streaming.pop(h, None)
+                self.sender.cancel(h)
         for r in work.refusals:
             self._fail(r.req_id, r.reason)
         for p in work.pulls:
@@ -101,6 +137,31 @@ class WorkerSide:
                 self.receiver.cancel(rid)
             if req_id in self._reblocked:
                 self.reblock.cancel(req_id)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """vLLM wrote this layer's KV for every request of the forward: streamed requests may be read up to it."""
+        if not self._streaming:
+            return
+        pos = self._layer_pos.get(layer_name)
+        if pos is None:
+            return
+        for h, ready in self._streaming.items():
+            if pos + 1 > ready:
+                self._streaming[h] = pos + 1
+                self.sender.mark_layers_ready(h, pos + 1)
+
+    def forward_done(self) -> None:
+        """The forward ended: every layer of the streamed requests is final (their positional digest written)."""
+        if not self._streaming:
+            return
+        local = self.cache.layout.local_layers(self.cache.rank)
+        streaming, self._streaming = self._streaming, {}
+        for h, ready in streaming.items():
+            if ready < local:
+                self.sender.mark_layers_ready(h, local)
+            e = self._published.get(h)
+            if e is not None:
+                self._digest("ctx", h, *e)
 
     def _start_pull(self, p) -> None:
         if self.receiver is None:
@@ -144,7 +205,12 @@ class WorkerSide:
                 req_id = self._sent.pop(r.ctx_request_id, None)
                 if req_id is None:
                     continue
-                sending.add(req_id)
+                self._handle_of.pop(req_id, None)
+                self._published.pop(r.ctx_request_id, None)
+                if req_id in self._unfinished:  # a streamed request vLLM still runs: reported once it finished
+                    self._held.add(req_id)
+                else:
+                    sending.add(req_id)
                 if r.status != "complete":
                     log.info("kvbridge: request %s released on rank %d as %s %s", req_id, self.cache.rank,
                              r.status, r.detail)
@@ -159,7 +225,9 @@ class WorkerSide:
                     self._digest("gen", handle, blocks, n)
                     self._done_recv.add(req_id)
                     self._stats[req_id] = PullStats(r.nbytes, float(r.timings_ms.get("total", 0.0)),
-                                                    read_ms=float(r.timings_ms.get("read", 0.0)))
+                                                    read_ms=float(r.timings_ms.get("read", 0.0)),
+                                                    first_read_unix_ms=float(r.timings_ms.get(
+                                                        "first_read_unix_ms", 0.0)))
                 else:
                     self._fail(req_id, f"{r.error_type}: {r.error}")
         if self.reblock is not None:

@@ -189,3 +189,26 @@ def wait_log(server: VllmServer, text: str, timeout: float = 20.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
+
+
+def describe_of(params: dict) -> dict:
+    """What a router keeps of a prefill engine from any of its answers (params.py: early decode)."""
+    return {k: v for k, v in params["kvbridge"].items()
+            if k not in ("ctx_request_id", "secret", "num_tokens", "prompt_hash", "early", "prefill_done_unix_ms")}
+
+
+def early_pair(p_url: str, d_url: str, p: list[int], describe: dict, max_tokens: int = 8,
+               decode_prompt: list[int] | None = None) -> tuple[httpx.Response, httpx.Response, int]:
+    """Both hops at once, as a router does for an engine it knows: the decode request first (it starts
+    pulling and waits for the publish), the prefill right behind it. (prefill answer, decode answer, handle)."""
+    import secrets
+    from concurrent.futures import ThreadPoolExecutor
+
+    handle, secret = secrets.randbits(62) + 1, secrets.token_hex(16)
+    early = {"do_remote_prefill": True, "do_remote_decode": False,
+             "kvbridge": {**describe, "version": 1, "early": True, "ctx_request_id": handle, "secret": secret}}
+    with ThreadPoolExecutor(2) as ex:
+        dec = ex.submit(decode, d_url, decode_prompt or p, early, max_tokens)
+        pre = ex.submit(completion, p_url, p, 1, kv_transfer_params={
+            "do_remote_decode": True, "kvbridge_early": {"ctx_request_id": handle, "secret": secret}})
+        return pre.result(), dec.result(), handle
