@@ -15,6 +15,12 @@ final error event without [DONE]. A prefill server that fails before answering i
 Clients may not send `kv_transfer_params` (the router's alone: a client's could name another request's
 KV); `n` > 1, `best_of` and lists of prompts are refused by name. Everything else is vLLM's to validate.
 
+Early decode (`router.overlap`, on by default; KVBridgeConnector only): once a prefill server has answered
+once, the router knows its engine (instance, endpoints, layout: the answer's `kvbridge` object) and sends both
+hops at once under a handle and secret it mints (kvbridge/integrations/vllm/params.py): the decode server
+pulls each layer as the prefill's forward writes it. A prefill that fails cancels the decode; a decode that
+fails before its first token, or an engine that changed, falls back to the sequential protocol above.
+
 Owns no worker pools, admission or metrics (the Router's, router.py) and never imports vLLM or the
 connector: `kv_transfer_params` pass through unread.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from typing import Any, AsyncIterator
 
@@ -80,6 +87,8 @@ class VllmBackend:
         self.r = router
         token = internal_token(router.cfg)  # vLLM's /v1/* API key under `kvbridge serve`
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._engines: dict[str, dict] = {}  # prefill server -> its engine, from its last answer (early decode)
+        self._background: set[asyncio.Task] = set()
 
     def parts(self, body: dict, kind: str) -> list[Part]:
         """The one part of a request (vLLM validates the rest); 400 for what this path cannot do."""
@@ -104,6 +113,10 @@ class VllmBackend:
     async def run_part(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
         """Prefill, then decode; a decode hop that fails before its first token runs the choice again from
         another prefill server. Returns the answer (dict) or, streaming, a Relay of event objects."""
+        if self.r.rc.overlap:
+            got = await self._early(request, path, body, stream, deadline)
+            if got is not None:
+                return got
         avoid: set[str] = set()
         for attempt in range(MAX_HANDOVERS):
             gen_w = self.r.gen.pick(key=routing_key(body), healthy_only=True)
@@ -124,6 +137,71 @@ class VllmBackend:
                 avoid.add(ctx_w.name)
                 self.r.metrics.retries.inc()
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    async def _early(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
+        """Both hops at once on a prefill server whose engine is known; None to run the choice sequentially
+        (unknown engine, or a failure before the decode's first token)."""
+        key = routing_key(body)
+        ctx_w = self.r.ctx.pick(set(), key)
+        gen_w = self.r.gen.pick(key=key, healthy_only=True)
+        engine = self._engines.get(ctx_w.name) if ctx_w is not None else None
+        if engine is None or gen_w is None:
+            return None
+        handle, secret = secrets.randbits(63) or 1, secrets.token_hex(16)
+        payload = prefill_body(body)
+        payload["kv_transfer_params"]["kvbridge_early"] = {"ctx_request_id": handle, "secret": secret}
+        kvp = {"do_remote_prefill": True, "do_remote_decode": False,
+               "kvbridge": {**engine, "version": 1, "early": True, "ctx_request_id": handle, "secret": secret}}
+        deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "early_decode": True}
+        pre = asyncio.create_task(self._prefill_once(request, path, payload, ctx_w, deadline))
+        pre.add_done_callback(lambda t: self._learn(ctx_w.name, t))
+        dec = asyncio.create_task(self._decode(request, path, decode_body(body, kvp), stream, deadline, gen_w,
+                                               deco))
+        answered = False
+        try:
+            await asyncio.wait({pre, dec}, return_when=asyncio.FIRST_COMPLETED)
+            failed = pre.exception() if pre.done() else None
+            if failed is not None and not dec.done():
+                dec.cancel()  # its prefill failed: no KV will come; closing the stream aborts it in vLLM
+                await asyncio.gather(dec, return_exceptions=True)
+                if isinstance(failed, ApiError):
+                    raise failed  # the prefill server refused the request itself (4xx): so would any
+                self._forget(ctx_w.name, failed)
+                return None
+            try:
+                out = await dec
+            except ApiError as e:
+                if e.code != "kv_transfer_failed" or time.monotonic() >= deadline:
+                    raise
+                self._forget(ctx_w.name, e)
+                return None
+            answered = True
+            return out
+        finally:
+            if not dec.done():
+                dec.cancel()
+            if not pre.done():
+                if answered:  # its answer follows the decode's first token by a step
+                    self._background.add(pre)
+                    pre.add_done_callback(self._background.discard)
+                else:  # nobody will read what it publishes: abort it in vLLM
+                    pre.cancel()
+
+    def _learn(self, name: str, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:  # (a failure is read here, never lost)
+            self._remember(name, task.result()[0])
+
+    def _remember(self, name: str, kvp: dict) -> None:
+        """Keep a prefill server's engine from its answer (KVBridgeConnector's `kvbridge` object)."""
+        body = kvp.get("kvbridge")
+        if isinstance(body, dict) and isinstance(body.get("endpoints"), list):
+            self._engines[name] = {k: v for k, v in body.items() if k in _ENGINE_KEYS}
+
+    def _forget(self, name: str, why) -> None:
+        log.warning("router: early decode on prefill server %s failed (%s); running the request "
+                    "sequentially", name, why)
+        self._engines.pop(name, None)
+        self.r.metrics.retries.inc()
 
     # --- hops -----------------------------------------------------------------------------------------
     def _timeout(self, left: float) -> httpx.Timeout:
@@ -148,28 +226,34 @@ class VllmBackend:
                 raise ApiError(502 if errors else 503, f"no prefill server could prefill the prompt: {why}",
                                "server_error", "context_failed", retry_after=None if errors else 2)
             tried.add(w.name)
-            hop = min(left, self.r.rc.context_timeout_s)
-            t0 = time.monotonic()
             try:
-                with in_flight(w, self.r.metrics.in_flight.labels(w.name)):
-                    r = await context_send(request, w, hop, lambda: self.r.client.post(
-                        w.url + path, json=payload, headers=self.headers, timeout=self._timeout(hop)),
-                        _Failed)
+                kvp, ms = await self._prefill_once(request, path, payload, w, deadline)
             except _Failed as e:
                 errors.append(str(e))
                 continue
-            ms = (time.monotonic() - t0) * 1e3
-            self.r.metrics.hop.labels("context").observe(ms / 1e3)
-            data = json_or_none(r.content)
-            if 400 <= r.status_code < 500 and r.status_code != 429:
-                raise ApiError.from_body(r.status_code, data, f"prefill server {w.name}: ")
-            kvp = data.get("kv_transfer_params") if isinstance(data, dict) else None
-            if r.status_code == 200 and isinstance(kvp, dict) and stream_error(data) is None:
-                return kvp, w, round(ms, 3)
-            why = stream_error(data) or (f"HTTP {r.status_code}" if r.status_code != 200 else
-                                         "answered without kv_transfer_params (is it started with a "
-                                         "--kv-transfer-config?)")
-            errors.append(f"{w.name}: {why}")
+            self._remember(w.name, kvp)
+            return kvp, w, ms
+
+    async def _prefill_once(self, request: Request, path: str, payload: dict, w: WorkerRef,
+                            deadline: float) -> tuple[dict, float]:
+        """One prefill hop on `w`: (kv_transfer_params, milliseconds); _Failed when it did not answer well."""
+        hop = min(max(0.05, deadline - time.monotonic()), self.r.rc.context_timeout_s)
+        t0 = time.monotonic()
+        with in_flight(w, self.r.metrics.in_flight.labels(w.name)):
+            r = await context_send(request, w, hop, lambda: self.r.client.post(
+                w.url + path, json=payload, headers=self.headers, timeout=self._timeout(hop)), _Failed)
+        ms = (time.monotonic() - t0) * 1e3
+        self.r.metrics.hop.labels("context").observe(ms / 1e3)
+        data = json_or_none(r.content)
+        if 400 <= r.status_code < 500 and r.status_code != 429:
+            raise ApiError.from_body(r.status_code, data, f"prefill server {w.name}: ")
+        kvp = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if r.status_code == 200 and isinstance(kvp, dict) and stream_error(data) is None:
+            return kvp, round(ms, 3)
+        why = stream_error(data) or (f"HTTP {r.status_code}" if r.status_code != 200 else
+                                     "answered without kv_transfer_params (is it started with a "
+                                     "--kv-transfer-config?)")
+        raise _Failed(f"{w.name}: {why}")
 
     async def _decode(self, request: Request, path: str, body: dict, stream: bool, deadline: float,
                       w: WorkerRef, deco: dict):
@@ -213,6 +297,9 @@ class VllmBackend:
         left = max(0.05, deadline - time.monotonic())
         return await from_worker(request, asyncio.wait_for(resp.aread(), left), w, "decode server",
                                  "did not finish before the deadline")
+
+
+_ENGINE_KEYS = ("ctx_instance", "endpoints", "ctx_layout", "layout_fingerprint", "packing")
 
 
 class _Failed(Exception):

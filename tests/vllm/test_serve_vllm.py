@@ -112,3 +112,22 @@ def test_the_vllm_servers_are_closed_to_callers_without_the_deployments_token(se
                    json={"model": "tiny-llama", "prompt": "x", "max_tokens": 1,
                          "kv_transfer_params": {"do_remote_prefill": True}})
     assert r.status_code == 401
+
+
+def test_once_the_prefill_engine_is_known_both_hops_go_out_together(serve):
+    """Early decode (router.overlap, the default): the router learned the prefill engine from an earlier
+    answer, so it sends the decode request with the prefill; the answer is still the prefill server's own."""
+    c = openai.OpenAI(base_url=serve + "/v1", api_key="unused", timeout=240)
+    for n in (40, 500):
+        prompt = [(11 * k + 5 * n) % 500 + 3 for k in range(n)]
+        c.completions.create(model="tiny-llama", prompt=[3, 4, 5], max_tokens=2, temperature=0)  # learn it
+        got = c.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0)
+        kb = got.model_extra["kvbridge"]
+        assert kb.get("early_decode") is True, kb
+        assert kb["transfer"]["error"] == "" and kb["transfer"]["bytes"] == -(-n // BLOCK) * BLOCK * \
+            KV_BYTES_PER_TOKEN
+        assert got.choices[0].text == _alone("ctx0", prompt=prompt, max_tokens=12).choices[0].text
+        streamed = c.completions.create(model="tiny-llama", prompt=prompt[::-1], max_tokens=12, temperature=0,
+                                        stream=True)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == \
+            _alone("ctx0", prompt=prompt[::-1], max_tokens=12).choices[0].text
