@@ -1,4 +1,4 @@
-"""`kvbridge bench vllm`: real vLLM three ways on one machine: aggregated, + NixlConnector, + KVBridge.
+"""`kvbridge bench vllm`: real vLLM on one machine: aggregated, + NixlConnector, + KVBridge, + KVBridge early.
 
 The same tiny random Llama (integrations/vllm/tiny_model.py) and the same token-id prompts (128 / 512 / 2048
 tokens, unique per request so no prefix cache hides a transfer), greedy. Per connector and prompt length:
@@ -11,8 +11,11 @@ NIXL's histogram times its READ alone, kvbridge's read_ms its reads, its ms the 
 whether every prompt's tokens equal the aggregated server's. Servers run one configuration at a time (the
 aggregated reference alone, as ../shared/vllm/ measured it): NixlConnector in its best configuration here
 (prefill on core 0, decode on core 1, every thread pinned once up); KVBridgeConnector with vLLM's OpenMP
-threads on those cores but no re-pinning (`--kvbridge-pin` adds it). Rows go to bench/results/vllm.json,
-a plot beside it.
+threads on those cores but no re-pinning (`--kvbridge-pin` adds it). `kvbridge_early`: servers configured
+as for `kvbridge` (fresh ones: no prefix cache from the other rows), both hops sent together as kvbridge's router does once it knows the prefill engine (early decode: the decode
+reads each layer as the prefill's forward writes it); TTFT from sending both to the first decoded token; its
+transfer_ms / read_ms include the wait for the prefill's layers, so they are not a transfer's cost. Rows go
+to bench/results/vllm.json, a plot beside it.
 
     kvbridge bench vllm [--quick] [--json PATH] [--lens 128 512 2048] [--reps 8] [--concurrency 4]
 """
@@ -25,7 +28,9 @@ import os
 import random
 import statistics
 import sys
+import secrets
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,7 +45,8 @@ from .plot import save_plot
 
 __all__ = ["main", "run", "CONNECTORS"]
 
-CONNECTORS = ("aggregated", "nixl", "kvbridge")
+CONNECTORS = ("aggregated", "nixl", "kvbridge", "kvbridge_early")
+ENGINE_KEYS = ("ctx_instance", "endpoints", "ctx_layout", "layout_fingerprint", "packing")
 CONNECTOR_MODULE = Path(__file__).resolve().parents[1] / "integrations" / "vllm" / "connector.py"
 DEFAULT_JSON = str(Path(__file__).resolve().parent / "results" / "vllm.json")
 # NixlConnector's decode-side histograms of one pull: (seconds, bytes); summed over label sets
@@ -84,9 +90,13 @@ def kvbridge_transfer(client: httpx.Client, servers: dict, prompt: list[int], ma
     """(ms, bytes, read ms) of one prefill -> decode whose decode is not streamed: KVBridgeConnector answers
     them in the decode's kv_transfer_params (`kvbridge_transfer`; ms: the whole pull, read_ms: its reads)."""
     body = _body(prompt, max_tokens, False)
-    r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(body), timeout=timeout)
-    kvp = r.json().get("kv_transfer_params")
-    r = client.post(servers["decode"] + "/v1/completions", json=decode_body(body, kvp), timeout=timeout)
+    if servers.get("early"):
+        r = _early(client, servers, body, timeout, lambda kvp: client.post(
+            servers["decode"] + "/v1/completions", json=decode_body(body, kvp), timeout=timeout))
+    else:
+        r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(body), timeout=timeout)
+        kvp = r.json().get("kv_transfer_params")
+        r = client.post(servers["decode"] + "/v1/completions", json=decode_body(body, kvp), timeout=timeout)
     t = (r.json().get("kv_transfer_params") or {}).get("kvbridge_transfer") or {}
     if r.status_code != 200 or t.get("error"):
         raise RuntimeError(f"decode: HTTP {r.status_code}: {str(r.json())[:300]}")
@@ -100,6 +110,11 @@ def one_request(client: httpx.Client, servers: dict, prompt: list[int], max_toke
         ttft, ids = _stream(client, servers["agg"], _body(prompt, max_tokens, True), timeout)
         return ttft, ids
     t0 = time.perf_counter()
+    if servers.get("early"):
+        body = _body(prompt, max_tokens, True)
+        t, ids = _early(client, servers, body, timeout, lambda kvp: (
+            time.perf_counter(), _stream(client, servers["decode"], decode_body(body, kvp), timeout)))
+        return t - t0 + (ids[0] or 0.0), ids[1]
     body = _body(prompt, max_tokens, False)
     r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(body), timeout=timeout)
     data = r.json()
@@ -109,6 +124,45 @@ def one_request(client: httpx.Client, servers: dict, prompt: list[int], max_toke
     ttft, ids = _stream(client, servers["decode"], decode_body(_body(prompt, max_tokens, True),
                                                                data["kv_transfer_params"]), timeout)
     return hop + (ttft or 0.0), ids
+
+
+_local = threading.local()
+
+
+def _early(client: httpx.Client, servers: dict, body: dict, timeout: float, decode):
+    """Both hops at once (serving/vllm_backend.py's early decode): the prefill hop on a thread of its own,
+    `decode(kv_transfer_params)` here; returns what decode returns. The engine is learnt once, as the router
+    does, from an ordinary answer."""
+    if "engine" not in servers:
+        r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(_body([3, 4, 5], 1, False)),
+                        timeout=timeout)
+        kb = (r.json().get("kv_transfer_params") or {}).get("kvbridge") or {}
+        servers["engine"] = {k: v for k, v in kb.items() if k in ENGINE_KEYS}
+    handle, secret = secrets.randbits(63) or 1, secrets.token_hex(16)
+    pre = prefill_body({**body, "stream": False})
+    pre["kv_transfer_params"]["kvbridge_early"] = {"ctx_request_id": handle, "secret": secret}
+    kvp = {"do_remote_prefill": True, "do_remote_decode": False,
+           "kvbridge": {**servers["engine"], "version": 1, "early": True, "ctx_request_id": handle,
+                        "secret": secret}}
+    if not hasattr(_local, "hop"):  # one prefill-hop thread (and connection) per calling thread
+        _local.hop = ThreadPoolExecutor(1)
+    answer = _local.hop.submit(_hop_post, servers["prefill"], pre, timeout)
+    try:
+        out = decode(kvp)
+    finally:
+        r = answer.result(timeout)  # the prefill answers a step after the decode's first token
+    if isinstance(r, Exception) or r.status_code != 200:
+        raise RuntimeError(f"early prefill hop failed: {r if isinstance(r, Exception) else r.text[:300]}")
+    return out
+
+
+def _hop_post(url: str, body: dict, timeout: float):
+    if not hasattr(_local, "client"):
+        _local.client = httpx.Client()
+    try:
+        return _local.client.post(url + "/v1/completions", json=body, timeout=timeout)
+    except httpx.HTTPError as e:
+        return e
 
 
 def metric_sums(client: httpx.Client, url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -177,7 +231,7 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
             if names:
                 ms, nb = _transfer(client, servers["decode"], names, before, a.settle_s)
                 rd = ms  # vLLM's NIXL metric is the READ alone (xferDuration)
-            elif name == "kvbridge":
+            elif name.startswith("kvbridge"):
                 try:
                     ms, nb, rd = kvbridge_transfer(client, servers, prompt_ids(n, 300_000 + 1000 * rep + n),
                                                    a.max_tokens)
@@ -251,7 +305,8 @@ def run_one(name: str, model: str, a, ref: dict | None) -> tuple[list[dict], dic
     try:
         for s in servers.values():  # one at a time: two starting engines on two cores slow each other
             s.start().wait_healthy(a.startup_timeout)
-        return measure(name, {role: s.url for role, s in servers.items()}, a, ref)
+        urls = {role: s.url for role, s in servers.items()}
+        return measure(name, {**urls, "early": True} if name == "kvbridge_early" else urls, a, ref)
     finally:
         for s in servers.values():
             s.stop()
@@ -321,6 +376,7 @@ def main(argv: list[str]) -> int:
         return 2
     if "aggregated" not in a.connectors:
         a.connectors = ["aggregated", *a.connectors]  # the reference tokens
+
     a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-vllm-")
     rows = run(a)
     print(table(rows, ["connector", "prompt_tokens", "ttft_p50_ms", "ttft_p90_ms", "transfer_ms_p50",

@@ -25,7 +25,7 @@ def test_the_quick_bench_writes_every_row_with_identical_tokens(tmp_path):
     rows = json.loads(out.read_text())
     assert (tmp_path / "vllm.png").exists()
     assert {(x["connector"], x["prompt_tokens"]) for x in rows} == {
-        (c, n) for c in ("aggregated", "nixl", "kvbridge") for n in (128, 512)}
+        (c, n) for c in ("aggregated", "nixl", "kvbridge", "kvbridge_early") for n in (128, 512)}
     keys = {"connector", "prompt_tokens", "ttft_p50_ms", "ttft_p90_ms", "transfer_ms_p50", "kv_bytes",
             "req_per_s", "tokens_identical"}
     for x in rows:
