@@ -10,8 +10,8 @@ subscription in step (a worker that stops answering is dropped from the index). 
     generation hop  cost(w) = prompt blocks w lacks (it pulls only those) x pull_weight
                               + requests in flight on w x decode_weight
 
-With `local_prefill_tokens` N > 0, a request whose chosen generation worker already holds all but at most N
-of its prompt tokens skips the context hop: the generation worker prefills that short tail itself (no hop,
+With `local_prefill_tokens` N > 0, a request whose chosen generation worker already holds (confirmed by its
+events) all but at most N of its prompt tokens skips the context hop: the generation worker prefills that short tail itself (no hop,
 no pull); `kvbridge.route.local_prefill` says so. The generation hop then prices what each candidate would
 really cost: one that may prefill the tail itself, the tail's blocks x prefill_weight + its decode load;
 any other, its pull and decode load + the cheapest context hop (so a conversation's next turn goes to the
@@ -200,8 +200,8 @@ class KvRouting:
         self.tokens_c.labels(role, "prompt").inc(len(tokens))
         self.tokens_c.labels(role, "hit").inc(row["hit_tokens"])
         for r in rows.values():
-            r.pop("_keys")
-            r.pop("_held")
+            for k in ("_keys", "_held", "_bs"):
+                r.pop(k)
         return best, {"worker": best.name, "cost": row["cost"], "hit_tokens": row["hit_tokens"],
                       "prompt_tokens": len(tokens), "candidates": rows}
 
@@ -221,20 +221,23 @@ class KvRouting:
             cost = lacks * s["pull_weight"] + w.in_flight * s["decode_weight"]
         return {"hit_tokens": hit * bs, "spec_tokens": (spec - hit) * bs, "uncached_blocks": lacks,
                 "pending_blocks": pend, "in_flight": w.in_flight, "cost": round(cost, 3),
-                "known": info is not None, "_keys": keys, "_held": spec * bs}
+                "known": info is not None, "_keys": keys, "_held": spec * bs, "_bs": bs}
 
     def _price_context_hop(self, rows: dict, context: Pool, tokens: list[int], cache: dict) -> None:
-        """Generation candidates under local_prefill_tokens: one that holds all but a short tail of the prompt
-        (it would prefill the tail itself, `local_tail_tokens`) costs those tail blocks at prefill_weight plus
-        its decode load; any other its pull and decode load plus the cheapest context hop (`context_cost`)."""
+        """Generation candidates under local_prefill_tokens: one whose confirmed blocks hold all but a short tail
+        of the prompt (it would prefill the tail itself, `local_tail_tokens`) costs those tail blocks at
+        prefill_weight plus its decode load; any other its pull and decode load plus the cheapest context hop
+        (`context_cost`). Speculative blocks do not make a tail short: they may still be on their way, and the
+        generation worker would then prefill them too."""
         s, n = self.s, int(self.s["local_prefill_tokens"])
         ctx = [self._row(c, "context", tokens, cache)["cost"] for c in context.candidates(frozenset(), True)]
         hop = min(ctx, default=0.0)
         for r in rows.values():
-            tail = len(tokens) - r["_held"]
-            if r["_held"] and tail <= n:
+            tail = len(tokens) - r["hit_tokens"]
+            if r["hit_tokens"] and tail <= n:
                 r["local_tail_tokens"] = tail
-                r["cost"] = round(r["uncached_blocks"] * s["prefill_weight"] + r["in_flight"] * s["decode_weight"], 3)
+                lacks = (len(tokens) - r["hit_tokens"]) // r["_bs"]
+                r["cost"] = round(lacks * s["prefill_weight"] + r["in_flight"] * s["decode_weight"], 3)
             else:
                 r["context_cost"] = hop
                 r["cost"] = round(r["cost"] + hop, 3)
@@ -246,8 +249,8 @@ class KvRouting:
         row = (g.get("candidates") or {}).get(g.get("worker"))
         if n <= 0 or row is None or not g.get("prompt_tokens"):
             return False
-        tail = g["prompt_tokens"] - row["hit_tokens"] - row["spec_tokens"]
-        if tail > n or not row["hit_tokens"] + row["spec_tokens"]:
+        tail = g["prompt_tokens"] - row["hit_tokens"]  # confirmed blocks only: speculative ones may be in flight
+        if tail > n or not row["hit_tokens"]:
             return False
         route["local_prefill"] = {"tail_tokens": tail}
         self.tokens_c.labels("generation", "local_prefill").inc(tail)

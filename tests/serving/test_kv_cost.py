@@ -138,3 +138,21 @@ def test_the_decision_the_answer_shows_carries_no_private_fields(routing):
     _holds(kv, "gen0", TURN1)
     _, d = kv.pick(gen, "generation", TURN1 + [1, 2, 3], healthy_only=True, context=ctx)
     assert all(not k.startswith("_") for c in d["candidates"].values() for k in c), d
+
+
+def test_a_prefix_held_only_speculatively_is_not_prefilled_by_the_generation_worker(routing):
+    kv, ctx, gen = routing(local_prefill_tokens=32)
+    first = SYSTEM + [RNG.randrange(1, 256) for _ in range(12)]
+    w, d = kv.pick(gen, "generation", first, healthy_only=True, context=ctx)  # nothing held: gen0, in turn
+    assert w.name == "gen0" and not kv.local_prefill({"generation": d})
+    second = SYSTEM + [RNG.randrange(1, 256) for _ in range(12)]  # the same system prompt, just routed to gen0
+    w, d = kv.pick(gen, "generation", second, healthy_only=True, context=ctx)
+    g0 = d["candidates"]["gen0"]
+    assert g0["spec_tokens"] == 64 and g0["hit_tokens"] == 0 and "local_tail_tokens" not in g0
+    route = {"generation": d}
+    assert w.name == "gen0" and not kv.local_prefill(route)  # its KV may still be on its way: a context hop
+    _holds(kv, "gen0", SYSTEM)  # once its events confirm the blocks, the 12-token tail is prefilled there
+    w, d = kv.pick(gen, "generation", SYSTEM + [RNG.randrange(1, 256) for _ in range(12)], healthy_only=True,
+                   context=ctx)
+    route = {"generation": d}
+    assert w.name == "gen0" and kv.local_prefill(route) and route["local_prefill"] == {"tail_tokens": 12}
