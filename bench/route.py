@@ -22,7 +22,9 @@ KV bytes moved (each answer's transfer stats), TTFT p50/p90 (first streamed toke
 (`ttft_parts_p50_ms`, over the requests that took a context hop: before the prefill starts, the prefill,
 after it until the first token, and the pull alone), requests/s, and `identical`: every answer equals
 aggregated decoding of the same prompt (one aggregated executor, after the runs). Speed is measured, never
-asserted. HTTP and the workers' KV events only: never reads worker internals.
+asserted. HTTP and the workers' KV events only: never reads worker internals. `--trace PATH` appends every
+request's route and what each worker held of its prompt as it left (JSON lines; bench/route_trace.py counts
+the requests that computed more than the oracle's by cause: docs/routing-cost.md).
 """
 
 from __future__ import annotations
