@@ -124,7 +124,7 @@ def test_a_busy_generation_worker_still_loses_its_conversation_to_an_idle_one(ro
 
 
 def test_at_equal_cost_the_context_hop_picks_the_worker_holding_more_of_the_prompt(routing):
-    kv, ctx, gen = routing()
+    kv, ctx, _gen = routing()
     prompt = TURN1 + [RNG.randrange(1, 256) for _ in range(16)]  # 12 blocks
     _holds(kv, "ctx0", SYSTEM)  # lacks 4, idle: 4
     _holds(kv, "ctx1", TURN1)   # lacks 2, 2 requests in flight: 2 + 2 x 1 = 4
