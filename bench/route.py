@@ -22,7 +22,9 @@ KV bytes moved (each answer's transfer stats), TTFT p50/p90 (first streamed toke
 (`ttft_parts_p50_ms`, over the requests that took a context hop: before the prefill starts, the prefill,
 after it until the first token, and the pull alone), requests/s, and `identical`: every answer equals
 aggregated decoding of the same prompt (one aggregated executor, after the runs). Speed is measured, never
-asserted. HTTP and the workers' KV events only: never reads worker internals.
+asserted. HTTP and the workers' KV events only: never reads worker internals. `--trace PATH` appends every
+request's route and what each worker held of its prompt as it left (JSON lines; bench/route_trace.py counts
+the requests that computed more than the oracle's by cause: docs/routing-cost.md).
 """
 
 from __future__ import annotations
@@ -90,9 +92,10 @@ def _toks(rng: random.Random, n: int) -> list[int]:
 
 
 class _Oracle:
-    """An index of every context worker's cache from their own KV events (the router's code, in this client);
-    with `local` N > 0, the generation workers' too, under the deployment's own rule: a generation worker's
-    cache counts for a request when it holds all but at most N of its tokens (it would prefill that tail)."""
+    """An index of every worker's cache from their own KV events (the router's code, in this client). The hit
+    counts the context workers' caches; with `local` N > 0 the generation workers' too, under the deployment's
+    own rule: a generation worker's cache counts for a request when it holds all but at most N of its tokens
+    (it would prefill that tail)."""
 
     def __init__(self, cluster, local: int = 0) -> None:
         from ..executor.kv_events import derive_secret
@@ -102,8 +105,8 @@ class _Oracle:
 
         self.client = KvEventsClient(KvIndex(), derive_secret(cluster.token), replay_timeout_s=20)
         self.local = local
-        self.gen = [s.name for s in cluster.cfg.generation] if local else []
-        servers = list(cluster.cfg.context) + (list(cluster.cfg.generation) if local else [])
+        self.gen = [s.name for s in cluster.cfg.generation]  # followed always: --trace shows what they hold
+        servers = list(cluster.cfg.context) + list(cluster.cfg.generation)
         self.names = [s.name for s in servers]
         for s in servers:
             h = httpx.get(s.url + "/health", headers={TOKEN_HEADER: cluster.token}, timeout=60).json()
@@ -114,13 +117,17 @@ class _Oracle:
                 raise RuntimeError("the oracle's index never synced with the workers")
             time.sleep(0.1)
 
-    def hit(self, prompt: list[int]) -> int:
-        """Prompt tokens the best-placed worker holds now (at most all but the last token)."""
+    def held(self, prompt: list[int]) -> dict[str, int]:
+        """Prompt tokens each worker holds now (at most all but the last token)."""
         cache: dict = {}
         cap = (len(prompt) - 1) // TPB * TPB
-        held = {n: min(cap, TPB * self.client.index.match(n, self.client.index.keys_for(n, prompt, cache))[0])
+        return {n: min(cap, TPB * self.client.index.match(n, self.client.index.keys_for(n, prompt, cache))[0])
                 for n in self.names}
-        return max(h for n, h in held.items() if n not in self.gen or (h and len(prompt) - h <= self.local))
+
+    def hit(self, prompt: list[int], held: dict[str, int]) -> int:
+        """Prompt tokens the best-placed worker holds (`held`: from held())."""
+        return max(h for n, h in held.items()
+                   if n not in self.gen or (self.local and h and len(prompt) - h <= self.local))
 
     def close(self) -> None:
         self.client.close()
@@ -175,12 +182,15 @@ def run_policy(policy: str, p: dict, model: str, seed: int, workloads=WORKLOADS,
 def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _Oracle) -> dict[str, Any]:
     before = [_counters(s.url, cluster.token) for s in cluster.cfg.context]
     ttfts, moved, oracle_prefill, sent, answers, parts, local, local_prompt = [], 0, 0, [], [], [], 0, 0
+    trace: list[dict[str, Any]] = []  # per request: the route and what each worker held as it left
     t0 = time.monotonic()
     gen = _waves(wl, p, seed)
-    wave = next(gen)
+    wave, n_wave = next(gen), 0
     while True:
         got = list(pool.map(lambda pr: _ask_with_oracle(client, cluster.router_url, pr, oracle), wave))
-        for pr, g in zip(wave, got):
+        for i, (pr, g) in enumerate(zip(wave, got)):
+            trace.append({"wave": n_wave, "i": i, "prompt_tokens": len(pr),
+                          "oracle_hit": g["oracle_hit"], "oracle_held": g["oracle_held"], **g["trace"]})
             oracle_prefill += len(pr) - g["oracle_hit"]
             ttfts.append(g["ttft_s"])
             parts.append(g["parts"])
@@ -189,6 +199,7 @@ def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _O
             moved += g["bytes"]
             sent.append(pr)
             answers.append(g["tokens"])
+        n_wave += 1
         try:
             wave = gen.send([g["tokens"] for g in got])
         except StopIteration:
@@ -206,15 +217,15 @@ def _run_workload(wl: str, p: dict, seed: int, cluster, client, pool, oracle: _O
             "ttft_parts_p50_ms": {k: round(_pct([x[k] for x in parts if k in x], 0.5), 1)
                                   for k in ("to_prefill", "prefill", "after_prefill", "transfer")},
             "local_prefill_requests": sum(1 for x in parts if "local_prefill" in x),
-            "_sent": sent, "_answers": answers}
+            "_sent": sent, "_answers": answers, "_trace": trace}
 
 
 def _ask_with_oracle(client, url: str, prompt: list[int], oracle: _Oracle) -> dict[str, Any]:
     """What the best-placed context worker holds of `prompt` just before it is sent (the index first takes
     every event published so far), then the request."""
     oracle.client.barrier(60)
-    hit = oracle.hit(prompt)
-    return {**_ask(client, url, prompt), "oracle_hit": hit}
+    held = oracle.held(prompt)
+    return {**_ask(client, url, prompt), "oracle_hit": oracle.hit(prompt, held), "oracle_held": held}
 
 
 def _ask(client, url: str, prompt: list[int]) -> dict[str, Any]:
@@ -224,7 +235,7 @@ def _ask(client, url: str, prompt: list[int]) -> dict[str, Any]:
     reached this client, the pull included; and the pull alone)."""
     body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "stream": True}
     t0, u0 = time.monotonic(), time.time() * 1e3
-    ttft, tokens, moved, parts, local, local_prompt = None, [], 0, {}, 0, 0
+    ttft, tokens, moved, parts, local, local_prompt, final = None, [], 0, {}, 0, 0, {}
     with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -238,13 +249,15 @@ def _ask(client, url: str, prompt: list[int]) -> dict[str, Any]:
             if kb.get("token_ids") and ttft is None:
                 ttft = time.monotonic() - t0
             if "prefill_end_unix_ms" in kb or "route" in kb:  # the final event
-                parts = _parts(kb, u0, u0 + (ttft or 0.0) * 1e3)
+                parts, final = _parts(kb, u0, u0 + (ttft or 0.0) * 1e3), kb
                 if (kb.get("route") or {}).get("local_prefill"):  # the generation worker computed the tail
                     local, local_prompt = len(prompt) - int(kb.get("reused_tokens", 0)), len(prompt)
             tokens += kb.get("token_ids", [])
             moved += int((kb.get("transfer") or {}).get("bytes", 0))
     return {"tokens": tokens, "ttft_s": ttft or (time.monotonic() - t0), "bytes": moved, "parts": parts,
-            "local_prefill_tokens": local, "local_prompt_tokens": local_prompt}
+            "local_prefill_tokens": local, "local_prompt_tokens": local_prompt,
+            "trace": {k: final[k] for k in ("route", "context_worker", "context_reused_tokens", "reused_tokens")
+                      if k in final}}
 
 
 def _parts(kb: dict, sent: float, first: float) -> dict[str, float]:
@@ -307,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", action="store_true", help="keep the other policies' rows already in --json")
     ap.add_argument("--png", default=None, help="default: the --json path with .png")
+    ap.add_argument("--trace", default=None, metavar="PATH", help="write every request's route, and what each "
+                    "worker held as it left (the oracle's index), as JSON lines (bench/route_trace.py reads it)")
     a = ap.parse_args(argv)
     p = dict(QUICK if a.quick else FULL)
     pols = a.policies.split(",") if a.policies else (["round_robin", "kv_aware"] if a.quick else list(POLICIES))
@@ -320,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     for pol in pols:
         print(f"[bench route] {pol}: {p['ctx']}+{p['gen']} workers ...", flush=True)
         for wl, r in run_policy(pol, p, a.model, a.seed, wls, kv).items():
+            _write_trace(a.trace, [{"workload": wl, "policy": pol, **t} for t in r.pop("_trace")])
             rows.append({"workload": wl, "policy": pol, **r, **({"kv_aware": kv} if kv and pol == "kv_aware" else {})})
     ref = _reference(a.model, [pr for r in rows for pr in r["_sent"]])
     for r in rows:
@@ -340,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         _png(png, rows, f"kvbridge bench route: {p['ctx']} context + {p['gen']} generation workers ({a.model}, "
                         f"CPU); dashed: the oracle's prefill tokens")
     return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _write_trace(path: str | None, rows: list[dict[str, Any]]) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
 
 
 def _goals(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ config_keys.py's.
                                         # kv_events: true publishes its KV events under any policy
     transceiver: {agent: auto, transfer_timeout_s: 30}     # TransceiverConfig.from_dict
     router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded,
-                                        # prefix_aware, kv_aware (+ kv_aware: {...}: docs/routing.md)
+                                        # prefix_aware, kv_aware (+ kv_aware: {...}: docs/routing.md;
+                                        # local_prefill_tokens: 0, opt-in: docs/routing-cost.md)
     internal_token: null       # workers on other hosts: the deployment's token (or KVBRIDGE_INTERNAL_TOKEN)
     insecure: false            # true: a worker without a token may listen on a non-loopback address
     keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)

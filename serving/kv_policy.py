@@ -10,13 +10,17 @@ subscription in step (a worker that stops answering is dropped from the index). 
     generation hop  cost(w) = prompt blocks w lacks (it pulls only those) x pull_weight
                               + requests in flight on w x decode_weight
 
-With `local_prefill_tokens` N > 0, a request whose chosen generation worker already holds all but at most N
-of its prompt tokens skips the context hop: the generation worker prefills that short tail itself (no hop,
-no pull); `kvbridge.route.local_prefill` says so.
+With `local_prefill_tokens` N > 0, a request whose chosen generation worker already holds (confirmed by its
+events) all but at most N of its prompt tokens skips the context hop: the generation worker prefills that short tail itself (no hop,
+no pull); `kvbridge.route.local_prefill` says so. The generation hop then prices what each candidate would
+really cost: one that may prefill the tail itself, the tail's blocks x prefill_weight + its decode load;
+any other, its pull and decode load + the cheapest context hop (so a conversation's next turn goes to the
+generation worker where its history now lives, unless that worker's load outweighs the context hop).
 
 A block counts as cached when the worker's events say so, or when a prompt with it was routed there within
 spec_ttl_s (speculative: a burst of one prefix then lands together instead of scattering before the first
-prefill's events arrive). Ties go to the less loaded worker, then in turn. A prompt the router cannot tokenize
+prefill's events arrive). Ties go to the worker holding more of the prompt, then the less loaded, then in
+turn. A prompt the router cannot tokenize
 is routed least-loaded. The decision and its inputs go into the answer's `kvbridge.route` and the metrics
 (hit and prompt tokens per role, index entries and evictions, event lag, gaps repaired, events refused).
 
@@ -169,8 +173,12 @@ class KvRouting:
         return None
 
     def pick(self, pool: Pool, role: str, tokens: list[int] | None, exclude: set[str] = frozenset(),
-             healthy_only: bool = False) -> tuple[WorkerRef | None, dict | None]:
-        """The cheapest worker of `pool` for a prompt of `tokens`, and the decision (for kvbridge.route)."""
+             healthy_only: bool = False, context: Pool | None = None) -> tuple[WorkerRef | None, dict | None]:
+        """The cheapest worker of `pool` for a prompt of `tokens`, and the decision (for kvbridge.route).
+
+        For the generation hop with local_prefill_tokens on, `context` (the context pool) prices the context
+        hop a candidate would need: a candidate that may prefill the tail itself costs that tail, any other
+        its pull plus the cheapest context hop (so a conversation's next turn goes where its history lives)."""
         cands = pool.candidates(exclude, healthy_only)
         if not cands:
             return None, None
@@ -178,23 +186,12 @@ class KvRouting:
             w = min(cands, key=lambda x: x.in_flight)
             pool.picked(w)
             return w, {"worker": w.name, "reason": "no token ids: least loaded"}
-        s, cache, rows = self.s, {}, {}
-        for w in cands:
-            keys = self.index.keys_for(w.name, tokens, cache)
-            info = self.index.info(w.name)
-            bs = info.block_size if info is not None else 0
-            hit, spec = self.index.match(w.name, keys)
-            lacks = (len(tokens) // bs if bs else 0) - spec
-            if role == "context":
-                pend = self._pending.get(w.name, 0)
-                cost = lacks * s["prefill_weight"] + pend * s["load_weight"] + w.in_flight * s["request_weight"]
-            else:
-                pend = 0
-                cost = lacks * s["pull_weight"] + w.in_flight * s["decode_weight"]
-            rows[w.name] = {"hit_tokens": hit * bs, "spec_tokens": (spec - hit) * bs, "uncached_blocks": lacks,
-                            "pending_blocks": pend, "in_flight": w.in_flight, "cost": round(cost, 3),
-                            "known": info is not None, "_keys": keys}
-        best = min(cands, key=lambda x: (rows[x.name]["cost"], x.in_flight))  # stable: ties in turn order
+        cache: dict = {}
+        rows = {w.name: self._row(w, role, tokens, cache) for w in cands}
+        if role == "generation" and context is not None and self.s["local_prefill_tokens"] > 0:
+            self._price_context_hop(rows, context, tokens, cache)
+        # ties: the worker holding more of the prompt, then the less loaded, then in turn (min is stable)
+        best = min(cands, key=lambda x: (rows[x.name]["cost"], -rows[x.name]["_held"], x.in_flight))
         pool.picked(best)
         row = rows[best.name]
         self.index.speculate(best.name, row["_keys"])
@@ -203,9 +200,47 @@ class KvRouting:
         self.tokens_c.labels(role, "prompt").inc(len(tokens))
         self.tokens_c.labels(role, "hit").inc(row["hit_tokens"])
         for r in rows.values():
-            r.pop("_keys")
+            for k in ("_keys", "_held", "_bs"):
+                r.pop(k)
         return best, {"worker": best.name, "cost": row["cost"], "hit_tokens": row["hit_tokens"],
                       "prompt_tokens": len(tokens), "candidates": rows}
+
+    def _row(self, w: WorkerRef, role: str, tokens: list[int], cache: dict) -> dict:
+        """One candidate's inputs and cost (side-effect free but for the index's recency of its hits)."""
+        s = self.s
+        keys = self.index.keys_for(w.name, tokens, cache)
+        info = self.index.info(w.name)
+        bs = info.block_size if info is not None else 0
+        hit, spec = self.index.match(w.name, keys)
+        lacks = (len(tokens) // bs if bs else 0) - spec
+        if role == "context":
+            pend = self._pending.get(w.name, 0)
+            cost = lacks * s["prefill_weight"] + pend * s["load_weight"] + w.in_flight * s["request_weight"]
+        else:
+            pend = 0
+            cost = lacks * s["pull_weight"] + w.in_flight * s["decode_weight"]
+        return {"hit_tokens": hit * bs, "spec_tokens": (spec - hit) * bs, "uncached_blocks": lacks,
+                "pending_blocks": pend, "in_flight": w.in_flight, "cost": round(cost, 3),
+                "known": info is not None, "_keys": keys, "_held": spec * bs, "_bs": bs}
+
+    def _price_context_hop(self, rows: dict, context: Pool, tokens: list[int], cache: dict) -> None:
+        """Generation candidates under local_prefill_tokens: one whose confirmed blocks hold all but a short tail
+        of the prompt (it would prefill the tail itself, `local_tail_tokens`) costs those tail blocks at
+        prefill_weight plus its decode load; any other its pull and decode load plus the cheapest context hop
+        (`context_cost`). Speculative blocks do not make a tail short: they may still be on their way, and the
+        generation worker would then prefill them too."""
+        s, n = self.s, int(self.s["local_prefill_tokens"])
+        ctx = [self._row(c, "context", tokens, cache)["cost"] for c in context.candidates(frozenset(), True)]
+        hop = min(ctx, default=0.0)
+        for r in rows.values():
+            tail = len(tokens) - r["hit_tokens"]
+            if r["hit_tokens"] and tail <= n:
+                r["local_tail_tokens"] = tail
+                lacks = (len(tokens) - r["hit_tokens"]) // r["_bs"]
+                r["cost"] = round(lacks * s["prefill_weight"] + r["in_flight"] * s["decode_weight"], 3)
+            else:
+                r["context_cost"] = hop
+                r["cost"] = round(r["cost"] + hop, 3)
 
     def local_prefill(self, route: dict) -> bool:
         """Whether the generation worker chosen in `route` should prefill the prompt's uncached tail itself
@@ -214,8 +249,8 @@ class KvRouting:
         row = (g.get("candidates") or {}).get(g.get("worker"))
         if n <= 0 or row is None or not g.get("prompt_tokens"):
             return False
-        tail = g["prompt_tokens"] - row["hit_tokens"] - row["spec_tokens"]
-        if tail > n or not row["hit_tokens"] + row["spec_tokens"]:
+        tail = g["prompt_tokens"] - row["hit_tokens"]  # confirmed blocks only: speculative ones may be in flight
+        if tail > n or not row["hit_tokens"]:
             return False
         route["local_prefill"] = {"tail_tokens": tail}
         self.tokens_c.labels("generation", "local_prefill").inc(tail)

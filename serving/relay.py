@@ -110,6 +110,8 @@ def decoration(ctx_data: dict, ctx_w: WorkerRef) -> dict:
     for k in ("prefill_start_unix_ms", "prefill_end_unix_ms", "overlap"):  # overlap measurements
         if kb.get(k) is not None:
             deco[k] = kb[k]
+    if isinstance(kb.get("reused_tokens"), int):  # the context worker's prefix-cache hit (bench route)
+        deco["context_reused_tokens"] = kb["reused_tokens"]
     return deco
 
 

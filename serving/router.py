@@ -253,7 +253,8 @@ class Router:
         (max_tokens, and a token-id prompt's length); 503 when none is healthy, 400 when it cannot fit."""
         if route is not None:  # kv_aware: `route` collects the decisions (kvbridge.route of the answer)
             route["tokens"] = self.kv.tokens(body)
-            w, route["generation"] = self.kv.pick(self.gen, "generation", route["tokens"], healthy_only=True)
+            w, route["generation"] = self.kv.pick(self.gen, "generation", route["tokens"], healthy_only=True,
+                                                  context=self.ctx)
         else:
             w = self.gen.pick(key=routing_key(body), healthy_only=True)
         if w is None:
