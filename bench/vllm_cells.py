@@ -249,7 +249,8 @@ def _spec(model: str, connector: str | None, tp: int, block: int, cpus: str, a, 
     elif connector == "kvbridge":
         kv = {"kv_connector": "KVBridgeConnector", "kv_role": "kv_both",
               "kv_connector_module_path": "kvbridge.integrations.vllm.connector",
-              "kv_connector_extra_config": {"transceiver": {"handshake_timeout_s": 10.0, "pickup_timeout_s": 60.0},
+              "kv_connector_extra_config": {"transceiver": {"handshake_timeout_s": 10.0, "pickup_timeout_s": 60.0,
+                                                         "publish_wait_s": 10.0},
                                             "kv_digest_dir": digest_dir}}
     else:
         kv = None

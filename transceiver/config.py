@@ -48,6 +48,9 @@ class TransceiverConfig:
     heartbeat_s: how often a reader renews its leases (must be well under lease_s).
     peer_timeout_s: silence from a context peer (with requests in flight) after which they fail.
     handshake_timeout_s: Hello -> Welcome bound.
+    publish_wait_s: how long a context rank keeps a Fetch that came before its request's publish (an early
+        decode whose prefill is still queued) before answering that it has no such request; None: the
+        handshake_timeout_s.
     drain_timeout_s: after a failure, how long cancelled reads get to settle; past it the pull is quarantined
         (reported only once its reads settle, its blocks held) for at most quarantine_s.
     stream_layers: ask context ranks to push LayersReady and read layer ranges as they become ready.
@@ -79,6 +82,7 @@ class TransceiverConfig:
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 5.0
     handshake_timeout_s: float = 10.0
+    publish_wait_s: float | None = None
     drain_timeout_s: float = 5.0
     quarantine_s: float = 600.0
     stream_layers: bool = False
@@ -106,6 +110,10 @@ class TransceiverConfig:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"transceiver.{f} must be a positive number of seconds, got {v!r}")
+        if self.publish_wait_s is not None and (isinstance(self.publish_wait_s, bool) or not isinstance(
+                self.publish_wait_s, (int, float)) or self.publish_wait_s <= 0):
+            raise ConfigError(f"transceiver.publish_wait_s must be a positive number of seconds, got "
+                              f"{self.publish_wait_s!r}")
         if self.heartbeat_s * 2 > self.lease_s:
             raise ConfigError(f"transceiver.heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s "
                               f"({self.lease_s}) so a lease is renewed before it runs out")
@@ -118,6 +126,11 @@ class TransceiverConfig:
             raise ConfigError(f"transceiver.max_sessions must be a positive integer, got {self.max_sessions!r}")
         if not 0 <= int(self.port) < 65536:
             raise ConfigError(f"transceiver.port {self.port} is not a TCP port")
+
+    @property
+    def publish_wait(self) -> float:
+        """Seconds a Fetch may wait for its request's publish."""
+        return float(self.publish_wait_s if self.publish_wait_s is not None else self.handshake_timeout_s)
 
     @property
     def host(self) -> str:

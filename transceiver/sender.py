@@ -338,7 +338,7 @@ class Sender(IOThread):
         return s
 
     def _unknown(self, ident: bytes, rid: int, reply_to: str, secret: bytes = b"") -> None:
-        code, text = unknown_answer(self._tomb.get(rid), secret, rid, self.pool.rank, self.config.handshake_timeout_s)
+        code, text = unknown_answer(self._tomb.get(rid), secret, rid, self.pool.rank, self.config.publish_wait)
         self._error(ident, code, text, rid, reply_to)
 
     def _on_fetch(self, ident: bytes, msg: m.Fetch) -> None:
@@ -351,7 +351,7 @@ class Sender(IOThread):
             if (tomb is not None and hmac.compare_digest(tomb.secret, msg.secret)) or self._early.full:
                 self._unknown(ident, msg.ctx_request_id, "fetch", msg.secret)
             else:  # not published yet (the executor publishes after its step): answer when it is, or time out
-                self._early.add(msg.ctx_request_id, time.monotonic() + self.config.handshake_timeout_s, ident, msg)
+                self._early.add(msg.ctx_request_id, time.monotonic() + self.config.publish_wait, ident, msg)
                 self._drain_commands()  # a publish queued without a wake (it saw no Fetch waiting) serves it now
             return
         if e.cancel_requested:

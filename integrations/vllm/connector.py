@@ -112,7 +112,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
-        self._config = TransceiverConfig.from_dict(extra.get("transceiver"))
+        tc = dict(extra.get("transceiver") or {})
+        # an early decode's Fetch may come while its prefill still waits in vLLM's queue: a prefill engine
+        # keeps it for the decode's whole transfer deadline unless told otherwise (params.py: early decode)
+        tc.setdefault("publish_wait_s", float(tc.get("transfer_timeout_s") or TransceiverConfig.transfer_timeout_s))
+        self._config = TransceiverConfig.from_dict(tc)
         self._digest_dir = extra.get("kv_digest_dir")
         self._instance = f"vllm-{ktc.engine_id}"
         self._produce, self._consume = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)

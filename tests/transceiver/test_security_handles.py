@@ -113,3 +113,31 @@ def test_a_guess_waiting_for_its_request_to_be_published_is_still_refused_when_i
     guess.close()
     (ans,) = c.pull([[rid, c.params(rid), [6, 7], 20, rid]])
     assert ans["results"][0]["ok"] and ans["mismatched_bytes"] == 0
+
+
+def test_publish_wait_s_keeps_an_early_fetch_past_the_handshake_timeout():
+    """An early decode's Fetch may come while its prefill is still queued: `publish_wait_s` (here 4 s, the
+    handshake timeout 1 s) keeps it; the publish 2 s later answers it with Blocks."""
+    import time
+
+    from kvbridge.transceiver.config import ConfigError, TransceiverConfig
+
+    assert TransceiverConfig(handshake_timeout_s=3.0).publish_wait == 3.0
+    assert TransceiverConfig(publish_wait_s=7).publish_wait == 7.0
+    with pytest.raises(ConfigError, match="publish_wait_s"):
+        TransceiverConfig(publish_wait_s=0)
+    c = Cluster(2)
+    try:
+        c.setup(LAYOUT, LAYOUT, 16, 16, {**CFG, "publish_wait_s": 4.0})
+        rid = 31
+        waiting = _peer(c.endpoints[0])
+        waiting.send(m.Fetch(rid, 0, secret=c.key.secret(rid)).encode())
+        time.sleep(2.0)  # past handshake_timeout_s: the fetch must still be waiting (an Error would be here)
+        assert not waiting.poll(0)
+        c.publish([(rid, [8, 9], 20, rid)])
+        assert waiting.poll(10000)
+        b = m.decode(waiting.recv())
+        assert isinstance(b, m.Blocks) and b.ctx_request_id == rid and list(b.block_ids) == [8, 9]
+        waiting.close()
+    finally:
+        c.close()

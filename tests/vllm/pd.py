@@ -30,7 +30,8 @@ TIMEOUT = 120.0
 def kv_transfer_config(digest_dir: str, transceiver: dict | None = None) -> dict:
     return {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": CONNECTOR, "kv_role": "kv_both",
             "kv_connector_extra_config": {"transceiver": transceiver or {"handshake_timeout_s": 20.0,
-                                                                         "pickup_timeout_s": 30.0},
+                                                                         "pickup_timeout_s": 30.0,
+                                                                         "publish_wait_s": 20.0},
                                           "kv_digest_dir": digest_dir}}
 
 
