@@ -7,8 +7,9 @@ identity (hostname + boot id). A peer's `connect()` checks that it runs on the s
 once (process-wide cache), checks that the advertised region fits the allocation it opened, and enables
 peer access. A READ or WRITE then bounds-checks every remote descriptor against the peer's advertised
 regions (RegionTable), translates it to this process's mapping, stages src/dst/prefix-sum arrays in pinned
-memory, uploads them with one H2D copy and launches ONE kernel (`cuda_kernels`) on a dedicated
-non-blocking stream of the local device (`cuda_engine`), followed by a CUDA event that `state()` queries.
+memory, uploads them with one H2D copy (on a side stream, so it overlaps the copy before it) and launches ONE
+kernel (`cuda_kernels`) on a dedicated non-blocking stream of the local device (`cuda_engine`), waiting for
+that upload only, followed by a CUDA event that `state()` queries.
 
 Never does: a blocking synchronize (every wait polls the event against a deadline), a transfer to or from
 a descriptor it has not bounds-checked, or unmapping peer memory / freeing staging buffers while a kernel
@@ -228,6 +229,8 @@ class CudaIpcAgent(TransferAgent):
             aligned on both ends, as in benchmarks).
         timing: time each transfer on the GPU (descriptor upload + kernel) into `handle.gpu_seconds`.
         post_chunk: descriptors per pipelined kernel (None: the class default); for tuning and tests.
+        side_upload: upload descriptor tables on a second stream, so the next transfer's upload overlaps the
+            current copy (False: on the kernel's stream, ahead of its kernel, as before).
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -244,12 +247,16 @@ class CudaIpcAgent(TransferAgent):
     post_chunk = 32768
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
-                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None) -> None:
+                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None,
+                 side_upload: bool = True) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         if post_chunk is not None:
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
                 raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
             self.post_chunk = post_chunk
+        if not isinstance(side_upload, bool):
+            raise AgentError(f"side_upload must be True or False, got {side_upload!r}")
+        self._side_upload = side_upload
         super().__init__(name)
         self._kvb_regions = FastRegionTable()  # the base class's table, same checks, faster for one pool
         drv.load()
@@ -356,7 +363,7 @@ class CudaIpcAgent(TransferAgent):
         with self._ipc_lock:
             e = self._engines.get(device)
             if e is None:
-                e = self._engines[device] = Engine(drv.Device.get(device), self._timing)
+                e = self._engines[device] = Engine(drv.Device.get(device), self._timing, self._side_upload)
             return e
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
@@ -374,10 +381,12 @@ class CudaIpcAgent(TransferAgent):
         flen = lmax if int(lens.min()) == lmax else 0  # equal lengths: no prefix sum, no search
         words = 2 * n if flen else 3 * n + 1
         slot = engine.acquire(words)
+        side = engine.upload  # None: the table goes up on the kernel's own stream
+        enqueued = None  # the stream an upload was enqueued on: a failure fences the slot behind it
         try:
             w = slot.pinned.words  # table: src[n] | dst[n] | cum[n + 1] (no cum when lengths are equal)
             remote_va, local_va = (w[:n], w[n:2 * n]) if op == "READ" else (w[n:2 * n], w[:n])
-            if starts.size == 1:
+            if starts.size == 1 or not deltas.any():  # one mapping (or this process's own addresses)
                 np.add(remote.addrs, deltas[0], out=remote_va)
             else:
                 idx = np.searchsorted(starts, remote.addrs, side="right") - 1
@@ -392,15 +401,25 @@ class CudaIpcAgent(TransferAgent):
             tuning = self._tuning  # one read: a concurrent `tuning = ...` changes the next transfer only
             aligned = tuning.kernel is CopyKernel.ALIGNED
             cu, _ = drv.load()
+            up = side if side is not None else engine.stream
             with engine.dev.current():
                 if slot.start is not None:
-                    drv.check(cu.cuEventRecord(slot.start, engine.stream), "cuEventRecord")
-                drv.check(cu.cuMemcpyHtoDAsync(slot.table.ptr, slot.pinned.ptr, words * 8, engine.stream),
+                    drv.check(cu.cuEventRecord(slot.start, up), "cuEventRecord")
+                drv.check(cu.cuMemcpyHtoDAsync(slot.table.ptr, slot.pinned.ptr, words * 8, up),
                           "cuMemcpyHtoDAsync (descriptor table)")
+                enqueued = up
+                if side is not None:  # the kernel waits for its own table only, not for other uploads
+                    drv.check(cu.cuEventRecord(slot.uploaded, side), "cuEventRecord")
+                    drv.check(cu.cuStreamWaitEvent(engine.stream, slot.uploaded, 0), "cuStreamWaitEvent")
+                    enqueued = engine.stream
                 engine.copier.launch(slot.table.ptr, n, total, aligned, engine.stream, uniform=flen,
-                                     chunk=tuning.chunk, max_blocks=tuning.max_blocks)
+                                     chunk=tuning.chunk, max_blocks=tuning.max_blocks, args=slot.args,
+                                     current=True)
                 drv.check(cu.cuEventRecord(slot.event, engine.stream), "cuEventRecord")
         except Exception:
+            if enqueued is not None:  # the slot is reused only once what was enqueued with it has run
+                with engine.dev.current():
+                    cu.cuEventRecord(slot.event, enqueued)
             engine.recycle(slot, done=False)
             raise
         return CudaIpcTransfer(engine, slot, n, total)

@@ -38,8 +38,10 @@ from ..agents import MemoryKind
 from ..errors import PlanError
 from .layout import KVLayout, PoolAddressing
 from .mapping import Piece
+from .scratch import PlanScratch
 
-__all__ = ["Fragments", "RankPool", "plan_piece", "plan_pieces", "coalesce", "plan_stats", "clear_plan_cache"]
+__all__ = ["Fragments", "RankPool", "PlanScratch", "plan_piece", "plan_pieces", "coalesce", "plan_stats",
+           "clear_plan_cache"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -320,13 +322,15 @@ def _prepare(piece: Piece, ctx: RankPool, gen: RankPool, cb: np.ndarray, gb: np.
     return todo
 
 
-def _emit(todo: list, out: np.ndarray, pos: int) -> int:
-    """Write a prepared plan into out[:, pos:] (rows src, dst, length); return the end position."""
+def _emit(todo: list, out: np.ndarray, pos: int, lengths: bool = True) -> int:
+    """Write a prepared plan into out[:, pos:] (rows src, dst and, if `lengths`, length); return the end."""
     for off_s, off_d, ss, sd, runs in todo:
         k, r = off_s.size, ss.size
         np.add(off_s[:, None], ss[None, :], out=out[0, pos:pos + k * r].reshape(k, r))
         np.add(off_d[:, None], sd[None, :], out=out[1, pos:pos + k * r].reshape(k, r))
-        if isinstance(runs, int):
+        if not lengths:
+            pass
+        elif isinstance(runs, int):
             out[2, pos:pos + k * r] = runs
         else:
             out[2, pos:pos + k * r].reshape(k, r)[:] = runs[None, :]
@@ -339,7 +343,7 @@ def _count(todo: list) -> int:
 
 
 def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks,
-               num_tokens: int, first_token: int = 0) -> Fragments:
+               num_tokens: int, first_token: int = 0, scratch: PlanScratch | None = None) -> Fragments:
     """Fragments that copy `piece` of a request's first `num_tokens` tokens from ctx's blocks to gen's.
 
     Args:
@@ -348,14 +352,28 @@ def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_block
         ctx_blocks, gen_blocks: block ids of the request on each side (only the first ceil(n / tpb) are used).
         num_tokens: the request's token count n.
         first_token: copy only tokens [first_token, n) (the generation side holds the others).
+        scratch: where the arrays come from when given (see PlanScratch: memory used before, so no page
+            faults; equal lengths as one shared read-only array); None: new arrays.
     Returns:
         Fragments (src in ctx's pool, dst in gen's), adjacent runs already merged.
     """
     n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
     todo = _prepare(piece, ctx, gen, cb, gb, n, int(first_token))
-    out = np.empty((3, _count(todo)), dtype=np.int64)
-    _emit(todo, out, 0)
-    return Fragments(out[0], out[1], out[2])
+    count = _count(todo)
+    if scratch is None:
+        out = np.empty((3, count), dtype=np.int64)
+        _emit(todo, out, 0)
+        return Fragments(out[0], out[1], out[2])
+    run = _uniform_run(todo)
+    out = scratch.rows(count, 2 if run else 3)
+    _emit(todo, out, 0, lengths=not run)
+    return Fragments(out[0], out[1], scratch.constant(count, run) if run else out[2])
+
+
+def _uniform_run(todo: list) -> int:
+    """The one fragment length of a prepared plan whose runs all have it, else 0."""
+    runs = {t[4] for t in todo if isinstance(t[4], int)}
+    return runs.pop() if len(runs) == 1 and all(isinstance(t[4], int) for t in todo) else 0
 
 
 def plan_stats(piece: Piece, ctx: RankPool, gen: RankPool, num_tokens: int) -> int:

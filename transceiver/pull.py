@@ -16,6 +16,7 @@ Never sends, never frees local blocks.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from enum import Enum
 from dataclasses import dataclass, field
@@ -26,10 +27,21 @@ import numpy as np
 from ..agents import DescriptorList, TransferHandle, XferState
 from ..formatter.mapping import Piece
 from ..formatter.planner import Fragments, RankPool, plan_piece
+from ..formatter.scratch import PlanScratch
 from . import messages as m
 from .fsm import move
 
 log = logging.getLogger("kvbridge.transceiver.receiver")
+
+_local = threading.local()
+
+
+def _scratch() -> PlanScratch:
+    """The calling thread's plan arrays (a receiver's I/O thread plans, posts and releases its pulls)."""
+    s = getattr(_local, "scratch", None)
+    if s is None:
+        s = _local.scratch = PlanScratch()
+    return s
 
 __all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult"]
 
@@ -112,6 +124,7 @@ class Leg:
     remote_slot: int = -1  # staged path: the context rank's packed slot (-1: read direct)
     slot_bytes: int = 0
     read_ahead: bool = False  # the block ids came from DisaggParams; the context rank sends no Blocks
+    plans: list[np.ndarray] = field(default_factory=list)  # plan arrays its reads use: reused once settled
 
     def advance(self, to: LegState) -> None:
         """The one place a leg's state changes; IllegalTransition for a move LEG_MOVES does not list."""
@@ -236,7 +249,8 @@ class Pull:
         sub = Piece(leg.ctx_rank, range(start, ready_stop), leg.piece.heads)
         t0 = time.monotonic()
         frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens,
-                                      self.from_token)
+                                      self.from_token, _scratch())
+        leg.plans.append(frags.src)
         t1 = time.monotonic()
         self.marks.setdefault("first_read_unix", time.time())
         h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
@@ -250,7 +264,9 @@ class Pull:
 
     def release(self, arena, unpack_timeout_s: float) -> None:
         """Terminal: release every transfer handle and free the staging slots into `arena`; a slot whose
-        unpack is still running after `unpack_timeout_s` stays allocated (leaked, never reused)."""
+        unpack is still running after `unpack_timeout_s` stays allocated (leaked, never reused). The plan
+        arrays of a leg whose reads all settled go back to this thread's PlanScratch; a leg with a read still
+        in flight (quarantine over) keeps them away from reuse."""
         if self.verifying is not None:
             try:  # an unpack must not outlive its slot
                 self.verifying.exception(timeout=unpack_timeout_s)
@@ -259,9 +275,14 @@ class Pull:
                           unpack_timeout_s)
                 for leg in self.legs.values():
                     leg.slot = None
+        scratch = _scratch()
         for leg in self.legs.values():
+            settled = not leg.pending()  # nothing reads the plan arrays any more: the next plan may reuse them
             for h in leg.handles:
                 h.release()
+            for arr in leg.plans if settled else ():
+                scratch.give(arr)
+            leg.plans = []
             if leg.slot is not None:
                 arena.free(leg.slot)
                 leg.slot = None
