@@ -30,15 +30,15 @@ import numpy as np
 
 from ..errors import AgentError, PeerError, RegistrationError
 from . import cuda_driver as drv
-from .base import (DescriptorList, MemoryKind, MemoryRegion, RegionTable, TransferAgent, TransferHandle,
-                   XferState)
+from .base import (DescriptorGrid, DescriptorList, MemoryKind, MemoryRegion, TransferAgent,
+                   TransferHandle, XferState)
 from .cuda_engine import NOT_READY, Engine, Slot
+from .cuda_peers import MAX_REGIONS, FastRegionTable, _parse_regions, _Peer  # noqa: F401 - re-exported
 from .cuda_kernels import CopyKernel, CopyTuning
 from .envelope import field, open_envelope, seal
 
 log = logging.getLogger(__name__)
 
-MAX_REGIONS = 1 << 16
 _FAST_NVLINK = 400e9  # bytes/s no intra-node copy beats: `wait` sleeps through most of the expected time
 
 
@@ -101,121 +101,6 @@ class CudaIpcTransfer(TransferHandle):
                 self._final = XferState.FAILED
                 self.error = "released before it finished"
             self._engine.recycle(slot, done=slot.query() != NOT_READY)
-
-
-class _Peer:
-    """A connected peer: its advertised regions and, per local device, their addresses in this process."""
-
-    def __init__(self, name: str, regions: list[tuple], same_process: bool) -> None:
-        self.name = name
-        self.regions = regions  # (addr, length, device, pci, handle, offset)
-        self.same_process = same_process
-        self.table = FastRegionTable()
-        for i, (addr, length, device, *_rest) in enumerate(regions):
-            self.table.add(i, MemoryRegion(addr, length, MemoryKind.VRAM, device))
-        self._maps: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}  # local dev -> peer dev -> map
-        self._opened: list[tuple[bytes, drv.Device]] = []
-        self._lock = threading.Lock()
-
-    def ensure(self, local: drv.Device) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Open (once) every advertised region for kernels on `local`; PeerError if one cannot be."""
-        with self._lock:
-            per_dev = self._maps.get(local.ordinal)
-            if per_dev is None:
-                per_dev = self._maps[local.ordinal] = self._open(local)
-            return per_dev
-
-    def mapping(self, local: drv.Device, peer_device: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sorted region starts, delta to add for this process's address) for regions on `peer_device`."""
-        hit = self.ensure(local).get(peer_device)
-        if hit is None:
-            raise RegistrationError(f"peer {self.name!r} advertised no VRAM on its device {peer_device}")
-        return hit
-
-    def _open(self, local: drv.Device) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        rows: dict[int, list[tuple[int, int]]] = {}
-        for addr, length, device, pci, handle, offset in self.regions:
-            remote = drv.ordinal_by_pci(pci)
-            if remote is None:
-                raise PeerError(f"peer {self.name!r} has memory on GPU {pci}, which this process cannot see "
-                                "(check CUDA_VISIBLE_DEVICES)")
-            if not local.can_access_peer(remote):
-                raise PeerError(f"GPU {local.pci_bus_id} (device {local.ordinal}) has no peer-to-peer path "
-                                f"to peer {self.name!r}'s GPU {pci}; use the 'nixl' agent for this pair")
-            if self.same_process:  # both contexts live here already: enable access explicitly
-                local.enable_peer_access(drv.Device.get(remote))
-                va = addr
-            else:  # imported with CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: no context on the peer's GPU needed
-                try:
-                    base = drv.IpcMappings.acquire(handle, local)
-                except AgentError as e:
-                    raise PeerError(f"could not open peer {self.name!r}'s CUDA IPC handle for {length} bytes "
-                                    f"at {addr:#x} (was the memory freed?): {e}") from None
-                self._opened.append((handle, local))
-                _, size = drv.allocation_of(base, local)
-                if offset + length > size:
-                    raise PeerError(f"peer {self.name!r} advertises {length} bytes at offset {offset} of an "
-                                    f"allocation of only {size} bytes")
-                va = base + offset
-            rows.setdefault(device, []).append((addr, va - addr))
-        out = {}
-        for device, pairs in rows.items():
-            pairs.sort()
-            out[device] = (np.array([a for a, _ in pairs], dtype=np.int64),
-                           np.array([d for _, d in pairs], dtype=np.int64))
-        return out
-
-    def close(self) -> None:
-        with self._lock:
-            opened, self._opened, self._maps = self._opened, [], {}
-        for handle, dev in opened:
-            drv.IpcMappings.release(handle, dev)
-
-
-class FastRegionTable(RegionTable):
-    """RegionTable whose check first tries "all descriptors inside one region" with three reductions.
-
-    Same answers as RegionTable.check; falls back to it (per-descriptor search) when the quick test fails.
-    """
-
-    _last: tuple = (None, 0)  # (lengths array, its max) from the latest check: read() reuses it
-
-    def check(self, descs: DescriptorList, what: str, max_length: int | None = None) -> None:
-        """RegionTable.check; `max_length` (lengths.max(), if the caller has it) saves a pass."""
-        if len(descs):
-            starts, ends = self._sorted(descs.kind, descs.device)
-            if starts.size:
-                lo = int(descs.addrs.min())
-                i = int(np.searchsorted(starts, lo, side="right")) - 1
-                top = int(descs.lengths.max()) if max_length is None else max_length
-                self._last = (descs.lengths, top)
-                if i >= 0 and int(descs.addrs.max()) + top <= int(ends[i]):
-                    return
-        super().check(descs, what)
-
-    def max_length(self, lengths: np.ndarray) -> int:
-        """lengths.max(), from the latest check when it saw this very array (one pass fewer per READ)."""
-        arr, top = self._last
-        return top if arr is lengths else int(lengths.max())
-
-
-def _parse_regions(name: str, raw) -> list[tuple]:
-    if not isinstance(raw, list) or len(raw) > MAX_REGIONS:
-        raise PeerError(f"peer {name!r} metadata: 'regions' must be a list of at most {MAX_REGIONS} entries")
-    out = []
-    for i, r in enumerate(raw):
-        ok = isinstance(r, list) and len(r) == 6
-        if ok:
-            addr, length, device, pci, handle, offset = r
-            ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in (addr, length, device, offset))
-                  and addr > 0 and length > 0 and 0 <= device < 1024 and 0 <= offset < (1 << 62)
-                  and addr + length < (1 << 63) and isinstance(pci, str) and 0 < len(pci) <= 32
-                  and isinstance(handle, bytes) and len(handle) == 64)
-        if not ok:
-            raise PeerError(f"peer {name!r} metadata: region {i} is not [addr>0, length>0, device, "
-                            f"pci bus id, 64-byte IPC handle, offset>=0]: {str(r)[:200]}")
-        out.append((addr, length, device, pci, handle, offset))
-    return out
 
 
 class CudaIpcAgent(TransferAgent):
@@ -366,13 +251,13 @@ class CudaIpcAgent(TransferAgent):
                 e = self._engines[device] = Engine(drv.Device.get(device), self._timing, self._side_upload)
             return e
 
+    grid_native = True  # grids are bounds-checked from their extremes and written straight into staging
+
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         n = len(local)
         if n == 0:
             return CudaIpcTransfer(None, None, 0, 0)
-        p = self._remote.get(peer)
-        if p is None:
-            raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
+        p = self._peer(op, peer)
         lens = local.lengths  # == remote.lengths (the base class checked)
         lmax = self._kvb_regions.max_length(lens)  # the base class's local check just computed it
         p.table.check(remote, f"{op} remote side (peer {peer!r})", lmax)
@@ -381,8 +266,6 @@ class CudaIpcAgent(TransferAgent):
         flen = lmax if int(lens.min()) == lmax else 0  # equal lengths: no prefix sum, no search
         words = 2 * n if flen else 3 * n + 1
         slot = engine.acquire(words)
-        side = engine.upload  # None: the table goes up on the kernel's own stream
-        enqueued = None  # the stream an upload was enqueued on: a failure fences the slot behind it
         try:
             w = slot.pinned.words  # table: src[n] | dst[n] | cum[n + 1] (no cum when lengths are equal)
             remote_va, local_va = (w[:n], w[n:2 * n]) if op == "READ" else (w[n:2 * n], w[:n])
@@ -398,9 +281,48 @@ class CudaIpcAgent(TransferAgent):
                 w[2 * n] = 0
                 np.cumsum(lens, out=w[2 * n + 1:3 * n + 1])
                 total = int(w[3 * n])
+        except Exception:
+            engine.recycle(slot, done=False)
+            raise
+        return self._launch(engine, slot, n, total, flen, words)
+
+    def _post_grid(self, op: str, peer: str, local: DescriptorGrid, remote: DescriptorGrid) -> TransferHandle:
+        """A READ of grids: the remote span checked against the peer's regions in one test (range by range
+        only when it fails), addresses written straight into the pinned table, one upload, one kernel."""
+        n = len(local)
+        if n == 0:
+            return CudaIpcTransfer(None, None, 0, 0)
+        p = self._peer(op, peer)
+        lo, hi = remote.bounds()
+        engine = self._engine(local.device)
+        starts, deltas = p.mapping(engine.dev, remote.device)
+        inside = p.table.contains_span(remote.kind, remote.device, lo, hi + remote.length)
+        if op != "READ" or not inside or (starts.size > 1 and deltas.any()):  # the list path, range by range
+            return self._post(op, peer, local.to_list(), remote.to_list())
+        slot = engine.acquire(2 * n)
+        try:
+            w = slot.pinned.words  # table: src[n] | dst[n], every fragment `length` bytes
+            remote.write(w[:n], int(deltas[0]))
+            local.write(w[n:2 * n])
+        except Exception:
+            engine.recycle(slot, done=False)
+            raise
+        return self._launch(engine, slot, n, n * local.length, local.length, 2 * n)
+
+    def _peer(self, op: str, peer: str) -> _Peer:
+        p = self._remote.get(peer)
+        if p is None:
+            raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
+        return p
+
+    def _launch(self, engine: Engine, slot: Slot, n: int, total: int, flen: int, words: int) -> TransferHandle:
+        """Upload a staged table (side stream: the kernel waits for this upload only) and launch its kernel."""
+        side = engine.upload  # None: the table goes up on the kernel's own stream
+        enqueued = None  # the stream an upload was enqueued on: a failure fences the slot behind it
+        cu, _ = drv.load()
+        try:
             tuning = self._tuning  # one read: a concurrent `tuning = ...` changes the next transfer only
             aligned = tuning.kernel is CopyKernel.ALIGNED
-            cu, _ = drv.load()
             up = side if side is not None else engine.stream
             with engine.dev.current():
                 if slot.start is not None:
@@ -408,7 +330,7 @@ class CudaIpcAgent(TransferAgent):
                 drv.check(cu.cuMemcpyHtoDAsync(slot.table.ptr, slot.pinned.ptr, words * 8, up),
                           "cuMemcpyHtoDAsync (descriptor table)")
                 enqueued = up
-                if side is not None:  # the kernel waits for its own table only, not for other uploads
+                if side is not None:
                     drv.check(cu.cuEventRecord(slot.uploaded, side), "cuEventRecord")
                     drv.check(cu.cuStreamWaitEvent(engine.stream, slot.uploaded, 0), "cuStreamWaitEvent")
                     enqueued = engine.stream

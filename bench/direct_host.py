@@ -82,14 +82,35 @@ class _Pair:
 def _post_leg(pair, i: int, frags):
     from kvbridge.agents import DescriptorList, MemoryKind
 
+    if not hasattr(frags, "src"):  # a GridPlan (trees that have them)
+        from kvbridge.agents import DescriptorGrid
+
+        return pair.local.read_grid(pair.peers[i],
+                                    DescriptorGrid(frags.dst_outer, frags.dst_inner, frags.length, MemoryKind.VRAM, 0),
+                                    DescriptorGrid(frags.src_outer, frags.src_inner, frags.length, MemoryKind.VRAM, 1))
     return pair.local.read(pair.peers[i], DescriptorList(frags.dst, frags.length, MemoryKind.VRAM, 0),
                            DescriptorList(frags.src, frags.length, MemoryKind.VRAM, 1))
+
+
+def _planner(agent):
+    """The receiver's planning in this tree: a grid for agents that take grids, else fragments from reused
+    memory (PlanScratch) where the tree has them, else fresh fragments."""
+    from kvbridge.formatter import planner
+
+    if getattr(agent, "grid_native", False) and hasattr(planner, "plan_grid"):
+        def plan(p, ctx, gen, cb, gb, n):
+            return planner.plan_grid(p, ctx, gen, cb, gb, n) or planner.plan_piece(p, ctx, gen, cb, gb, n)
+        return plan, None
+    if hasattr(planner, "PlanScratch"):
+        scratch = planner.PlanScratch()
+        return (lambda p, ctx, gen, cb, gb, n: planner.plan_piece(p, ctx, gen, cb, gb, n, scratch=scratch)), scratch
+    return planner.plan_piece, None
 
 
 def transceiver_case(stub, ctx_tp: int, gen_tp: int, requests: int) -> list[dict]:
     """Per generation rank: plan and post of each leg of a 1 GiB request, as the receiver does them."""
     from kvbridge.formatter.mapping import mapping_for
-    from kvbridge.formatter.planner import RankPool, plan_piece
+    from kvbridge.formatter.planner import RankPool
     from kvbridge.agents import MemoryKind
 
     cl, gl = _layout(ctx_tp), _layout(gen_tp)
@@ -100,11 +121,7 @@ def transceiver_case(stub, ctx_tp: int, gen_tp: int, requests: int) -> list[dict
         gen = RankPool.of(gl, g, pair.lbases, NB, MemoryKind.VRAM, 0)
         ctx = {p.ctx_rank: RankPool.of(cl, p.ctx_rank, [pair.rbases[i]], NB, MemoryKind.VRAM, 1)
                for i, p in enumerate(pieces)}
-        try:  # as the receiver plans (this tree's PlanScratch, if it has one)
-            from kvbridge.formatter.scratch import PlanScratch
-            scratch = {"scratch": PlanScratch()}
-        except ImportError:
-            scratch = {}
+        plan_fn, scratch = _planner(pair.local)
         rng = np.random.default_rng(g)
         samples = []
         for rid in range(requests + 2):
@@ -116,8 +133,8 @@ def transceiver_case(stub, ctx_tp: int, gen_tp: int, requests: int) -> list[dict
             handles, plans = [], []
             for i, p in enumerate(pieces):
                 t0 = time.perf_counter()
-                frags = plan_piece(p, ctx[p.ctx_rank], gen, cb, gb, TOKENS, **scratch)
-                plans.append(frags.src)
+                frags = plan_fn(p, ctx[p.ctx_rank], gen, cb, gb, TOKENS)
+                plans.append(getattr(frags, "src", None))
                 t1 = time.perf_counter()
                 handles.append(_post_leg(pair, i, frags))
                 post += time.perf_counter() - t1
@@ -127,8 +144,8 @@ def transceiver_case(stub, ctx_tp: int, gen_tp: int, requests: int) -> list[dict
             for h in handles:
                 h.wait(5.0)
                 h.release()
-            for arr in plans if scratch else ():
-                scratch["scratch"].give(arr)
+            for arr in plans if scratch is not None else ():
+                scratch.give(arr)
             if rid >= 2:
                 samples.append((plan, post, first, calls))
         pair.close()

@@ -37,47 +37,12 @@ import numpy as np
 from ..agents import MemoryKind
 from ..errors import PlanError
 from .layout import KVLayout, PoolAddressing
+from .fragments import Fragments, GridPlan, coalesce
 from .mapping import Piece
 from .scratch import PlanScratch
 
-__all__ = ["Fragments", "RankPool", "PlanScratch", "plan_piece", "plan_pieces", "coalesce", "plan_stats",
-           "clear_plan_cache"]
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Fragments:
-    """Byte ranges to copy: fragment i is `length[i]` bytes from `src[i]` to `dst[i]` (int64 arrays)."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.src.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
-
-    @property
-    def mean_bytes(self) -> float:
-        """Mean fragment size in bytes (0.0 when empty)."""
-        return self.nbytes / len(self) if len(self) else 0.0
-
-    @staticmethod
-    def empty() -> "Fragments":
-        z = np.zeros(0, dtype=np.int64)
-        return Fragments(z, z, z)
-
-    @staticmethod
-    def concat(parts: list["Fragments"]) -> "Fragments":
-        parts = [p for p in parts if len(p)]
-        if not parts:
-            return Fragments.empty()
-        if len(parts) == 1:
-            return parts[0]
-        return Fragments(np.concatenate([p.src for p in parts]), np.concatenate([p.dst for p in parts]),
-                         np.concatenate([p.length for p in parts]))
+__all__ = ["Fragments", "GridPlan", "RankPool", "PlanScratch", "plan_piece", "plan_grid", "plan_pieces",
+           "coalesce", "plan_stats", "clear_plan_cache"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,23 +86,6 @@ class RankPool:
             return self.extent
         tp_rank, pp_rank = self.layout.coords(self.rank)
         return self.layout.stage_layers(pp_rank), self.layout.head_range(tp_rank)
-
-
-def coalesce(f: Fragments) -> Fragments:
-    """Merge neighbours (in array order) that are contiguous on both sides. Vectorised."""
-    n = len(f)
-    if n < 2:
-        return f
-    brk = np.empty(n, dtype=bool)
-    brk[0] = True
-    end_s = f.src[:-1] + f.length[:-1]
-    end_d = f.dst[:-1] + f.length[:-1]
-    np.not_equal(end_s, f.src[1:], out=brk[1:])
-    brk[1:] |= end_d != f.dst[1:]
-    starts = np.flatnonzero(brk)
-    if starts.size == n:
-        return f
-    return Fragments(f.src[starts], f.dst[starts], np.add.reduceat(f.length, starts))
 
 
 def _check_blocks(blocks, need: int, num_blocks: int, side: str) -> np.ndarray:
@@ -368,6 +316,19 @@ def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_block
     out = scratch.rows(count, 2 if run else 3)
     _emit(todo, out, 0, lengths=not run)
     return Fragments(out[0], out[1], scratch.constant(count, run) if run else out[2])
+
+
+def plan_grid(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks, num_tokens: int,
+              first_token: int = 0) -> GridPlan | None:
+    """`plan_piece` as a GridPlan when its fragments form one (one token-segment length and no merged runs:
+    scattered whole blocks, the usual case), else None. Same validation and errors as `plan_piece`; costs
+    the block ids' checks and a few arrays of (layers x K/V) and (blocks) entries, nothing per fragment."""
+    n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
+    todo = _prepare(piece, ctx, gen, cb, gb, n, int(first_token))
+    if len(todo) != 1 or not isinstance(todo[0][4], int) or not todo[0][2].size:
+        return None
+    off_s, off_d, ss, sd, run = todo[0]
+    return GridPlan(off_s, ss, off_d, sd, run)
 
 
 def _uniform_run(todo: list) -> int:

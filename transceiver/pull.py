@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from ..agents import DescriptorList, TransferHandle, XferState
+from ..agents import DescriptorGrid, DescriptorList, TransferHandle, XferState
 from ..formatter.mapping import Piece
-from ..formatter.planner import Fragments, RankPool, plan_piece
+from ..formatter.planner import Fragments, RankPool, plan_grid, plan_piece
 from ..formatter.scratch import PlanScratch
 from . import messages as m
 from .fsm import move
@@ -248,19 +248,31 @@ class Pull:
             return
         sub = Piece(leg.ctx_rank, range(start, ready_stop), leg.piece.heads)
         t0 = time.monotonic()
-        frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens,
-                                      self.from_token, _scratch())
-        leg.plans.append(frags.src)
+        # An agent that takes grids gets the plan as one (nothing per fragment on this thread but its staging);
+        # otherwise, or when the plan is no grid, fragment arrays (from this thread's reused memory).
+        grid = plan_grid(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens, self.from_token) \
+            if agent.grid_native else None
+        frags: Fragments | None = None
+        if grid is None:
+            frags = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens, self.from_token,
+                               _scratch())
+            leg.plans.append(frags.src)
         t1 = time.monotonic()
         self.marks.setdefault("first_read_unix", time.time())
-        h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
-                       DescriptorList(frags.src, frags.length, remote.kind, remote.device))
+        if grid is not None:
+            h = agent.read_grid(leg.peer_name,
+                                DescriptorGrid(grid.dst_outer, grid.dst_inner, grid.length, local.kind, local.device),
+                                DescriptorGrid(grid.src_outer, grid.src_inner, grid.length, remote.kind, remote.device))
+        else:
+            h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
+                           DescriptorList(frags.src, frags.length, remote.kind, remote.device))
         self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + t1 - t0
         self.marks["post_s"] = self.marks.get("post_s", 0.0) + time.monotonic() - t1
         leg.handles.append(h)
         leg.read_upto = ready_stop
-        self.nbytes += frags.nbytes
-        self.fragments += len(frags)
+        plan = grid if grid is not None else frags
+        self.nbytes += plan.nbytes
+        self.fragments += len(plan)
 
     def release(self, arena, unpack_timeout_s: float) -> None:
         """Terminal: release every transfer handle and free the staging slots into `arena`; a slot whose
