@@ -8,9 +8,10 @@ kernels; the copies themselves are not run (the stub records each launch and its
   520-block pools, scattered block ids drawn anew per request), ctx TP2 -> gen TP1 (two legs on one rank) and
   ctx TP1 -> gen TP2 (one leg on each rank); per leg: `plan_piece` (plan_ms), DescriptorLists + `agent.read`
   (post_ms); first_launch_ms = from the start of the first leg's planning to its kernel launch.
-- read: one READ of 1 GiB in 4 KiB / 16 KiB / 64 KiB fragments as bench/transfer_cuda.py posts it (scattered
-  offsets, DescriptorLists built inside the timing): post_ms = until `read` returned, first_launch_ms = until
-  the first kernel was launched, and the launches' count.
+- read: one READ of 1 GiB in 4 KiB / 16 KiB / 64 KiB / 1 GiB fragments as bench/transfer_cuda.py posts it
+  (scattered offsets, DescriptorLists built inside the timing): post_ms = until `read` returned,
+  first_launch_ms = until the first kernel was launched, and the launches' count. transfer_cuda's post_ms for
+  the same case on a GPU host minus this figure on that host is what the real CUDA calls cost there.
 
 Figures are medians over `--requests` after two warm-ups (best_*: the fastest request, the figure least
 disturbed by other work on a shared machine). `--fresh-pages` runs the same in a child process
@@ -186,7 +187,7 @@ def read_case(stub, frag: int, requests: int) -> dict:
     pair.close()
     a = np.array(samples)
     med, best = np.median(a, axis=0), a.min(axis=0)
-    return {"case": f"one READ, {frag >> 10} KiB x {n}", "fragments": n, "kernels": kernels,
+    return {"case": f"one READ, {frag >> 10} KiB x {n}", "fragment_bytes": frag, "fragments": n, "kernels": kernels,
             "post_ms": round(med[0] * 1e3, 3), "first_launch_ms": round(med[1] * 1e3, 3),
             "best_post_ms": round(best[0] * 1e3, 3), "best_first_launch_ms": round(best[1] * 1e3, 3)}
 
@@ -196,7 +197,7 @@ def run(requests: int) -> list[dict]:
     with stub_mod.installed() as stub:
         stub.record_tables = False
         rows = transceiver_case(stub, 2, 1, requests) + transceiver_case(stub, 1, 2, requests)
-        rows += [read_case(stub, f, max(5, requests // 3)) for f in (4 << 10, 16 << 10, 64 << 10)]
+        rows += [read_case(stub, f, max(5, requests // 3)) for f in (4 << 10, 16 << 10, 64 << 10, GIB)]
     return rows
 
 
