@@ -12,7 +12,7 @@ is checked range by range (`to_list`), which names the first bad range.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,6 +20,12 @@ from ..errors import AgentError
 from .memory import DescriptorList, MemoryKind
 
 __all__ = ["DescriptorGrid"]
+
+
+def _frozen(a) -> np.ndarray:
+    out = np.array(a, dtype=np.int64, copy=True, order="C")
+    out.flags.writeable = False
+    return out
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -36,10 +42,11 @@ class DescriptorGrid:
     length: int
     kind: MemoryKind = MemoryKind.DRAM
     device: int = 0
+    _bounds: tuple = field(init=False, repr=False, default=(0, 0))
 
     def __post_init__(self) -> None:
-        outer = np.ascontiguousarray(self.outer, dtype=np.int64)
-        inner = np.ascontiguousarray(self.inner, dtype=np.int64)
+        # private read-only copies (a few hundred entries): the extremes computed here stay true
+        outer, inner = (_frozen(a) for a in (self.outer, self.inner))
         if outer.ndim != 1 or inner.ndim != 1:
             raise AgentError(f"a descriptor grid needs 1-D outer and inner arrays, got {outer.shape} and "
                              f"{inner.shape}")
@@ -48,10 +55,15 @@ class DescriptorGrid:
         object.__setattr__(self, "outer", outer)
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "length", int(self.length))
-        if outer.size and inner.size:
-            lo, hi = self.bounds()
-            if lo <= 0 or hi + self.length >= 1 << 63:
-                raise AgentError(f"descriptor grid addresses must lie in (0, 2**63), got {lo:#x}..{hi:#x}")
+        self._set_bounds()
+        lo, hi = self._bounds
+        if outer.size and inner.size and (lo <= 0 or hi + self.length >= 1 << 63):
+            raise AgentError(f"descriptor grid addresses must lie in (0, 2**63), got {lo:#x}..{hi:#x}")
+
+    def _set_bounds(self) -> None:
+        o, i = self.outer, self.inner
+        b = (int(o.min()) + int(i.min()), int(o.max()) + int(i.max())) if o.size and i.size else (0, 0)
+        object.__setattr__(self, "_bounds", b)
 
     def __len__(self) -> int:
         return int(self.outer.size * self.inner.size)
@@ -62,14 +74,15 @@ class DescriptorGrid:
 
     def bounds(self) -> tuple[int, int]:
         """(lowest, highest) start address of the ranges (exact: each is a sum of one outer and one inner)."""
-        return (int(self.outer.min()) + int(self.inner.min()), int(self.outer.max()) + int(self.inner.max()))
+        return self._bounds
 
     def rows(self, a: int, b: int) -> "DescriptorGrid":
-        """The ranges of outer rows [a, b): a grid of the same inner (views, no copy)."""
+        """The ranges of outer rows [a, b): a grid of the same inner (views of the read-only arrays)."""
         sub = object.__new__(DescriptorGrid)
         for f, v in (("outer", self.outer[a:b]), ("inner", self.inner), ("length", self.length),
                      ("kind", self.kind), ("device", self.device)):
             object.__setattr__(sub, f, v)
+        sub._set_bounds()
         return sub
 
     def write(self, out: np.ndarray, delta: int = 0) -> None:
