@@ -10,6 +10,7 @@ Lifecycle, and who calls what:
     blob = agent.metadata()                         # opaque bytes, sent to peers by the control plane
     peer = agent.connect(remote_blob)               # once per peer; returns the peer's name
     h = agent.read(peer, local, remote)             # local <- remote, one-sided, non-blocking
+                                                    # (read_grid: the same for DescriptorGrids, see grid.py)
     h.wait(timeout=5.0)                             # raises TransferTimeout / TransferFailed
     h.release()                                     # every handle is released explicitly
     agent.disconnect(peer); reg.release(); agent.close()
@@ -35,7 +36,7 @@ Threads: who calls each hook, and what it may block on
     _metadata/_connect   the control-plane thread that exchanges        nothing remote: parse and store
     _disconnect          metadata (a transceiver's I/O thread)          only; no network round trip
     _post                the thread that posts transfers (the           nothing: enqueue and return a
-                         transceiver's I/O thread, many in a row)       TransferHandle at once
+    _post_grid           transceiver's I/O thread, many in a row)       TransferHandle at once
     handle.state()       any thread, polled in a tight loop             nothing (it is a poll)
     handle.cancel()      any thread, also while another polls state()   nothing; it asks, it does not wait
     handle.wait(t)       the owner of the handle                        at most `t` seconds

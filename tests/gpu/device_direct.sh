@@ -6,7 +6,8 @@
 #   1. bench/direct_host.py: the plan + post host work on this host's CPU (CUDA stubbed; seconds)
 #   2. bench/direct_gpu.py: 1 GiB requests through the transceiver, ctx TP2 -> gen TP1 and TP1 -> gen TP2
 #   3. kvbridge.bench.transfer_cuda --no-memcpy --agents cuda_ipc: one READ end to end, $SIZES fragments
-#   4. new with side_upload=false (direct, then transfer): the side-stream upload's share
+#   4. new with side_upload=false (direct, then transfer): the side-stream upload's share; new transfer with
+#      --post-chunk $POST_CHUNKS (default 65536: fewer, larger pipelined kernels)
 #   5. with TESTS=1: the GPU tests of what changed (the cuda_ipc agent, the transceiver on GPUs)
 # A step starts only with 30 s of the $HARD-second budget left (default 340) and is cut at the budget, so the
 # run ends within ~6 minutes whatever a step does; skipped steps are listed in $OUT/direct/skipped.txt.
@@ -71,6 +72,13 @@ if left "new transfer without side upload"; then
   PYTHONPATH=$(pp new) timeout $(tmo 150) $PY -m kvbridge.bench.transfer_cuda --no-memcpy --agents cuda_ipc \
     --sizes $SIZES --reps 3 --no-side-upload --json $D/transfer_new_same_stream.json 2>&1 | tail -6
 fi
+
+for pc in ${POST_CHUNKS:-65536}; do  # coarser pipelining now that a chunk's host work is cheaper (new tree)
+  left "new transfer post_chunk $pc" || break
+  echo "== new transfer_cuda --post-chunk $pc"
+  PYTHONPATH=$(pp new) timeout $(tmo 150) $PY -m kvbridge.bench.transfer_cuda --no-memcpy --agents cuda_ipc \
+    --sizes $SIZES --reps 3 --post-chunk $pc --json $D/transfer_new_pc$pc.json 2>&1 | tail -6
+done
 
 if [ -n "${TESTS:-}" ] && left "tests"; then  # 5. GPU tests of the changed code
   echo "== GPU tests (new)"
