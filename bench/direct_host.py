@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['case']:<34} {('rank %d' % r['gen_rank']) if 'gen_rank' in r else '':<7} "
               + "  ".join(f"{k}={r[k]}" for k in ("plan_ms", "post_ms", "plan_post_ms", "first_launch_ms",
                                                    "driver_calls", "kernels", "best_plan_post_ms",
-                                                   "best_post_ms", "best_first_launch_ms") if k in r) + f"  pages={pages}")
+                                                   "best_post_ms", "best_first_launch_ms") if k in r)
+              + f"  pages={pages}")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in rows:

@@ -33,6 +33,8 @@ from .fsm import move
 
 log = logging.getLogger("kvbridge.transceiver.receiver")
 
+__all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult"]
+
 _local = threading.local()
 
 
@@ -42,8 +44,6 @@ def _scratch() -> PlanScratch:
     if s is None:
         s = _local.scratch = PlanScratch()
     return s
-
-__all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult"]
 
 
 class PullState(str, Enum):
@@ -248,21 +248,21 @@ class Pull:
             return
         sub = Piece(leg.ctx_rank, range(start, ready_stop), leg.piece.heads)
         t0 = time.monotonic()
-        # An agent that takes grids gets the plan as one (nothing per fragment on this thread but its staging);
-        # otherwise, or when the plan is no grid, fragment arrays (from this thread's reused memory).
-        grid = plan_grid(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens, self.from_token) \
-            if agent.grid_native else None
+        # An agent that takes grids gets the plan as one (nothing per fragment on this thread but its
+        # staging); otherwise, or when the plan is no grid, fragment arrays (from this thread's reused memory).
+        args = (sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens, self.from_token)
+        grid = plan_grid(*args) if agent.grid_native else None
         frags: Fragments | None = None
         if grid is None:
-            frags = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens, self.from_token,
-                               _scratch())
+            frags = plan_piece(*args, _scratch())
             leg.plans.append(frags.src)
         t1 = time.monotonic()
         self.marks.setdefault("first_read_unix", time.time())
         if grid is not None:
+            g = grid.length
             h = agent.read_grid(leg.peer_name,
-                                DescriptorGrid(grid.dst_outer, grid.dst_inner, grid.length, local.kind, local.device),
-                                DescriptorGrid(grid.src_outer, grid.src_inner, grid.length, remote.kind, remote.device))
+                                DescriptorGrid(grid.dst_outer, grid.dst_inner, g, local.kind, local.device),
+                                DescriptorGrid(grid.src_outer, grid.src_inner, g, remote.kind, remote.device))
         else:
             h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
                            DescriptorList(frags.src, frags.length, remote.kind, remote.device))
