@@ -14,6 +14,7 @@ Importing this package imports no transport (NIXL, CUDA, sockets are loaded by t
 from ..errors import (AgentError, ConnectionClosed, ConnectionDeadline, ConnectionFailed, PeerError,
                       ProtocolError, RegistrationError, TransferFailed, TransferTimeout)
 from .base import (
+    DescriptorGrid,
     DescriptorList,
     MemoryKind,
     MemoryRegion,
@@ -33,7 +34,7 @@ __all__ = [
     # the contract and its handles
     "TransferAgent", "TransferHandle", "FutureTransfer", "Registration", "XferState",
     # descriptors and memory
-    "DescriptorList", "MemoryKind", "MemoryRegion", "RegionTable",
+    "DescriptorList", "DescriptorGrid", "MemoryKind", "MemoryRegion", "RegionTable",
     # metadata envelope helpers (what `_metadata`/`_connect` use)
     "seal", "open_envelope", "field", "METADATA_VERSION",
     # two-sided transports: a Connection class becomes an agent through ConnectionAgent

@@ -10,6 +10,7 @@ Lifecycle, and who calls what:
     blob = agent.metadata()                         # opaque bytes, sent to peers by the control plane
     peer = agent.connect(remote_blob)               # once per peer; returns the peer's name
     h = agent.read(peer, local, remote)             # local <- remote, one-sided, non-blocking
+                                                    # (read_grid: the same for DescriptorGrids, see grid.py)
     h.wait(timeout=5.0)                             # raises TransferTimeout / TransferFailed
     h.release()                                     # every handle is released explicitly
     agent.disconnect(peer); reg.release(); agent.close()
@@ -35,7 +36,7 @@ Threads: who calls each hook, and what it may block on
     _metadata/_connect   the control-plane thread that exchanges        nothing remote: parse and store
     _disconnect          metadata (a transceiver's I/O thread)          only; no network round trip
     _post                the thread that posts transfers (the           nothing: enqueue and return a
-                         transceiver's I/O thread, many in a row)       TransferHandle at once
+    _post_grid           transceiver's I/O thread, many in a row)       TransferHandle at once
     handle.state()       any thread, polled in a tight loop             nothing (it is a poll)
     handle.cancel()      any thread, also while another polls state()   nothing; it asks, it does not wait
     handle.wait(t)       the owner of the handle                        at most `t` seconds
@@ -83,6 +84,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import AgentError, PeerError, RegistrationError
+from .grid import DescriptorGrid
 from .handles import ChunkedTransfer, Registration, TransferHandle, chunk_bounds, settle_all
 from .memory import DescriptorList, MemoryKind, MemoryRegion, RegionTable, XferState
 
@@ -90,12 +92,20 @@ __all__ = [
     "MemoryKind",
     "MemoryRegion",
     "DescriptorList",
+    "DescriptorGrid",
     "XferState",
     "Registration",
     "TransferHandle",
     "TransferAgent",
     "RegionTable",
 ]
+
+
+def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays are views of the same memory with the same shape and strides (equal without a pass
+    over them: a planner hands both sides one lengths array)."""
+    return a is b or (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                      and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype)
 
 
 class TransferAgent(ABC):
@@ -109,6 +119,7 @@ class TransferAgent(ABC):
     agent_kind: ClassVar[str] = "abstract"
     memory_kinds: ClassVar[frozenset[MemoryKind]] = frozenset({MemoryKind.DRAM})
     post_chunk: ClassVar[int] = 0  # >0: post long descriptor lists as pipelined chunks of at most this many
+    grid_native: ClassVar[bool] = False  # True: `_post_grid` takes DescriptorGrids as they are
 
     def __init__(self, name: str) -> None:
         if not name or not isinstance(name, str):
@@ -199,13 +210,52 @@ class TransferAgent(ABC):
         """Post a one-sided WRITE: local[i] -> remote[i] for every i. Returns at once with a handle."""
         return self._transfer("WRITE", peer, local, remote)
 
+    def read_grid(self, peer: str, local: DescriptorGrid, remote: DescriptorGrid) -> TransferHandle:
+        """`read` for ranges given as DescriptorGrids (remote range i -> local range i, for every i).
+
+        An agent that sets `grid_native` checks and stages the grids without listing their ranges; any other
+        gets them as DescriptorLists. The local side is checked here: its span inside one registered region,
+        or else range by range.
+        """
+        self._check_open()
+        if peer not in self._kvb_peers:
+            raise PeerError(f"READ names peer {peer!r}, which this agent is not connected to")
+        if (local.outer.size, local.inner.size, local.length) != (remote.outer.size, remote.inner.size,
+                                                                   remote.length):
+            raise AgentError(f"READ: local grid {local.outer.size} x {local.inner.size} of {local.length} bytes, "
+                             f"remote grid {remote.outer.size} x {remote.inner.size} of {remote.length} bytes")
+        for d, side in ((local, "local"), (remote, "remote")):
+            if d.kind not in self.memory_kinds:
+                raise AgentError(f"READ: {self.agent_kind} agent cannot move {side} {d.kind.value} memory")
+        if not self.grid_native:
+            return self._transfer("READ", peer, local.to_list(), remote.to_list())
+        if not len(local):
+            return self._post_grid("READ", peer, local, remote)
+        lo, hi = local.bounds()
+        if not self._kvb_regions.contains_span(local.kind, local.device, lo, hi + local.length):
+            self._kvb_regions.check(local.to_list(), "READ local side")  # names the first bad range
+        r = local.inner.size
+        rows = max(1, self.post_chunk // r) if self.post_chunk else local.outer.size
+        if local.outer.size <= rows:
+            return self._post_grid("READ", peer, local, remote)
+        parts: list[TransferHandle] = []  # pipelined by rows, as `_transfer` does by descriptors
+        a = 0
+        try:
+            for b in chunk_bounds(local.outer.size, rows):
+                parts.append(self._post_grid("READ", peer, local.rows(a, b), remote.rows(a, b)))
+                a = b
+        except BaseException:
+            settle_all(parts)
+            raise
+        return ChunkedTransfer(parts)
+
     def _transfer(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         self._check_open()
         if peer not in self._kvb_peers:
             raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
         if len(local) != len(remote):
             raise AgentError(f"{op}: {len(local)} local descriptors but {len(remote)} remote ones")
-        if not np.array_equal(local.lengths, remote.lengths):
+        if not _same_array(local.lengths, remote.lengths) and not np.array_equal(local.lengths, remote.lengths):
             bad = int(np.argmax(local.lengths != remote.lengths))
             raise AgentError(f"{op}: descriptor {bad} is {local.lengths[bad]} bytes locally but "
                              f"{remote.lengths[bad]} remotely")
@@ -280,6 +330,10 @@ class TransferAgent(ABC):
         """Post the (already validated) transfer; never block on data movement.
 
         `op` is "READ" (remote[i] -> local[i]) or "WRITE" (local[i] -> remote[i]); nothing else."""
+
+    def _post_grid(self, op: str, peer: str, local: DescriptorGrid, remote: DescriptorGrid) -> TransferHandle:
+        """Post a transfer of grids (`grid_native` agents; the local span is checked, the remote one is not)."""
+        raise NotImplementedError(f"{type(self).__name__} sets grid_native but has no _post_grid")
 
     def _close(self) -> None:
         """Release transport resources (optional)."""

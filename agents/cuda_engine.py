@@ -15,7 +15,7 @@ import threading
 import time
 
 from . import cuda_driver as drv
-from .cuda_kernels import FragmentCopier
+from .cuda_kernels import FragmentCopier, KernelArgs
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +26,22 @@ _KEEP_WORDS = 8 << 20  # ... up to 64 MiB of pinned staging in all
 
 
 class Slot:
-    """What one in-flight transfer owns: pinned staging, the device descriptor table, a completion event
-    (and, when the agent times transfers, a start event recorded just before the descriptor upload)."""
+    """What one in-flight transfer owns: pinned staging, the device descriptor table, a completion event, an
+    "uploaded" event (the table's copy on the upload stream, which the kernel's stream waits for), the kernel's
+    argument block (`args`: made once, filled per launch) and, when
+    the agent times transfers, a start event recorded just before the descriptor upload."""
 
     def __init__(self, dev: drv.Device, words: int, timing: bool) -> None:
         cu, _ = drv.load()
         self.words = words
         self.pinned = drv.PinnedBuffer(words * 8, dev)
         self.table = drv.DeviceBuffer(words * 8, dev)
+        self.args = KernelArgs()
         flags = 0 if timing else int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        quiet = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         with dev.current():
             self.event = drv.check(cu.cuEventCreate(flags), "cuEventCreate")
+            self.uploaded = drv.check(cu.cuEventCreate(quiet), "cuEventCreate")
             self.start = drv.check(cu.cuEventCreate(flags), "cuEventCreate") if timing else None
         self._dev = dev
 
@@ -57,21 +62,30 @@ class Slot:
         self.table.free()
         with self._dev.current():
             drv.load()[0].cuEventDestroy(self.event)
+            drv.load()[0].cuEventDestroy(self.uploaded)
             if self.start is not None:
                 drv.load()[0].cuEventDestroy(self.start)
 
 
 class Engine:
-    """Per local device: the agent's stream, the kernel, a pool of slots, releases waiting on the stream."""
+    """Per local device: the agent's stream, the kernel, a pool of slots, releases waiting on the stream.
 
-    def __init__(self, dev: drv.Device, timing: bool = False) -> None:
+    With `side_upload` the descriptor tables go up on a second stream (`upload`): the kernel's stream waits for
+    its own table's event only, so the upload of the next transfer's table overlaps the copy of the current one
+    instead of queueing behind it. Without it, (the earlier behaviour) the upload runs on `stream` itself.
+    Either way `stream` alone orders the kernels, and an event recorded on it after a kernel covers the
+    kernel's upload too (the kernel waited for it).
+    """
+
+    def __init__(self, dev: drv.Device, timing: bool = False, side_upload: bool = True) -> None:
         cu, _ = drv.load()
         self.dev = dev
         self.timing = timing
         self.copier = FragmentCopier.get(dev)
+        flags = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         with dev.current():
-            self.stream = drv.check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
-                                    "cuStreamCreate")
+            self.stream = drv.check(cu.cuStreamCreate(flags), "cuStreamCreate")
+            self.upload = drv.check(cu.cuStreamCreate(flags), "cuStreamCreate") if side_upload else None
         self._free: list[Slot] = []
         self._busy: list[Slot] = []  # released by their handles while their kernel may still run
         self._deferred: list[tuple[Slot, object]] = []  # (fence slot, callable) run once the fence is done
@@ -123,11 +137,12 @@ class Engine:
             smallest.free()
 
     def drain(self, timeout: float) -> bool:
-        """Wait (bounded) for the stream to go idle, then free everything; False if it did not in time."""
+        """Wait (bounded) for the streams to go idle, then free everything; False if they did not in time."""
         cu, _ = drv.load()
         deadline = time.monotonic() + timeout
+        streams = [s for s in (self.stream, self.upload) if s is not None]
         with self.dev.current():
-            while int(cu.cuStreamQuery(self.stream)[0]) == NOT_READY:
+            while any(int(cu.cuStreamQuery(s)[0]) == NOT_READY for s in streams):
                 if time.monotonic() > deadline:
                     log.warning("cuda_ipc: stream on device %d still busy after %.1f s; leaking its buffers",
                                 self.dev.ordinal, timeout)
@@ -142,4 +157,6 @@ class Engine:
             s.free()
         with self.dev.current():
             cu.cuStreamDestroy(self.stream)
+            if self.upload is not None:
+                cu.cuStreamDestroy(self.upload)
         return True

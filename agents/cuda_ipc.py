@@ -7,8 +7,9 @@ identity (hostname + boot id). A peer's `connect()` checks that it runs on the s
 once (process-wide cache), checks that the advertised region fits the allocation it opened, and enables
 peer access. A READ or WRITE then bounds-checks every remote descriptor against the peer's advertised
 regions (RegionTable), translates it to this process's mapping, stages src/dst/prefix-sum arrays in pinned
-memory, uploads them with one H2D copy and launches ONE kernel (`cuda_kernels`) on a dedicated
-non-blocking stream of the local device (`cuda_engine`), followed by a CUDA event that `state()` queries.
+memory, uploads them with one H2D copy (on a side stream, so it overlaps the copy before it) and launches ONE
+kernel (`cuda_kernels`) on a dedicated non-blocking stream of the local device (`cuda_engine`), waiting for
+that upload only, followed by a CUDA event that `state()` queries.
 
 Never does: a blocking synchronize (every wait polls the event against a deadline), a transfer to or from
 a descriptor it has not bounds-checked, or unmapping peer memory / freeing staging buffers while a kernel
@@ -29,15 +30,15 @@ import numpy as np
 
 from ..errors import AgentError, PeerError, RegistrationError
 from . import cuda_driver as drv
-from .base import (DescriptorList, MemoryKind, MemoryRegion, RegionTable, TransferAgent, TransferHandle,
-                   XferState)
+from .base import (DescriptorGrid, DescriptorList, MemoryKind, MemoryRegion, TransferAgent,
+                   TransferHandle, XferState)
 from .cuda_engine import NOT_READY, Engine, Slot
+from .cuda_peers import MAX_REGIONS, FastRegionTable, _parse_regions, _Peer  # noqa: F401 - re-exported
 from .cuda_kernels import CopyKernel, CopyTuning
 from .envelope import field, open_envelope, seal
 
 log = logging.getLogger(__name__)
 
-MAX_REGIONS = 1 << 16
 _FAST_NVLINK = 400e9  # bytes/s no intra-node copy beats: `wait` sleeps through most of the expected time
 
 
@@ -102,121 +103,6 @@ class CudaIpcTransfer(TransferHandle):
             self._engine.recycle(slot, done=slot.query() != NOT_READY)
 
 
-class _Peer:
-    """A connected peer: its advertised regions and, per local device, their addresses in this process."""
-
-    def __init__(self, name: str, regions: list[tuple], same_process: bool) -> None:
-        self.name = name
-        self.regions = regions  # (addr, length, device, pci, handle, offset)
-        self.same_process = same_process
-        self.table = FastRegionTable()
-        for i, (addr, length, device, *_rest) in enumerate(regions):
-            self.table.add(i, MemoryRegion(addr, length, MemoryKind.VRAM, device))
-        self._maps: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}  # local dev -> peer dev -> map
-        self._opened: list[tuple[bytes, drv.Device]] = []
-        self._lock = threading.Lock()
-
-    def ensure(self, local: drv.Device) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Open (once) every advertised region for kernels on `local`; PeerError if one cannot be."""
-        with self._lock:
-            per_dev = self._maps.get(local.ordinal)
-            if per_dev is None:
-                per_dev = self._maps[local.ordinal] = self._open(local)
-            return per_dev
-
-    def mapping(self, local: drv.Device, peer_device: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sorted region starts, delta to add for this process's address) for regions on `peer_device`."""
-        hit = self.ensure(local).get(peer_device)
-        if hit is None:
-            raise RegistrationError(f"peer {self.name!r} advertised no VRAM on its device {peer_device}")
-        return hit
-
-    def _open(self, local: drv.Device) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        rows: dict[int, list[tuple[int, int]]] = {}
-        for addr, length, device, pci, handle, offset in self.regions:
-            remote = drv.ordinal_by_pci(pci)
-            if remote is None:
-                raise PeerError(f"peer {self.name!r} has memory on GPU {pci}, which this process cannot see "
-                                "(check CUDA_VISIBLE_DEVICES)")
-            if not local.can_access_peer(remote):
-                raise PeerError(f"GPU {local.pci_bus_id} (device {local.ordinal}) has no peer-to-peer path "
-                                f"to peer {self.name!r}'s GPU {pci}; use the 'nixl' agent for this pair")
-            if self.same_process:  # both contexts live here already: enable access explicitly
-                local.enable_peer_access(drv.Device.get(remote))
-                va = addr
-            else:  # imported with CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: no context on the peer's GPU needed
-                try:
-                    base = drv.IpcMappings.acquire(handle, local)
-                except AgentError as e:
-                    raise PeerError(f"could not open peer {self.name!r}'s CUDA IPC handle for {length} bytes "
-                                    f"at {addr:#x} (was the memory freed?): {e}") from None
-                self._opened.append((handle, local))
-                _, size = drv.allocation_of(base, local)
-                if offset + length > size:
-                    raise PeerError(f"peer {self.name!r} advertises {length} bytes at offset {offset} of an "
-                                    f"allocation of only {size} bytes")
-                va = base + offset
-            rows.setdefault(device, []).append((addr, va - addr))
-        out = {}
-        for device, pairs in rows.items():
-            pairs.sort()
-            out[device] = (np.array([a for a, _ in pairs], dtype=np.int64),
-                           np.array([d for _, d in pairs], dtype=np.int64))
-        return out
-
-    def close(self) -> None:
-        with self._lock:
-            opened, self._opened, self._maps = self._opened, [], {}
-        for handle, dev in opened:
-            drv.IpcMappings.release(handle, dev)
-
-
-class FastRegionTable(RegionTable):
-    """RegionTable whose check first tries "all descriptors inside one region" with three reductions.
-
-    Same answers as RegionTable.check; falls back to it (per-descriptor search) when the quick test fails.
-    """
-
-    _last: tuple = (None, 0)  # (lengths array, its max) from the latest check: read() reuses it
-
-    def check(self, descs: DescriptorList, what: str, max_length: int | None = None) -> None:
-        """RegionTable.check; `max_length` (lengths.max(), if the caller has it) saves a pass."""
-        if len(descs):
-            starts, ends = self._sorted(descs.kind, descs.device)
-            if starts.size:
-                lo = int(descs.addrs.min())
-                i = int(np.searchsorted(starts, lo, side="right")) - 1
-                top = int(descs.lengths.max()) if max_length is None else max_length
-                self._last = (descs.lengths, top)
-                if i >= 0 and int(descs.addrs.max()) + top <= int(ends[i]):
-                    return
-        super().check(descs, what)
-
-    def max_length(self, lengths: np.ndarray) -> int:
-        """lengths.max(), from the latest check when it saw this very array (one pass fewer per READ)."""
-        arr, top = self._last
-        return top if arr is lengths else int(lengths.max())
-
-
-def _parse_regions(name: str, raw) -> list[tuple]:
-    if not isinstance(raw, list) or len(raw) > MAX_REGIONS:
-        raise PeerError(f"peer {name!r} metadata: 'regions' must be a list of at most {MAX_REGIONS} entries")
-    out = []
-    for i, r in enumerate(raw):
-        ok = isinstance(r, list) and len(r) == 6
-        if ok:
-            addr, length, device, pci, handle, offset = r
-            ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in (addr, length, device, offset))
-                  and addr > 0 and length > 0 and 0 <= device < 1024 and 0 <= offset < (1 << 62)
-                  and addr + length < (1 << 63) and isinstance(pci, str) and 0 < len(pci) <= 32
-                  and isinstance(handle, bytes) and len(handle) == 64)
-        if not ok:
-            raise PeerError(f"peer {name!r} metadata: region {i} is not [addr>0, length>0, device, "
-                            f"pci bus id, 64-byte IPC handle, offset>=0]: {str(r)[:200]}")
-        out.append((addr, length, device, pci, handle, offset))
-    return out
-
-
 class CudaIpcAgent(TransferAgent):
     """TransferAgent over CUDA IPC + one SM copy kernel per transfer (GPUs of one host, VRAM only).
 
@@ -228,6 +114,8 @@ class CudaIpcAgent(TransferAgent):
             aligned on both ends, as in benchmarks).
         timing: time each transfer on the GPU (descriptor upload + kernel) into `handle.gpu_seconds`.
         post_chunk: descriptors per pipelined kernel (None: the class default); for tuning and tests.
+        side_upload: upload descriptor tables on a second stream, so the next transfer's upload overlaps the
+            current copy (False: on the kernel's stream, ahead of its kernel, as before).
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -244,12 +132,16 @@ class CudaIpcAgent(TransferAgent):
     post_chunk = 32768
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
-                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None) -> None:
+                 kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None,
+                 side_upload: bool = True) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         if post_chunk is not None:
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
                 raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
             self.post_chunk = post_chunk
+        if not isinstance(side_upload, bool):
+            raise AgentError(f"side_upload must be True or False, got {side_upload!r}")
+        self._side_upload = side_upload
         super().__init__(name)
         self._kvb_regions = FastRegionTable()  # the base class's table, same checks, faster for one pool
         drv.load()
@@ -356,16 +248,16 @@ class CudaIpcAgent(TransferAgent):
         with self._ipc_lock:
             e = self._engines.get(device)
             if e is None:
-                e = self._engines[device] = Engine(drv.Device.get(device), self._timing)
+                e = self._engines[device] = Engine(drv.Device.get(device), self._timing, self._side_upload)
             return e
+
+    grid_native = True  # grids are bounds-checked from their extremes and written straight into staging
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         n = len(local)
         if n == 0:
             return CudaIpcTransfer(None, None, 0, 0)
-        p = self._remote.get(peer)
-        if p is None:
-            raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
+        p = self._peer(op, peer)
         lens = local.lengths  # == remote.lengths (the base class checked)
         lmax = self._kvb_regions.max_length(lens)  # the base class's local check just computed it
         p.table.check(remote, f"{op} remote side (peer {peer!r})", lmax)
@@ -377,7 +269,7 @@ class CudaIpcAgent(TransferAgent):
         try:
             w = slot.pinned.words  # table: src[n] | dst[n] | cum[n + 1] (no cum when lengths are equal)
             remote_va, local_va = (w[:n], w[n:2 * n]) if op == "READ" else (w[n:2 * n], w[:n])
-            if starts.size == 1:
+            if starts.size == 1 or not deltas.any():  # one mapping (or this process's own addresses)
                 np.add(remote.addrs, deltas[0], out=remote_va)
             else:
                 idx = np.searchsorted(starts, remote.addrs, side="right") - 1
@@ -389,18 +281,67 @@ class CudaIpcAgent(TransferAgent):
                 w[2 * n] = 0
                 np.cumsum(lens, out=w[2 * n + 1:3 * n + 1])
                 total = int(w[3 * n])
+        except Exception:
+            engine.recycle(slot, done=False)
+            raise
+        return self._launch(engine, slot, n, total, flen, words)
+
+    def _post_grid(self, op: str, peer: str, local: DescriptorGrid, remote: DescriptorGrid) -> TransferHandle:
+        """A READ of grids: the remote span checked against the peer's regions in one test (range by range
+        only when it fails), addresses written straight into the pinned table, one upload, one kernel."""
+        n = len(local)
+        if n == 0:
+            return CudaIpcTransfer(None, None, 0, 0)
+        p = self._peer(op, peer)
+        lo, hi = remote.bounds()
+        engine = self._engine(local.device)
+        starts, deltas = p.mapping(engine.dev, remote.device)
+        inside = p.table.contains_span(remote.kind, remote.device, lo, hi + remote.length)
+        if op != "READ" or not inside or (starts.size > 1 and deltas.any()):  # the list path, range by range
+            return self._post(op, peer, local.to_list(), remote.to_list())
+        slot = engine.acquire(2 * n)
+        try:
+            w = slot.pinned.words  # table: src[n] | dst[n], every fragment `length` bytes
+            remote.write(w[:n], int(deltas[0]))
+            local.write(w[n:2 * n])
+        except Exception:
+            engine.recycle(slot, done=False)
+            raise
+        return self._launch(engine, slot, n, n * local.length, local.length, 2 * n)
+
+    def _peer(self, op: str, peer: str) -> _Peer:
+        p = self._remote.get(peer)
+        if p is None:
+            raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
+        return p
+
+    def _launch(self, engine: Engine, slot: Slot, n: int, total: int, flen: int, words: int) -> TransferHandle:
+        """Upload a staged table (side stream: the kernel waits for this upload only) and launch its kernel."""
+        side = engine.upload  # None: the table goes up on the kernel's own stream
+        enqueued = None  # the stream an upload was enqueued on: a failure fences the slot behind it
+        cu, _ = drv.load()
+        try:
             tuning = self._tuning  # one read: a concurrent `tuning = ...` changes the next transfer only
             aligned = tuning.kernel is CopyKernel.ALIGNED
-            cu, _ = drv.load()
+            up = side if side is not None else engine.stream
             with engine.dev.current():
                 if slot.start is not None:
-                    drv.check(cu.cuEventRecord(slot.start, engine.stream), "cuEventRecord")
-                drv.check(cu.cuMemcpyHtoDAsync(slot.table.ptr, slot.pinned.ptr, words * 8, engine.stream),
+                    drv.check(cu.cuEventRecord(slot.start, up), "cuEventRecord")
+                drv.check(cu.cuMemcpyHtoDAsync(slot.table.ptr, slot.pinned.ptr, words * 8, up),
                           "cuMemcpyHtoDAsync (descriptor table)")
+                enqueued = up
+                if side is not None:
+                    drv.check(cu.cuEventRecord(slot.uploaded, side), "cuEventRecord")
+                    drv.check(cu.cuStreamWaitEvent(engine.stream, slot.uploaded, 0), "cuStreamWaitEvent")
+                    enqueued = engine.stream
                 engine.copier.launch(slot.table.ptr, n, total, aligned, engine.stream, uniform=flen,
-                                     chunk=tuning.chunk, max_blocks=tuning.max_blocks)
+                                     chunk=tuning.chunk, max_blocks=tuning.max_blocks, args=slot.args,
+                                     current=True)
                 drv.check(cu.cuEventRecord(slot.event, engine.stream), "cuEventRecord")
         except Exception:
+            if enqueued is not None:  # the slot is reused only once what was enqueued with it has run
+                with engine.dev.current():
+                    cu.cuEventRecord(slot.event, enqueued)
             engine.recycle(slot, done=False)
             raise
         return CudaIpcTransfer(engine, slot, n, total)

@@ -279,7 +279,8 @@ class FragmentCopier:
         return chunk, nchunks, max(1, blocks)
 
     def launch(self, table_dev: int, n: int, total: int, aligned: bool, stream, *, uniform: int = 0,
-               chunk: int | None = None, max_blocks: int | None = None) -> None:
+               chunk: int | None = None, max_blocks: int | None = None, args: "KernelArgs | None" = None,
+               current: bool = False) -> None:
         """Enqueue one copy of all `n` fragments described by the device table at `table_dev` on `stream`.
 
         Args:
@@ -291,12 +292,32 @@ class FragmentCopier:
             stream: a CUstream of this device.
             uniform: the length of every fragment when they are all equal, else 0.
             chunk, max_blocks: override the launch geometry (benchmarks and tests).
+            args: a KernelArgs the caller owns until the launch returns (none: one is made here).
+            current: this device's context is already current (the caller pushed it).
         """
         cu, _ = load()
         chunk, nchunks, blocks = self.geometry(total, aligned, chunk, max_blocks)
-        params = np.array([table_dev, n, chunk, nchunks, uniform], dtype=np.int64)
-        ptrs = np.arange(params.size, dtype=np.uint64) * np.uint64(8) + np.uint64(params.ctypes.data)
-        with self.device.current():
-            check(cu.cuLaunchKernel(self._fn[aligned], blocks, 1, 1, THREADS, 1, 1, 0, stream,
-                                    ptrs.ctypes.data, 0),
+        args = args if args is not None else KernelArgs()
+        args.values[:] = (table_dev, n, chunk, nchunks, uniform)
+        ptrs = args.address
+        if current:
+            check(cu.cuLaunchKernel(self._fn[aligned], blocks, 1, 1, THREADS, 1, 1, 0, stream, ptrs, 0),
                   f"cuLaunchKernel(fragment copy, {blocks} CTAs)")
+            return
+        with self.device.current():
+            check(cu.cuLaunchKernel(self._fn[aligned], blocks, 1, 1, THREADS, 1, 1, 0, stream, ptrs, 0),
+                  f"cuLaunchKernel(fragment copy, {blocks} CTAs)")
+
+
+class KernelArgs:
+    """A launch's argument block, made once and filled per launch: the five int64 kernel arguments (`values`),
+    the array of pointers to them, and that array's address (`address`, what cuLaunchKernel takes). One
+    launch at a time uses it (a slot's own block, or a fresh one); the driver copies the values at launch."""
+
+    __slots__ = ("values", "ptrs", "address")
+
+    def __init__(self) -> None:
+        self.values = np.zeros(5, dtype=np.int64)
+        base = self.values.__array_interface__["data"][0]
+        self.ptrs = np.arange(5, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
+        self.address = int(self.ptrs.__array_interface__["data"][0])

@@ -147,6 +147,12 @@ class RegionTable:
                 hit = self._cache[(kind, device)] = (starts, ends)
             return hit
 
+    def contains_span(self, kind: MemoryKind, device: int, lo: int, end: int) -> bool:
+        """Whether [lo, end) lies inside one registered region of `kind` on `device`."""
+        starts, ends = self._sorted(kind, device)
+        i = int(np.searchsorted(starts, lo, side="right")) - 1
+        return i >= 0 and end <= int(ends[i])
+
     def check(self, descs: DescriptorList, what: str) -> None:
         """Raise RegistrationError unless every descriptor lies inside one registered region."""
         if not len(descs):

@@ -277,6 +277,8 @@ def run(args=None) -> list[dict]:
         rows.append(dict(agent="memcpy_peer_1_copy", fragment_bytes=total, fragments=1, gbps=round(base, 1),
                          baseline_gbps=round(base, 1), verified=ceiling_ok, seconds=ceiling))
         opts = {k: getattr(args, k) for k in ("chunk", "max_blocks", "post_chunk") if getattr(args, k, None)}
+        if getattr(args, "side_upload", True) is False:
+            opts["side_upload"] = False
         connected = _connect_agents(agents, opts, dst, peer_proc, live)
         rng = np.random.default_rng(0)
         if getattr(args, "sweep", False) and "cuda_ipc" in connected:
@@ -389,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, help="cuda_ipc: bytes per warp work item")
     p.add_argument("--max-blocks", type=int, help="cuda_ipc: CTAs per launch at most")
     p.add_argument("--post-chunk", type=int, help="cuda_ipc: descriptors per pipelined kernel")
+    p.add_argument("--no-side-upload", dest="side_upload", action="store_false",
+                   help="cuda_ipc: upload descriptor tables on the kernel's stream (the earlier behaviour)")
     p.add_argument("--sweep", action="store_true", help="cuda_ipc: also time a grid of launch geometries")
     args = p.parse_args(argv)
     rows = run(args)

@@ -37,45 +37,12 @@ import numpy as np
 from ..agents import MemoryKind
 from ..errors import PlanError
 from .layout import KVLayout, PoolAddressing
+from .fragments import Fragments, GridPlan, coalesce
 from .mapping import Piece
+from .scratch import PlanScratch
 
-__all__ = ["Fragments", "RankPool", "plan_piece", "plan_pieces", "coalesce", "plan_stats", "clear_plan_cache"]
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Fragments:
-    """Byte ranges to copy: fragment i is `length[i]` bytes from `src[i]` to `dst[i]` (int64 arrays)."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.src.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
-
-    @property
-    def mean_bytes(self) -> float:
-        """Mean fragment size in bytes (0.0 when empty)."""
-        return self.nbytes / len(self) if len(self) else 0.0
-
-    @staticmethod
-    def empty() -> "Fragments":
-        z = np.zeros(0, dtype=np.int64)
-        return Fragments(z, z, z)
-
-    @staticmethod
-    def concat(parts: list["Fragments"]) -> "Fragments":
-        parts = [p for p in parts if len(p)]
-        if not parts:
-            return Fragments.empty()
-        if len(parts) == 1:
-            return parts[0]
-        return Fragments(np.concatenate([p.src for p in parts]), np.concatenate([p.dst for p in parts]),
-                         np.concatenate([p.length for p in parts]))
+__all__ = ["Fragments", "GridPlan", "RankPool", "PlanScratch", "plan_piece", "plan_grid", "plan_pieces",
+           "coalesce", "plan_stats", "clear_plan_cache"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,23 +86,6 @@ class RankPool:
             return self.extent
         tp_rank, pp_rank = self.layout.coords(self.rank)
         return self.layout.stage_layers(pp_rank), self.layout.head_range(tp_rank)
-
-
-def coalesce(f: Fragments) -> Fragments:
-    """Merge neighbours (in array order) that are contiguous on both sides. Vectorised."""
-    n = len(f)
-    if n < 2:
-        return f
-    brk = np.empty(n, dtype=bool)
-    brk[0] = True
-    end_s = f.src[:-1] + f.length[:-1]
-    end_d = f.dst[:-1] + f.length[:-1]
-    np.not_equal(end_s, f.src[1:], out=brk[1:])
-    brk[1:] |= end_d != f.dst[1:]
-    starts = np.flatnonzero(brk)
-    if starts.size == n:
-        return f
-    return Fragments(f.src[starts], f.dst[starts], np.add.reduceat(f.length, starts))
 
 
 def _check_blocks(blocks, need: int, num_blocks: int, side: str) -> np.ndarray:
@@ -320,13 +270,15 @@ def _prepare(piece: Piece, ctx: RankPool, gen: RankPool, cb: np.ndarray, gb: np.
     return todo
 
 
-def _emit(todo: list, out: np.ndarray, pos: int) -> int:
-    """Write a prepared plan into out[:, pos:] (rows src, dst, length); return the end position."""
+def _emit(todo: list, out: np.ndarray, pos: int, lengths: bool = True) -> int:
+    """Write a prepared plan into out[:, pos:] (rows src, dst and, if `lengths`, length); return the end."""
     for off_s, off_d, ss, sd, runs in todo:
         k, r = off_s.size, ss.size
         np.add(off_s[:, None], ss[None, :], out=out[0, pos:pos + k * r].reshape(k, r))
         np.add(off_d[:, None], sd[None, :], out=out[1, pos:pos + k * r].reshape(k, r))
-        if isinstance(runs, int):
+        if not lengths:
+            pass
+        elif isinstance(runs, int):
             out[2, pos:pos + k * r] = runs
         else:
             out[2, pos:pos + k * r].reshape(k, r)[:] = runs[None, :]
@@ -339,7 +291,7 @@ def _count(todo: list) -> int:
 
 
 def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks,
-               num_tokens: int, first_token: int = 0) -> Fragments:
+               num_tokens: int, first_token: int = 0, scratch: PlanScratch | None = None) -> Fragments:
     """Fragments that copy `piece` of a request's first `num_tokens` tokens from ctx's blocks to gen's.
 
     Args:
@@ -348,14 +300,41 @@ def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_block
         ctx_blocks, gen_blocks: block ids of the request on each side (only the first ceil(n / tpb) are used).
         num_tokens: the request's token count n.
         first_token: copy only tokens [first_token, n) (the generation side holds the others).
+        scratch: where the arrays come from when given (see PlanScratch: memory used before, so no page
+            faults; equal lengths as one shared read-only array); None: new arrays.
     Returns:
         Fragments (src in ctx's pool, dst in gen's), adjacent runs already merged.
     """
     n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
     todo = _prepare(piece, ctx, gen, cb, gb, n, int(first_token))
-    out = np.empty((3, _count(todo)), dtype=np.int64)
-    _emit(todo, out, 0)
-    return Fragments(out[0], out[1], out[2])
+    count = _count(todo)
+    if scratch is None:
+        out = np.empty((3, count), dtype=np.int64)
+        _emit(todo, out, 0)
+        return Fragments(out[0], out[1], out[2])
+    run = _uniform_run(todo)
+    out = scratch.rows(count, 2 if run else 3)
+    _emit(todo, out, 0, lengths=not run)
+    return Fragments(out[0], out[1], scratch.constant(count, run) if run else out[2])
+
+
+def plan_grid(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks, num_tokens: int,
+              first_token: int = 0) -> GridPlan | None:
+    """`plan_piece` as a GridPlan when its fragments form one (one token-segment length and no merged runs:
+    scattered whole blocks, the usual case), else None. Same validation and errors as `plan_piece`; costs
+    the block ids' checks and a few arrays of (layers x K/V) and (blocks) entries, nothing per fragment."""
+    n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
+    todo = _prepare(piece, ctx, gen, cb, gb, n, int(first_token))
+    if len(todo) != 1 or not isinstance(todo[0][4], int) or not todo[0][2].size:
+        return None
+    off_s, off_d, ss, sd, run = todo[0]
+    return GridPlan(off_s, ss, off_d, sd, run)
+
+
+def _uniform_run(todo: list) -> int:
+    """The one fragment length of a prepared plan whose runs all have it, else 0."""
+    runs = {t[4] for t in todo if isinstance(t[4], int)}
+    return runs.pop() if len(runs) == 1 and all(isinstance(t[4], int) for t in todo) else 0
 
 
 def plan_stats(piece: Piece, ctx: RankPool, gen: RankPool, num_tokens: int) -> int:

@@ -16,6 +16,7 @@ Never sends, never frees local blocks.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from enum import Enum
 from dataclasses import dataclass, field
@@ -23,15 +24,26 @@ from typing import Any
 
 import numpy as np
 
-from ..agents import DescriptorList, TransferHandle, XferState
+from ..agents import DescriptorGrid, DescriptorList, TransferHandle, XferState
 from ..formatter.mapping import Piece
-from ..formatter.planner import Fragments, RankPool, plan_piece
+from ..formatter.planner import Fragments, RankPool, plan_grid, plan_piece
+from ..formatter.scratch import PlanScratch
 from . import messages as m
 from .fsm import move
 
 log = logging.getLogger("kvbridge.transceiver.receiver")
 
 __all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult"]
+
+_local = threading.local()
+
+
+def _scratch() -> PlanScratch:
+    """The calling thread's plan arrays (a receiver's I/O thread plans, posts and releases its pulls)."""
+    s = getattr(_local, "scratch", None)
+    if s is None:
+        s = _local.scratch = PlanScratch()
+    return s
 
 
 class PullState(str, Enum):
@@ -112,6 +124,7 @@ class Leg:
     remote_slot: int = -1  # staged path: the context rank's packed slot (-1: read direct)
     slot_bytes: int = 0
     read_ahead: bool = False  # the block ids came from DisaggParams; the context rank sends no Blocks
+    plans: list[np.ndarray] = field(default_factory=list)  # plan arrays its reads use: reused once settled
 
     def advance(self, to: LegState) -> None:
         """The one place a leg's state changes; IllegalTransition for a move LEG_MOVES does not list."""
@@ -235,22 +248,37 @@ class Pull:
             return
         sub = Piece(leg.ctx_rank, range(start, ready_stop), leg.piece.heads)
         t0 = time.monotonic()
-        frags: Fragments = plan_piece(sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens,
-                                      self.from_token)
+        # An agent that takes grids gets the plan as one (nothing per fragment on this thread but its
+        # staging); otherwise, or when the plan is no grid, fragment arrays (from this thread's reused memory).
+        args = (sub, remote, local, leg.ctx_blocks, self.blocks, self.num_tokens, self.from_token)
+        grid = plan_grid(*args) if agent.grid_native else None
+        frags: Fragments | None = None
+        if grid is None:
+            frags = plan_piece(*args, _scratch())
+            leg.plans.append(frags.src)
         t1 = time.monotonic()
         self.marks.setdefault("first_read_unix", time.time())
-        h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
-                       DescriptorList(frags.src, frags.length, remote.kind, remote.device))
+        if grid is not None:
+            g = grid.length
+            h = agent.read_grid(leg.peer_name,
+                                DescriptorGrid(grid.dst_outer, grid.dst_inner, g, local.kind, local.device),
+                                DescriptorGrid(grid.src_outer, grid.src_inner, g, remote.kind, remote.device))
+        else:
+            h = agent.read(leg.peer_name, DescriptorList(frags.dst, frags.length, local.kind, local.device),
+                           DescriptorList(frags.src, frags.length, remote.kind, remote.device))
         self.marks["plan_s"] = self.marks.get("plan_s", 0.0) + t1 - t0
         self.marks["post_s"] = self.marks.get("post_s", 0.0) + time.monotonic() - t1
         leg.handles.append(h)
         leg.read_upto = ready_stop
-        self.nbytes += frags.nbytes
-        self.fragments += len(frags)
+        plan = grid if grid is not None else frags
+        self.nbytes += plan.nbytes
+        self.fragments += len(plan)
 
     def release(self, arena, unpack_timeout_s: float) -> None:
         """Terminal: release every transfer handle and free the staging slots into `arena`; a slot whose
-        unpack is still running after `unpack_timeout_s` stays allocated (leaked, never reused)."""
+        unpack is still running after `unpack_timeout_s` stays allocated (leaked, never reused). The plan
+        arrays of a leg whose reads all settled go back to this thread's PlanScratch; a leg with a read still
+        in flight (quarantine over) keeps them away from reuse."""
         if self.verifying is not None:
             try:  # an unpack must not outlive its slot
                 self.verifying.exception(timeout=unpack_timeout_s)
@@ -259,9 +287,14 @@ class Pull:
                           unpack_timeout_s)
                 for leg in self.legs.values():
                     leg.slot = None
+        scratch = _scratch()
         for leg in self.legs.values():
+            settled = not leg.pending()  # nothing reads the plan arrays any more: the next plan may reuse them
             for h in leg.handles:
                 h.release()
+            for arr in leg.plans if settled else ():
+                scratch.give(arr)
+            leg.plans = []
             if leg.slot is not None:
                 arena.free(leg.slot)
                 leg.slot = None
