@@ -4,9 +4,11 @@ vLLM's HTTP-200 error chunks turned into real errors. (Real vLLM servers: test_s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -26,6 +28,8 @@ class FakeVllm:
         self.got: list[dict] = []
         self.auth: list[str | None] = []
         self.mode = "ok"
+        self.engine = False  # answer a prefill with KVBridgeConnector's engine fields (early decode)
+        self.disconnected = 0  # early decodes whose caller went away while they waited
         app = FastAPI()
 
         @app.get("/health")
@@ -39,9 +43,22 @@ class FakeVllm:
             self.auth.append(request.headers.get("authorization"))
             kvp = body.get("kv_transfer_params") or {}
             if kvp.get("do_remote_decode"):
+                if self.mode == "fail_early" and "kvbridge_early" in kvp:
+                    return JSONResponse({"error": {"message": "engine died", "code": 500}}, status_code=500)
+                out = {"handle": len(self.got), "secret": "s"}
+                if self.engine:
+                    out = {"do_remote_prefill": True, "kvbridge": {
+                        "version": 1, "num_tokens": 5, "ctx_request_id": len(self.got), "secret": "ab" * 16,
+                        "ctx_instance": "vllm-p", "endpoints": ["tcp://127.0.0.1:1"], "ctx_layout": {"x": 1},
+                        "layout_fingerprint": "f", "packing": "vec"}}
                 return {"id": "cmpl-p", "object": "text_completion", "model": body["model"],
                         "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
-                        "kv_transfer_params": {"handle": len(self.got), "secret": "s"}}
+                        "kv_transfer_params": out}
+            if (kvp.get("kvbridge") or {}).get("early") and self.mode == "fail_early":
+                while not await request.is_disconnected():  # waits for KV that will never come
+                    await asyncio.sleep(0.05)
+                self.disconnected += 1
+                return JSONResponse({}, status_code=499)
             if self.mode == "500" and not body.get("stream"):
                 return JSONResponse({"error": {"message": "Internal server error", "code": 500}},
                                     status_code=500)
@@ -163,3 +180,31 @@ def test_what_this_path_cannot_do_is_refused_before_any_hop(fakes, body, param):
     r = _post(url, {"prompt": "hello", "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param
     assert p.got == [] and d.got == []
+
+
+def test_early_decode_sends_both_hops_once_the_engine_is_known_and_falls_back_when_the_prefill_fails(fakes):
+    """KVBridgeConnector's engine fields in a prefill answer let the router send the next request's two hops
+    together (the decode's params name the router's handle and secret, early); when that prefill then fails,
+    the waiting decode is cancelled (its connection closed: vLLM aborts it) and the request runs the
+    sequential way, answered normally."""
+    url, p, d = fakes
+    p.engine = True
+    assert _post(url, {"prompt": "hello", "max_tokens": 5}).status_code == 200  # learns the engine
+    assert "kvbridge_early" not in p.got[-1]["kv_transfer_params"]
+    r = _post(url, {"prompt": "again", "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["kvbridge"]["early_decode"] is True, r.text
+    early = p.got[-1]["kv_transfer_params"]["kvbridge_early"]
+    kb = d.got[-1]["kv_transfer_params"]["kvbridge"]
+    assert kb["early"] is True and (kb["ctx_request_id"], kb["secret"]) == (early["ctx_request_id"], early["secret"])
+    assert kb["endpoints"] == ["tcp://127.0.0.1:1"] and kb["ctx_instance"] == "vllm-p" and "num_tokens" not in kb
+    assert len(early["secret"]) == 32 and 0 < early["ctx_request_id"] < 1 << 63
+    p.engine, p.mode, d.mode = False, "fail_early", "fail_early"  # the fallback's answer teaches no engine
+    n_pre, n_dec = len(p.got), len(d.got)
+    r = _post(url, {"prompt": "third", "max_tokens": 5})
+    assert r.status_code == 200 and "early_decode" not in r.json()["kvbridge"], r.text
+    assert len(p.got) == n_pre + 2 and len(d.got) == n_dec + 2  # the early pair, then the sequential pair
+    assert "kvbridge_early" not in p.got[-1]["kv_transfer_params"]
+    deadline = time.monotonic() + 10
+    while d.disconnected < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.disconnected == 1, "the early decode was not cancelled"
