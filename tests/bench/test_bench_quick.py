@@ -120,6 +120,8 @@ QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file rel
     "vllm": "tests/vllm/test_bench_vllm.py::test_the_quick_bench_writes_every_row_with_identical_tokens",
     "vllm-cells": "tests/vllm/test_bench_vllm_cells.py::test_the_tp1_cell_runs_both_connectors_and_kvbridge_is_exact",
     "control_trace": "tests/bench/test_bench_quick.py::test_control_trace_quick",  # python -m kvbridge.bench.X
+    "route_trace": "tests/serving/test_bench_route.py::"
+                   "test_bench_route_quick_writes_every_row_with_answers_equal_to_aggregated",
 }
 
 
