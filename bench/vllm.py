@@ -28,7 +28,6 @@ import os
 import random
 import statistics
 import sys
-import secrets
 import tempfile
 import threading
 import time
@@ -39,14 +38,13 @@ import httpx
 
 from ..integrations.vllm.launch import VllmServer, VllmServerSpec, free_port, vllm_missing
 from ..integrations.vllm.tiny_model import tiny_llama
-from ..serving.vllm_backend import decode_body, prefill_body, stream_error
+from ..serving.vllm_backend import decode_body, early_hops, engine_of, prefill_body, stream_error
 from .common import machine, table, write_json
 from .plot import save_plot
 
 __all__ = ["main", "run", "CONNECTORS"]
 
 CONNECTORS = ("aggregated", "nixl", "kvbridge", "kvbridge_early")
-ENGINE_KEYS = ("ctx_instance", "endpoints", "ctx_layout", "layout_fingerprint", "packing")
 CONNECTOR_MODULE = Path(__file__).resolve().parents[1] / "integrations" / "vllm" / "connector.py"
 DEFAULT_JSON = str(Path(__file__).resolve().parent / "results" / "vllm.json")
 # NixlConnector's decode-side histograms of one pull: (seconds, bytes); summed over label sets
@@ -136,14 +134,9 @@ def _early(client: httpx.Client, servers: dict, body: dict, timeout: float, deco
     if "engine" not in servers:
         r = client.post(servers["prefill"] + "/v1/completions", json=prefill_body(_body([3, 4, 5], 1, False)),
                         timeout=timeout)
-        kb = (r.json().get("kv_transfer_params") or {}).get("kvbridge") or {}
-        servers["engine"] = {k: v for k, v in kb.items() if k in ENGINE_KEYS}
-    handle, secret = secrets.randbits(63) or 1, secrets.token_hex(16)
+        servers["engine"] = engine_of(r.json().get("kv_transfer_params")) or {}
     pre = prefill_body({**body, "stream": False})
-    pre["kv_transfer_params"]["kvbridge_early"] = {"ctx_request_id": handle, "secret": secret}
-    kvp = {"do_remote_prefill": True, "do_remote_decode": False,
-           "kvbridge": {**servers["engine"], "version": 1, "early": True, "ctx_request_id": handle,
-                        "secret": secret}}
+    pre["kv_transfer_params"]["kvbridge_early"], kvp = early_hops(servers["engine"])
     if not hasattr(_local, "hop"):  # one prefill-hop thread (and connection) per calling thread
         _local.hop = ThreadPoolExecutor(1)
     answer = _local.hop.submit(_hop_post, servers["prefill"], pre, timeout)

@@ -44,7 +44,8 @@ from .inflight import in_flight
 from .protocol import ApiError
 from .relay import Relay, context_send, from_worker, json_or_none
 
-__all__ = ["VllmBackend", "PREFILL_KV_PARAMS", "prefill_body", "decode_body", "stream_error"]
+__all__ = ["VllmBackend", "PREFILL_KV_PARAMS", "prefill_body", "decode_body", "stream_error", "engine_of",
+           "early_hops"]
 
 log = logging.getLogger("kvbridge.serving.vllm_backend")
 
@@ -64,6 +65,24 @@ def prefill_body(body: dict) -> dict:
 def decode_body(body: dict, kv_transfer_params: dict) -> dict:
     """The decode hop's body: the client's whole request plus the prefill's kv_transfer_params."""
     return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def engine_of(kvp: Any) -> dict | None:
+    """A prefill engine as a KVBridgeConnector answer describes it (its `kvbridge` object's instance,
+    endpoints, layout and packing); None for any other answer (NixlConnector's)."""
+    body = kvp.get("kvbridge") if isinstance(kvp, dict) else None
+    if not isinstance(body, dict) or not isinstance(body.get("endpoints"), list):
+        return None
+    return {k: v for k, v in body.items() if k in _ENGINE_KEYS}
+
+
+def early_hops(engine: dict) -> tuple[dict, dict]:
+    """One early decode under a fresh handle and secret: (the prefill's `kvbridge_early` object, the decode's
+    kv_transfer_params) (kvbridge/integrations/vllm/params.py)."""
+    handle, secret = secrets.randbits(63) or 1, secrets.token_hex(16)
+    return ({"ctx_request_id": handle, "secret": secret},
+            {"do_remote_prefill": True, "do_remote_decode": False,
+             "kvbridge": {**engine, "version": 1, "early": True, "ctx_request_id": handle, "secret": secret}})
 
 
 def stream_error(obj: Any) -> str | None:
@@ -147,11 +166,8 @@ class VllmBackend:
         engine = self._engines.get(ctx_w.name) if ctx_w is not None else None
         if engine is None or gen_w is None:
             return None
-        handle, secret = secrets.randbits(63) or 1, secrets.token_hex(16)
         payload = prefill_body(body)
-        payload["kv_transfer_params"]["kvbridge_early"] = {"ctx_request_id": handle, "secret": secret}
-        kvp = {"do_remote_prefill": True, "do_remote_decode": False,
-               "kvbridge": {**engine, "version": 1, "early": True, "ctx_request_id": handle, "secret": secret}}
+        payload["kv_transfer_params"]["kvbridge_early"], kvp = early_hops(engine)
         deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "early_decode": True}
         pre = asyncio.create_task(self._prefill_once(request, path, payload, ctx_w, deadline))
         pre.add_done_callback(lambda t: self._learn(ctx_w.name, t))
@@ -193,9 +209,9 @@ class VllmBackend:
 
     def _remember(self, name: str, kvp: dict) -> None:
         """Keep a prefill server's engine from its answer (KVBridgeConnector's `kvbridge` object)."""
-        body = kvp.get("kvbridge")
-        if isinstance(body, dict) and isinstance(body.get("endpoints"), list):
-            self._engines[name] = {k: v for k, v in body.items() if k in _ENGINE_KEYS}
+        engine = engine_of(kvp)
+        if engine is not None:
+            self._engines[name] = engine
 
     def _forget(self, name: str, why) -> None:
         log.warning("router: early decode on prefill server %s failed (%s); running the request "

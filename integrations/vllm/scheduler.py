@@ -111,9 +111,7 @@ class SchedulerSide:
         if remote.num_tokens > len(prompt):
             return None, f"the remote prefill holds {remote.num_tokens} tokens, this request's prompt has {len(prompt)}"
         remote = remote.for_prompt(prompt_hash(prompt, remote.num_tokens or len(prompt)), len(prompt))
-        n = remote.num_tokens
-        if n > len(prompt):
-            return None, f"the remote prefill holds {n} tokens, this request's prompt has {len(prompt)}"
+        n = remote.num_tokens  # <= len(prompt): checked above, and an early pull's whole prompt
         want = params[KEY].get("prompt_hash")
         if want is not None and want != prompt_hash(prompt, n):
             return None, ("this request's prompt is not the one the remote prefill computed (prompt_hash "
