@@ -1,0 +1,455 @@
+"""Kernel-only sweep of the cuda_ipc fragment copy (issue 24): candidate kernels against cudaMemcpyPeer.
+
+One process, two GPUs with peer access (no IPC, no agent): 1 GiB on GPU1 (position-dependent words) is
+read as scattered fragments (random slot permutations on both sides, as `transfer_cuda` lays them out) into
+1 GiB on GPU0, by each candidate kernel, timed with CUDA events (median of `--reps` launches after one
+warm-up). Every launch's whole destination (poisoned first) is compared with an oracle made on GPU0 by a
+naive byte-copy kernel from a local copy of the source, so every row is verified.
+
+Candidates (see `variants`): today's kernel (agents/cuda_kernels.py's SOURCE, read from the file, launched
+with the repo's geometry) and string edits of it (loads in flight per lane `U`, 32-byte lanes, load
+cache/prefetch hints, threads per CTA, persistent grids, chunk sizes); `stream`, a uniform-fragment kernel
+whose lanes keep U loads in flight across fragment boundaries; `tma`, Hopper's bulk copy engine
+(cp.async.bulk peer -> shared -> local, one thread per CTA driving S stages); and `push`, the same copies
+launched on the SOURCE GPU (loads local, stores over NVLink). Layouts: `uniform` (every fragment the same
+length, 16-byte aligned) and `mis` (lengths flen - [0, 63], each end at a random byte offset: every word
+width of `kvb_copy_any` runs).
+
+    python bench/kernel_sweep.py --json out.jsonl [--only sm|tma] [--sizes 4096,16384,65536] [--reps 5]
+
+Needs 2 GPUs with peer access and cupy. Rows: {name, dir, layout, fragment_bytes, gbps, ms, ceiling_gbps,
+verified, ...}; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+
+import numpy as np
+
+GIB = 1 << 30
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+ORACLE = r"""
+typedef long long i64;
+extern "C" __global__ void oracle(const i64* __restrict__ t, i64 n) {  // one CTA per fragment, bytes
+  const i64 cum0 = t[2 * n + blockIdx.x], len = t[2 * n + blockIdx.x + 1] - cum0;
+  const unsigned char* s = (const unsigned char*)t[blockIdx.x];
+  unsigned char* d = (unsigned char*)t[n + blockIdx.x];
+  for (i64 k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
+}
+"""
+
+V32 = r"""
+struct alignas(16) v32 { v16 a, b; };
+template <> __device__ __forceinline__ v32 ld<v32>(const v32* p) { v32 v; v.a = ld(&p->a); v.b = ld(&p->b); return v; }
+template <> __device__ __forceinline__ void st<v32>(v32* p, const v32& v) { st(&p->a, v.a); st(&p->b, v.b); }
+"""
+
+STREAM = r"""
+// Uniform fragments, every address 16-byte aligned, flen % 16 == 0: the chunk is a stream of 16-byte words
+// and each lane keeps SU loads in flight across fragment boundaries (one division per batch).
+extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA)
+kvb_copy_stream(const i64* __restrict__ table, i64 n, i64 chunk, i64 nchunks, i64 flen) {
+  const i64* src = table;
+  const i64* dst = table + n;
+  const int lane = threadIdx.x & 31;
+  const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+  const i64 fw = flen >> 4, cw = chunk >> 4, tw = n * fw;
+  for (i64 c = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; c < nchunks; c += nwarps) {
+    const i64 w0 = c * cw, wend = min(w0 + cw, tw);
+    for (i64 wb = w0 + lane; wb < wend; wb += SU * 32) {
+      const i64 i0 = wb / fw, off0 = wb - i0 * fw;
+      i64 i = i0, off = off0;
+      v16 r[SU];
+#pragma unroll
+      for (int u = 0; u < SU; ++u) {
+        if (wb + u * 32 < wend) r[u] = ld(reinterpret_cast<const v16*>(src[i]) + off);
+        off += 32; while (off >= fw) { off -= fw; ++i; }
+      }
+      i = i0; off = off0;
+#pragma unroll
+      for (int u = 0; u < SU; ++u) {
+        if (wb + u * 32 < wend) st(reinterpret_cast<v16*>(dst[i]) + off, r[u]);
+        off += 32; while (off >= fw) { off -= fw; ++i; }
+      }
+    }
+  }
+}
+"""
+
+TMA = r"""
+typedef long long i64;
+__device__ __forceinline__ unsigned sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_wait(unsigned b, unsigned parity) {
+  unsigned ok = 0;
+  for (long long k = 0; !ok; ++k) {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok) : "r"(b), "r"(parity) : "memory");
+    if (k > (1ll << 26)) __trap();  // a hung copy ends the sweep's process, never the machine
+  }
+}
+// Uniform fragments cut into pieces of `piece` bytes (flen % piece == 0, both ends 16-byte aligned); CTA b
+// copies pieces b, b + grid, ... through TMA_S shared-memory stages: bulk load (peer -> shared, completing
+// on an mbarrier), bulk store (shared -> destination), S - 1 loads in flight. One thread drives it.
+extern "C" __global__ void __launch_bounds__(32)
+kvb_copy_tma(const i64* __restrict__ table, i64 n, i64 piece, i64 per_frag, i64 flen) {
+  extern __shared__ __align__(128) unsigned char stage[];
+  __shared__ __align__(8) unsigned long long bar[TMA_S];
+  if (threadIdx.x != 0) return;
+  const i64* src = table;
+  const i64* dst = table + n;
+  const i64 all = n * per_frag, g = gridDim.x, b0 = blockIdx.x;
+  const i64 T = all > b0 ? (all - b0 + g - 1) / g : 0;
+  for (int s = 0; s < TMA_S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(sa(&bar[s])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  for (i64 t = 0; t < T && t < TMA_S; ++t) {
+    const i64 j = b0 + t * g, f = j / per_frag, off = (j - f * per_frag) * piece;
+    const unsigned bb = sa(&bar[t]), d = sa(stage + t * piece);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bb), "r"((unsigned)piece) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(d), "l"(src[f] + off), "r"((unsigned)piece), "r"(bb) : "memory");
+  }
+  unsigned phase = 0;
+  for (i64 t = 0; t < T; ++t) {
+    const int s = (int)(t % TMA_S);
+    mbar_wait(sa(&bar[s]), (phase >> s) & 1u);
+    phase ^= 1u << s;
+    {
+      const i64 j = b0 + t * g, f = j / per_frag, off = (j - f * per_frag) * piece;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   :: "l"(dst[f] + off), "r"(sa(stage + s * piece)), "r"((unsigned)piece) : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    const i64 nt = t - 1 + TMA_S;  // refill the stage of item t - 1 once its store has read it
+    if (t >= 1 && nt < T) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      const int ns = (int)((t - 1) % TMA_S);
+      const i64 j = b0 + nt * g, f = j / per_frag, off = (j - f * per_frag) * piece;
+      const unsigned bb = sa(&bar[ns]), d = sa(stage + ns * piece);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bb), "r"((unsigned)piece) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   :: "r"(d), "l"(src[f] + off), "r"((unsigned)piece), "r"(bb) : "memory");
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+"""
+
+
+def repo_source() -> str:
+    """agents/cuda_kernels.py's SOURCE, read from the file (no kvbridge import: the GPU image lacks pyzmq)."""
+    path = os.path.join(os.path.dirname(HERE), "agents", "cuda_kernels.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SOURCE" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise SystemExit(f"no SOURCE in {path}")
+
+
+def edit(src: str, old: str, new: str) -> str:
+    if old not in src:
+        raise SystemExit(f"kernel edit failed: {old!r} not in the source")
+    return src.replace(old, new)
+
+
+def sm_source(u: int = 8, load: str = "ld.global", store: str = "st.global", threads: int = 256,
+              v32: bool = False, stream_u: int = 0, min_blocks: int = 0) -> str:
+    """The repo kernel with the 16-byte path's knobs changed (and the stream kernel appended)."""
+    s = repo_source()
+    s = edit(s, "copy_words<v16, 8>", f"copy_words<{'v32' if v32 else 'v16'}, {u}>")
+    s = edit(s, '"ld.global.v2.u64 {%0, %1}, [%2];"', f'"{load}.v2.u64 {{%0, %1}}, [%2];"')
+    s = edit(s, '"st.global.v2.u64 [%0], {%1, %2};"', f'"{store}.v2.u64 [%0], {{%1, %2}};"')
+    bounds = f"{threads}, {min_blocks}" if min_blocks else f"{threads}"
+    s = s.replace("__launch_bounds__(256)", f"__launch_bounds__({bounds})")
+    if v32:
+        s = edit(s, "// Copy n bytes s -> d", V32 + "\n// Copy n bytes s -> d")
+    if stream_u:
+        s += STREAM.replace("SU", str(stream_u)).replace("THREADS_PER_CTA", str(threads))
+    return s
+
+
+# name -> dict(kind, source kwargs, launch kwargs)
+def variants() -> list[dict]:
+    v = [dict(name="base", src={}),
+         dict(name="base_aligned", src={}, fn="kvb_copy_aligned"),
+         dict(name="u4", src=dict(u=4)),
+         dict(name="u16", src=dict(u=16)),
+         dict(name="v32_u4", src=dict(u=4, v32=True)),
+         dict(name="v32_u8", src=dict(u=8, v32=True)),
+         dict(name="nc", src=dict(load="ld.global.nc")),
+         dict(name="nc_noL1", src=dict(load="ld.global.nc.L1::no_allocate")),
+         dict(name="L2_128", src=dict(load="ld.global.L2::128B")),
+         dict(name="L2_256", src=dict(load="ld.global.L2::256B")),
+         dict(name="nc_L2_256", src=dict(load="ld.global.nc.L1::no_allocate.L2::256B")),
+         dict(name="u16_nc_L2_256", src=dict(u=16, load="ld.global.nc.L1::no_allocate.L2::256B")),
+         dict(name="st_cs", src=dict(store="st.global.cs")),
+         dict(name="t128", src=dict(threads=128), threads=128),
+         dict(name="t512", src=dict(threads=512), threads=512),
+         dict(name="lb3", src=dict(min_blocks=3)),
+         dict(name="lb4", src=dict(min_blocks=4)),
+         dict(name="u16_lb3", src=dict(u=16, min_blocks=3)),
+         dict(name="grid_sm1", src={}, per_sm=1),
+         dict(name="grid_sm2", src={}, per_sm=2),
+         dict(name="grid_sm4", src={}, per_sm=4),
+         dict(name="chunk4k", src={}, chunk=4096),
+         dict(name="chunk8k", src={}, chunk=8192),
+         dict(name="chunk32k", src={}, chunk=32768),
+         dict(name="chunk64k", src={}, chunk=65536),
+         dict(name="stream8", src=dict(stream_u=8), fn="kvb_copy_stream", uniform_only=True),
+         dict(name="stream16", src=dict(stream_u=16), fn="kvb_copy_stream", uniform_only=True),
+         dict(name="stream16_L2_256", src=dict(stream_u=16, load="ld.global.nc.L1::no_allocate.L2::256B"),
+              fn="kvb_copy_stream", uniform_only=True),
+         dict(name="push_base", src={}, push=True),
+         dict(name="push_u16", src=dict(u=16), push=True),
+         dict(name="push_stream16", src=dict(stream_u=16), fn="kvb_copy_stream", uniform_only=True, push=True)]
+    for x in v:
+        x.setdefault("kind", "sm")
+    # TMA: (largest piece, stages, CTAs per SM)
+    for piece, stages, per_sm in ((16384, 4, 3), (16384, 3, 4), (8192, 6, 4), (4096, 8, 6), (4096, 12, 4),
+                                  (32768, 3, 2)):
+        v.append(dict(name=f"tma_p{piece // 1024}k_s{stages}_c{per_sm}", kind="tma", piece=piece,
+                      stages=stages, per_sm=per_sm, uniform_only=True))
+    for piece, stages, per_sm in ((16384, 4, 3), (4096, 8, 6)):
+        v.append(dict(name=f"push_tma_p{piece // 1024}k_s{stages}_c{per_sm}", kind="tma", piece=piece,
+                      stages=stages, per_sm=per_sm, uniform_only=True, push=True))
+    return v
+
+
+class Sweep:
+    def __init__(self, total: int, reps: int, out) -> None:
+        import cupy as cp
+
+        self.cp, self.total, self.reps, self.out = cp, total, reps, out
+        cp.cuda.Device(0).use()
+        for a, b in ((0, 1), (1, 0)):
+            with cp.cuda.Device(a):
+                if not cp.cuda.runtime.deviceCanAccessPeer(a, b):
+                    raise SystemExit(f"GPU{a} cannot access GPU{b}")
+                cp.cuda.runtime.deviceEnablePeerAccess(b)
+        self.props = cp.cuda.runtime.getDeviceProperties(0)
+        self.sms = int(self.props["multiProcessorCount"])
+        with cp.cuda.Device(1):
+            w = cp.arange(total // 8, dtype=cp.int64)
+            self.src = (w * 0x9E3779B1 + (3 << 40) + 0x5DEECE66D).view(cp.uint8)
+            del w
+            self.s1 = cp.cuda.Stream(non_blocking=True)
+        self.srcl = cp.empty(total, dtype=cp.uint8)
+        cp.cuda.runtime.memcpyPeer(self.srcl.data.ptr, 0, self.src.data.ptr, 1, total)
+        self.dst = cp.empty(total, dtype=cp.uint8)
+        self.expect = cp.empty(total, dtype=cp.uint8)
+        self.s0 = cp.cuda.Stream(non_blocking=True)
+        self.oracle = cp.RawKernel(ORACLE, "oracle")
+        self.modules: dict = {}
+        self.ceiling = self.memcpy_peer()
+        self.layout = None
+
+    # --- layouts -------------------------------------------------------------------------------------
+    def set_layout(self, flen: int, layout: str) -> None:
+        cp, total = self.cp, self.total
+        rng = np.random.default_rng(flen * 7 + (layout == "mis"))
+        n = total // flen
+        ps, pd = rng.permutation(n).astype(np.int64), rng.permutation(n).astype(np.int64)
+        if layout == "uniform":
+            lens = np.full(n, flen, dtype=np.int64)
+            soff = doff = np.zeros(n, dtype=np.int64)
+        else:  # shorter lengths and random byte offsets inside each slot: every word width runs
+            lens = flen - rng.integers(0, 64, size=n).astype(np.int64)
+            soff = rng.integers(0, flen - lens + 1)
+            doff = rng.integers(0, flen - lens + 1)
+        cum = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens, out=cum[1:])
+        sa = self.src.data.ptr + ps * flen + soff
+        da = self.dst.data.ptr + pd * flen + doff
+        ea = self.expect.data.ptr + pd * flen + doff
+        self.n, self.flen, self.layout_name = n, flen, layout
+        self.sa, self.da, self.lens = sa, da, lens
+        self.moved = int(cum[-1])
+        self.uniform = flen if layout == "uniform" else 0
+        host = np.concatenate([sa, da, cum])
+        with cp.cuda.Device(0):
+            self.table0 = cp.asarray(host)
+        with cp.cuda.Device(1):
+            self.table1 = cp.asarray(host)
+        # the oracle: poisoned buffer, naive byte copies from the local source copy
+        sl = self.srcl.data.ptr + ps * flen + soff
+        with cp.cuda.Device(0):
+            self.expect.fill(0xA5)
+            otab = cp.asarray(np.concatenate([sl, ea, cum]))
+            self.oracle((n,), (256,), (otab, np.int64(n)))
+            cp.cuda.Device(0).synchronize()
+
+    # --- timing --------------------------------------------------------------------------------------
+    def _time(self, launch, dev: int, stream) -> list[float]:
+        cp = self.cp
+        with cp.cuda.Device(dev):
+            launch()
+            stream.synchronize()
+            ms = []
+            for _ in range(self.reps):
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record(stream)
+                launch()
+                b.record(stream)
+                b.synchronize()
+                ms.append(cp.cuda.get_elapsed_time(a, b))
+        return ms
+
+    def memcpy_peer(self) -> float:
+        cp = self.cp
+        s = self.s0
+
+        def go():
+            cp.cuda.runtime.memcpyPeerAsync(self.dst.data.ptr, 0, self.src.data.ptr, 1, self.total, s.ptr)
+
+        ms = self._time(go, 0, s)
+        return self.total / (float(np.median(ms)) * 1e-3) / 1e9
+
+    def module(self, v: dict, dev: int):
+        cp = self.cp
+        key = (v["kind"], json.dumps(v.get("src", {}), sort_keys=True), v.get("stages"), dev)
+        if key not in self.modules:
+            with cp.cuda.Device(dev):
+                if v["kind"] == "tma":
+                    code = TMA.replace("TMA_S", str(v["stages"]))
+                else:
+                    code = sm_source(**v.get("src", {}))
+                mod = cp.RawModule(code=code, options=("-std=c++17", "-default-device"), backend="nvrtc")
+                fn = mod.get_function("kvb_copy_tma" if v["kind"] == "tma" else v.get("fn", "kvb_copy_any"))
+                if hasattr(fn, "compile"):
+                    fn.compile()
+                self.modules[key] = (mod, fn)
+        return self.modules[key][1]
+
+    def occupancy(self, fn, threads: int, smem: int) -> int:
+        try:
+            from cuda.bindings import driver
+            err, k = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(driver.CUfunction(fn.kernel.ptr), threads, smem)
+            if int(err) == 0:
+                return int(k)
+        except Exception:  # noqa: BLE001, S110 - no cuda-bindings: estimate from registers below
+            pass
+        regs = max(8, -(-fn.num_regs // 8) * 8)
+        return max(1, min(2048 // threads, 65536 // (regs * threads), 32))
+
+    def run(self, v: dict) -> dict | None:
+        cp = self.cp
+        if v.get("uniform_only") and not self.uniform:
+            return None
+        dev = 1 if v.get("push") else 0
+        stream = self.s1 if dev else self.s0
+        table = self.table1 if dev else self.table0
+        row = dict(name=v["name"], dir="push" if dev else "pull", layout=self.layout_name,
+                   fragment_bytes=self.flen, fragments=self.n, bytes=self.moved)
+        try:
+            fn = self.module(v, dev)
+            row["regs"] = fn.num_regs
+            n = np.int64(self.n)
+            if v["kind"] == "tma":
+                piece = min(self.flen, v["piece"])
+                smem = v["stages"] * piece
+                with cp.cuda.Device(dev):
+                    fn.max_dynamic_shared_size_bytes = smem
+                blocks = self.sms * v["per_sm"]
+                args = (table, n, np.int64(piece), np.int64(self.flen // piece), np.int64(self.flen))
+
+                def launch():
+                    with stream:
+                        fn((blocks,), (32,), args, shared_mem=smem)
+                row.update(piece=piece, blocks=blocks, smem=smem)
+            else:
+                threads = v.get("threads", 256)
+                per_sm = v.get("per_sm") or self.occupancy(fn, threads, 0)
+                cap = per_sm * self.sms
+                wpc = threads // 32
+                chunk = v.get("chunk")
+                if chunk is None:  # the repo's geometry (FragmentCopier.geometry)
+                    want = -(-self.moved // (cap * wpc * 4))
+                    chunk = min(16 << 10, max(1 << 10, -(-want // 512) * 512))
+                nchunks = -(-self.moved // chunk)
+                blocks = max(1, min(cap, -(-nchunks // wpc)))
+                args = (table, n, np.int64(chunk), np.int64(nchunks), np.int64(self.uniform))
+
+                def launch():
+                    with stream:
+                        fn((blocks,), (threads,), args)
+                row.update(threads=threads, per_sm=per_sm, blocks=blocks, chunk=chunk)
+            with cp.cuda.Device(0):
+                self.dst.fill(0xA5)
+                cp.cuda.Device(0).synchronize()
+            ms = self._time(launch, dev, stream)
+            with cp.cuda.Device(0):
+                row["verified"] = bool(cp.array_equal(self.dst, self.expect))
+            med = float(np.median(ms))
+            row.update(ms=round(med, 4), gbps=round(self.moved / (med * 1e-3) / 1e9, 1),
+                       best_gbps=round(self.moved / (min(ms) * 1e-3) / 1e9, 1),
+                       ceiling_gbps=round(self.ceiling, 1))
+        except Exception as e:  # noqa: BLE001 - one variant's failure is a row, not the end of the sweep
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        print(json.dumps(row), file=self.out, flush=True)
+        return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="-", help="rows as JSON lines (appended)")
+    ap.add_argument("--sizes", default="4096,16384,65536")
+    ap.add_argument("--layouts", default="uniform,mis")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--total-mib", type=int, default=1024)
+    ap.add_argument("--only", default="", help="sm | tma | extras | comma-separated variant names")
+    ap.add_argument("--skip", default="", help="comma-separated variant names not to run")
+    ap.add_argument("--mis-variants", default="base,u4,u16,v32_u4,nc,L2_256,nc_L2_256,lb3,lb4,t512,chunk32k,push_base",
+                    help="variants also run on the misaligned layout")
+    a = ap.parse_args(argv)
+    out = sys.stdout if a.json == "-" else open(a.json, "a")  # noqa: SIM115 - lives as long as the run
+    vs = variants()
+    if a.only in ("sm", "tma"):
+        vs = [v for v in vs if v["kind"] == a.only]
+    elif a.only:
+        names = set(a.only.split(","))
+        vs = [v for v in vs if v["name"] in names]
+    vs = [v for v in vs if v["name"] not in set(a.skip.split(","))]
+    mis = set(a.mis_variants.split(","))
+    if a.only == "extras":  # the copy engine on scattered fragments, alone and beside the kernel
+        from kernel_sweep_ce import extras
+        sw = Sweep(a.total_mib << 20, a.reps, out)
+        for size in (int(s) for s in a.sizes.split(",")):
+            sw.set_layout(size, "uniform")
+            extras(sw, out)
+        return 0
+    sw = Sweep(a.total_mib << 20, a.reps, out)
+    print(f"# {sw.props['name'].decode() if isinstance(sw.props['name'], bytes) else sw.props['name']}, "
+          f"{sw.sms} SMs, memcpyPeer 1 GiB {sw.ceiling:.1f} GB/s", flush=True)
+    rows = []
+    for layout in a.layouts.split(","):
+        for size in (int(s) for s in a.sizes.split(",")):
+            sw.set_layout(size, layout)
+            ceiling = sw.memcpy_peer()
+            print(json.dumps(dict(name="memcpy_peer_1GiB", layout=layout, fragment_bytes=size,
+                                  gbps=round(ceiling, 1))), file=out, flush=True)
+            for v in vs:
+                if layout == "mis" and v["name"] not in mis:
+                    continue
+                r = sw.run(v)
+                if r is not None:
+                    rows.append(r)
+    base = {(r["layout"], r["fragment_bytes"]): r.get("gbps") for r in rows if r["name"] == "base"}
+    print(f"{'variant':24} {'dir':4} {'layout':7} {'frag':>6} {'GB/s':>7} {'vs base':>8} ok")
+    for r in rows:
+        b = base.get((r["layout"], r["fragment_bytes"]))
+        g = r.get("gbps")
+        rel = f"{g / b:8.3f}" if g and b else " " * 8
+        print(f"{r['name']:24} {r['dir']:4} {r['layout']:7} {r['fragment_bytes']:6} "
+              f"{g if g is not None else 'ERR':>7} {rel} {r.get('verified', r.get('error', '')[:60])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
