@@ -418,7 +418,10 @@ def main(argv=None) -> int:
     vs = [v for v in vs if v["name"] not in set(a.skip.split(","))]
     mis = set(a.mis_variants.split(","))
     if a.only == "extras":  # the copy engine on scattered fragments, alone and beside the kernel
-        from kernel_sweep_ce import extras
+        try:
+            from .kernel_sweep_ce import extras
+        except ImportError:  # run as a script (python bench/kernel_sweep.py): bench/ is on sys.path
+            from kernel_sweep_ce import extras
         sw = Sweep(a.total_mib << 20, a.reps, out)
         for size in (int(s) for s in a.sizes.split(",")):
             sw.set_layout(size, "uniform")
