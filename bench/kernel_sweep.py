@@ -6,9 +6,10 @@ read as scattered fragments (random slot permutations on both sides, as `transfe
 warm-up). Every launch's whole destination (poisoned first) is compared with an oracle made on GPU0 by a
 naive byte-copy kernel from a local copy of the source, so every row is verified.
 
-Candidates (see `variants`): today's kernel (agents/cuda_kernels.py's SOURCE, read from the file, launched
-with the repo's geometry) and string edits of it (new kernels' sources: kernel_sweep_src.py) (loads in flight per lane `U`, 32-byte lanes, load
-cache/prefetch hints, threads per CTA, persistent grids, chunk sizes); `stream`, a uniform-fragment kernel
+Candidates (see `variants`; the new kernels' sources are in kernel_sweep_src.py): today's kernel
+(agents/cuda_kernels.py's SOURCE, read from the file, launched with the repo's geometry) and string edits of
+it (loads in flight per lane `U`, 32-byte lanes, load cache/prefetch hints, threads per CTA, persistent
+grids, chunk sizes); `stream`, a uniform-fragment kernel
 whose lanes keep U loads in flight across fragment boundaries; `tma`, Hopper's bulk copy engine
 (cp.async.bulk peer -> shared -> local, one thread per CTA driving S stages); and `push`, the same copies
 launched on the SOURCE GPU (loads local, stores over NVLink). Layouts: `uniform` (every fragment the same
