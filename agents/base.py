@@ -247,7 +247,7 @@ class TransferAgent(ABC):
         except BaseException:
             settle_all(parts)
             raise
-        return ChunkedTransfer(parts)
+        return self._joined(parts)
 
     def _transfer(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         self._check_open()
@@ -279,6 +279,11 @@ class TransferAgent(ABC):
         except BaseException:
             settle_all(parts)  # nothing may still be moving when the caller sees the error
             raise
+        return self._joined(parts)
+
+    def _joined(self, parts: list[TransferHandle]) -> TransferHandle:
+        """The handle of one transfer posted as pipelined parts (an agent whose parts end in order may poll
+        them more cheaply)."""
         return ChunkedTransfer(parts)
 
     # --- teardown -------------------------------------------------------------------------------------

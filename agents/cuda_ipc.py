@@ -23,6 +23,7 @@ kernel: the handle stays PENDING until the kernel ends, then reports FAILED ("ca
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -32,6 +33,7 @@ from ..errors import AgentError, PeerError, RegistrationError
 from . import cuda_driver as drv
 from .base import (DescriptorGrid, DescriptorList, MemoryKind, MemoryRegion, TransferAgent,
                    TransferHandle, XferState)
+from .handles import ChunkedTransfer
 from .cuda_engine import NOT_READY, Engine, Slot
 from .cuda_peers import MAX_REGIONS, FastRegionTable, _parse_regions, _Peer  # noqa: F401 - re-exported
 from .cuda_kernels import CopyKernel, CopyTuning
@@ -40,6 +42,22 @@ from .envelope import field, open_envelope, seal
 log = logging.getLogger(__name__)
 
 _FAST_NVLINK = 400e9  # bytes/s no intra-node copy beats: `wait` sleeps through most of the expected time
+# `wait` wakes this long before the earliest possible end: time.sleep overshoots by the timer slack (50-80 us
+# on the GPU hosts, also for sleep(0)), so it must wake early and then poll without sleeping.
+_WAKE_EARLY = 250e-6
+_SPIN_S = 2e-3  # ... for at most this long (then the base class's polling, which sleeps between polls)
+
+
+def _await_end(h: TransferHandle, deadline: float) -> None:
+    """Sleep through most of the time `h`'s copy must take at best, then poll its state without sleeping
+    (os.sched_yield lets other threads run) until it is no longer PENDING, `_SPIN_S` passes, or the deadline."""
+    now = time.monotonic()
+    ahead = h.nbytes / _FAST_NVLINK - (now - h.posted_at) - _WAKE_EARLY
+    if ahead > 0:
+        time.sleep(min(ahead, max(0.0, deadline - now)))
+    stop = min(deadline, time.monotonic() + _SPIN_S)
+    while h.state() is XferState.PENDING and time.monotonic() < stop:
+        os.sched_yield()
 
 
 class CudaIpcTransfer(TransferHandle):
@@ -80,14 +98,12 @@ class CudaIpcTransfer(TransferHandle):
     def wait(self, timeout: float, poll_interval: float = 0.0) -> None:
         """Block until DONE; TransferFailed if it failed, TransferTimeout once `timeout` seconds pass.
 
-        Sleeps through most of the time the copy must take at best (bytes / 400 GB/s) instead of spinning,
-        then polls the event like the base class. Never waits past the deadline.
+        Sleeps through most of the time the copy must take at best (bytes / 400 GB/s), then polls the event
+        without sleeping near the end (`_await_end`), then like the base class. Never waits past the deadline.
         """
         deadline = time.monotonic() + max(0.0, float(timeout))
         if self._final is None and poll_interval == 0.0:
-            ahead = self.nbytes / _FAST_NVLINK - (time.monotonic() - self.posted_at) - 100e-6
-            if ahead > 0:
-                time.sleep(min(ahead, max(0.0, deadline - time.monotonic())))
+            _await_end(self, deadline)
         super().wait(max(0.0, deadline - time.monotonic()), poll_interval)
 
     def _cancel(self) -> None:
@@ -101,6 +117,36 @@ class CudaIpcTransfer(TransferHandle):
                 self._final = XferState.FAILED
                 self.error = "released before it finished"
             self._engine.recycle(slot, done=slot.query() != NOT_READY)
+
+
+class CudaIpcChunked(ChunkedTransfer):
+    """A READ or WRITE posted as pipelined kernels on one stream: they end in order, so `state()` polls the
+    first part not yet seen DONE and stops at a PENDING one (one event query per poll, not one per part), and
+    `wait` sleeps and polls like CudaIpcTransfer's for the bytes of all parts. A FAILED part, or all parts
+    DONE, is settled by ChunkedTransfer's rules (cancel the rest, FAILED once none can still move data)."""
+
+    def __init__(self, parts: list[TransferHandle]) -> None:
+        super().__init__(parts)
+        self.posted_at = parts[0].posted_at
+        self._seen = 0  # parts[:_seen] were DONE (final): a lower bound, so a racing poll is harmless
+
+    def state(self) -> XferState:
+        i, parts = self._seen, self._parts
+        while i < len(parts):
+            st = parts[i].state()
+            if st is XferState.PENDING:
+                self._seen = max(self._seen, i)
+                return XferState.PENDING
+            if st is not XferState.DONE:
+                break
+            i += 1
+        return super().state()
+
+    def wait(self, timeout: float, poll_interval: float = 0.0) -> None:
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        if poll_interval == 0.0:
+            _await_end(self, deadline)
+        super().wait(max(0.0, deadline - time.monotonic()), poll_interval)
 
 
 class CudaIpcAgent(TransferAgent):
@@ -308,6 +354,9 @@ class CudaIpcAgent(TransferAgent):
             engine.recycle(slot, done=False)
             raise
         return self._launch(engine, slot, n, n * local.length, local.length, 2 * n)
+
+    def _joined(self, parts: list[TransferHandle]) -> TransferHandle:
+        return CudaIpcChunked(parts)
 
     def _peer(self, op: str, peer: str) -> _Peer:
         p = self._remote.get(peer)

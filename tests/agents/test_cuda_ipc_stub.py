@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbridge.agents import DescriptorGrid, DescriptorList, MemoryKind, MemoryRegion, create_agent
+from kvbridge.agents import DescriptorGrid, DescriptorList, MemoryKind, MemoryRegion, XferState, create_agent
 from kvbridge.errors import AgentError, RegistrationError
 
 
@@ -102,6 +102,21 @@ def test_a_scattered_read_moves_every_byte_and_each_kernel_gets_its_fragments(ri
     np.testing.assert_array_equal(src, s)
     np.testing.assert_array_equal(dst, d)
     np.testing.assert_array_equal(np.concatenate([p[2] for p in parts]), lens)
+
+
+def test_a_pipelined_read_or_grid_read_is_one_handle_polled_in_order(rig):
+    from kvbridge.agents.cuda_ipc import CudaIpcChunked
+
+    rng = np.random.default_rng(2)
+    d, s = _scattered(rng, 300, 2048)
+    local, remote = rig.lists(d, s, np.full(300, 2048))
+    for h in (rig.local.read(rig.name, local, remote),
+              rig.local.read_grid(rig.name, *rig.grids(d, [0], s, [0], 2048))):
+        assert isinstance(h, CudaIpcChunked) and len(h._parts) > 1
+        h.wait(5.0)
+        assert h.state() is XferState.DONE
+        h.release()
+    np.testing.assert_array_equal(rig.dst, rig.expected(d, s, np.full(300, 2048)))
 
 
 def test_a_grid_read_gives_the_kernels_exactly_the_table_of_its_list(rig):
