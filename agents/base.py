@@ -263,7 +263,7 @@ class TransferAgent(ABC):
             if d.kind not in self.memory_kinds:
                 raise AgentError(f"{op}: {self.agent_kind} agent cannot move {side} {d.kind.value} memory")
         n = len(local)
-        if not self.post_chunk or n <= self.post_chunk:
+        if self._posted_whole(n):
             self._kvb_regions.check(local, f"{op} local side")
             return self._post(op, peer, local, remote)
         # Pipelined posting: check and post the list chunk by chunk, so the host work on chunk i+1 overlaps
@@ -280,6 +280,10 @@ class TransferAgent(ABC):
             settle_all(parts)  # nothing may still be moving when the caller sees the error
             raise
         return self._joined(parts)
+
+    def _posted_whole(self, n: int) -> bool:
+        """Whether a list of `n` descriptors goes out as one post (else as chunks of at most `post_chunk`)."""
+        return not self.post_chunk or n <= self.post_chunk
 
     def _joined(self, parts: list[TransferHandle]) -> TransferHandle:
         """The handle of one transfer posted as pipelined parts (an agent whose parts end in order may poll

@@ -57,6 +57,10 @@ class Slot:
             (err,) = drv.load()[0].cuEventQuery(self.event)
         return int(err)
 
+    @property
+    def freed(self) -> bool:
+        return not self.pinned.ptr
+
     def free(self) -> None:
         self.pinned.free()
         self.table.free()
@@ -72,7 +76,9 @@ class Engine:
 
     With `side_upload` the descriptor tables go up on a second stream (`upload`): the kernel's stream waits for
     its own table's event only, so the upload of the next transfer's table overlaps the copy of the current one
-    instead of queueing behind it. Without it, (the earlier behaviour) the upload runs on `stream` itself.
+    instead of queueing behind it; but when `stream` is idle (`idle()`: the last kernel launched on it has
+    ended) there is nothing to overlap, and the upload goes on `stream` ahead of its kernel (no cross-stream
+    event: the kernel starts sooner). Without it, (the earlier behaviour) the upload always runs on `stream`.
     Either way `stream` alone orders the kernels, and an event recorded on it after a kernel covers the
     kernel's upload too (the kernel waited for it).
     """
@@ -86,10 +92,21 @@ class Engine:
         with dev.current():
             self.stream = drv.check(cu.cuStreamCreate(flags), "cuStreamCreate")
             self.upload = drv.check(cu.cuStreamCreate(flags), "cuStreamCreate") if side_upload else None
+        self.tail: Slot | None = None  # the slot of the kernel launched last on `stream` (set by the agent)
         self._free: list[Slot] = []
         self._busy: list[Slot] = []  # released by their handles while their kernel may still run
         self._deferred: list[tuple[Slot, object]] = []  # (fence slot, callable) run once the fence is done
         self._lock = threading.Lock()
+
+    def idle(self) -> bool:
+        """Whether the kernel launched last on `stream` has ended (its device's context must be current). A
+        guess for choosing where an upload goes, never for freeing anything: a slot that was reused since, or
+        freed, answers for a kernel at least as late, or ended."""
+        t = self.tail
+        if t is None or t.freed:
+            return True
+        (err,) = drv.load()[0].cuEventQuery(t.event)
+        return int(err) != NOT_READY
 
     def acquire(self, words: int) -> Slot:
         with self._lock:

@@ -80,6 +80,7 @@ class Stub:
     def __init__(self, devices: int = 2) -> None:
         self.devices = devices
         self.run_kernels = False
+        self.events_pending = False  # True: every event query answers NOT_READY (work still in flight)
         self.record_tables = True
         self.calls: collections.Counter = collections.Counter()
         self.launches: list[Launch] = []
@@ -218,7 +219,7 @@ class Stub:
 
         @counted
         def cuEventQuery(ev):
-            return (ok,)
+            return (CUresult.CUDA_ERROR_NOT_READY if stub.events_pending else ok,)
 
         @counted
         def cuEventElapsedTime(a, b):

@@ -148,12 +148,32 @@ def test_an_agent_without_grids_reads_them_as_lists(rig):
     assert sum(len(p[0]) for p in parts) == 64
 
 
-def test_the_kernel_waits_for_its_own_upload_on_the_side_stream(rig):
+def test_behind_a_running_copy_the_kernel_waits_for_its_own_upload_on_the_side_stream(rig):
     calls = rig.stub.calls
+    lists = rig.lists([0, 8192], [4096, 0], np.array([4096, 4096]))
     before = calls["cuStreamWaitEvent"]
-    parts = rig.read(*rig.lists([0, 8192], [4096, 0], np.array([4096, 4096])))
-    waited = calls["cuStreamWaitEvent"] - before
-    assert len(parts) == 1 and waited == (1 if rig.local._side_upload else 0)
+    parts = rig.read(*lists)
+    assert len(parts) == 1 and calls["cuStreamWaitEvent"] == before  # an idle stream: upload ahead of the kernel
+    rig.stub.events_pending = True  # the last kernel still runs: the next tables go up beside it
+    try:
+        handles = [rig.local.read(rig.name, *lists) for _ in range(2)]
+    finally:
+        rig.stub.events_pending = False
+    for h in handles:
+        h.wait(5.0)
+        h.release()
+    assert calls["cuStreamWaitEvent"] - before == (2 if rig.local._side_upload else 0)
+    np.testing.assert_array_equal(rig.dst, rig.expected([0, 8192], [4096, 0], [4096, 4096]))
+
+
+def test_a_list_a_little_over_twice_the_first_chunk_is_already_pipelined(rig):
+    rng = np.random.default_rng(4)
+    d, s = _scattered(rng, 16, 4096)  # post_chunk 64: a first chunk of 8; 16 go out whole, 17 in two
+    assert len(rig.read(*rig.lists(d, s, np.full(16, 4096)))) == 1
+    d, s = _scattered(rng, 17, 4096)
+    parts = rig.read(*rig.lists(d, s, np.full(17, 4096)))
+    assert [len(p[0]) for p in parts] == [8, 9]
+    np.testing.assert_array_equal(rig.dst, rig.expected(d, s, np.full(17, 4096)))
 
 
 def test_remote_ranges_outside_the_peers_memory_are_refused_naming_the_range(rig):
