@@ -1,0 +1,129 @@
+"""One cuda_ipc READ end to end, this tree's completion and posting against the earlier ones, in ONE process.
+
+The host's speed differs from process to process on the lent GPU hosts (post_ms of one 1 GiB fragment
+0.13-0.28 ms between runs of the same tree), more than the changes measured here, so an A/B across runs
+of `transfer_cuda` says little. Here the modes alternate READ by READ in one process, on one agent:
+  base       the earlier behaviour: wait sleeps to 100 us before the 400 GB/s end, then polls with
+             time.sleep(0) (55 us each on those hosts); pipelined parts are a plain ChunkedTransfer, all polled;
+             every table upload on the side stream; lists of up to post_chunk descriptors posted whole;
+  nopipe     this tree's completion (`_await_end`, in-order polling) and idle-stream upload, lists posted
+             whole up to post_chunk as before;
+  new        this tree as it is (also pipelines lists over 2 x post_chunk / 8 descriptors).
+Timing as `transfer_cuda`: DescriptorLists built inside the timing, `wait` returns, then the whole 1 GiB
+destination is compared with the expected bytes (every READ verified).
+
+    python -m kvbridge.bench.read_ab --sizes 16384,65536,1073741824 --reps 15 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from kvbridge.bench.transfer_cuda import (
+    GIB,
+    SEED,
+    TIMEOUT,
+    Case,
+    PeerProcess,
+    _enable_peer_access,
+    _reset,
+    _verify,
+    gpu_pattern,
+)
+
+MODES = ("base", "nopipe", "new")
+
+
+def set_mode(mode: str) -> None:
+    """Switch the cuda_ipc agent class (process-wide) to one mode's behaviour."""
+    from kvbridge.agents import cuda_engine, cuda_ipc
+    from kvbridge.agents.base import TransferAgent
+    from kvbridge.agents.handles import ChunkedTransfer
+
+    cls = cuda_ipc.CudaIpcAgent
+    saved = set_mode.__dict__.setdefault("saved", {
+        "joined": cls._joined, "whole": cls._posted_whole, "idle": cuda_engine.Engine.idle,
+        "wake": cuda_ipc._WAKE_EARLY, "spin": cuda_ipc._SPIN_S})
+    old = mode == "base"
+    cls._joined = (lambda self, parts: ChunkedTransfer(parts)) if old else saved["joined"]
+    cls._posted_whole = saved["whole"] if mode == "new" else TransferAgent._posted_whole
+    cuda_engine.Engine.idle = (lambda self: False) if old else saved["idle"]
+    cuda_ipc._WAKE_EARLY = 100e-6 if old else saved["wake"]
+    cuda_ipc._SPIN_S = 0.0 if old else saved["spin"]
+
+
+def one_read(agent, peer: str, dst, case: Case) -> float:
+    from kvbridge.agents import DescriptorList, MemoryKind
+
+    _reset(dst)
+    t0 = time.perf_counter()
+    h = agent.read(peer, DescriptorList(case.local_addrs, case.lens, MemoryKind.VRAM, 0),
+                   DescriptorList(case.remote_addrs, case.lens, MemoryKind.VRAM, 1))
+    h.wait(TIMEOUT)
+    t = time.perf_counter() - t0
+    h.release()
+    if not _verify(dst, case):
+        raise SystemExit(f"READ of {case.n} x {case.frag} bytes: destination differs from the expected bytes")
+    return t
+
+
+def main(argv=None) -> int:
+    import torch
+    from kvbridge.agents import MemoryRegion, create_agent
+
+    p = argparse.ArgumentParser(prog="kvbridge.bench.read_ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=f"16384,65536,{GIB}")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    torch.cuda.set_device(0)
+    _enable_peer_access(0, 1)
+    peer_proc = PeerProcess(GIB, ["cuda_ipc"])
+    live, out = [], {"benchmark": "read_ab", "modes": MODES, "sizes": {}}
+    try:
+        dst = torch.empty(GIB, dtype=torch.uint8, device="cuda:0")
+        pattern0 = gpu_pattern(GIB, "cuda:0", SEED).clone()
+        torch.cuda.synchronize()
+        agent = create_agent("cuda_ipc", f"ab-local-{os.getpid()}")  # as a user's: no timing events
+        live.append((agent, agent.register_memory(MemoryRegion.of(dst))))
+        name = agent.connect(peer_proc.metas["cuda_ipc"])
+        peer_proc.connect("cuda_ipc", agent.metadata())
+        rng = np.random.default_rng(0)
+        for frag in (int(x) for x in args.sizes.split(",")):
+            case = Case(frag, GIB, pattern0, rng)
+            case.addresses(dst.data_ptr(), peer_proc.addr)
+            times = {m: [] for m in MODES}
+            for rep in range(args.reps + 1):
+                order = MODES if rep % 2 else MODES[::-1]
+                for m in order:
+                    set_mode(m)
+                    t = one_read(agent, name, dst, case)
+                    if rep:
+                        times[m].append(t)
+            row = {m: {"best_gbps": round(GIB / min(v) / 1e9, 1), "median_gbps": round(GIB / float(np.median(v)) / 1e9, 1),
+                       "median_us": round(float(np.median(v)) * 1e6, 1), "us": [round(x * 1e6, 1) for x in v]}
+                   for m, v in times.items()}
+            out["sizes"][frag] = row
+            print(f"{frag >> 10:>8} KiB x {case.n:>6}: " + "  ".join(
+                f"{m} best {r['best_gbps']} median {r['median_gbps']} GB/s ({r['median_us']} us)" for m, r in row.items()),
+                flush=True)
+            del case
+    finally:
+        set_mode("new")
+        for a, reg in live:
+            reg.release()
+            a.close()
+        peer_proc.close()
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
