@@ -110,7 +110,9 @@ def time_read(agent, peer: str, dst, remote_addr: int, case: Case, reps: int, tl
         ok &= _verify(dst, case)
         if rep == 0:
             continue
-        us = lambda t: (t - t0) * 1e6
+        def us(t: float, t0: float = t0) -> float:
+            return (t - t0) * 1e6
+
         rows.append(dict(wall=us(t3), lists=us(t1), post=us(t2), launch_calls=[round(us(t), 1) for t in tl.launch_at],
                          upload_start=[round(x, 1) for x in up], kernel_start=[round(x, 1) for x in pre],
                          kernel_end=[round(x, 1) for x in ends], detect=us(t3) - ends[-1],
