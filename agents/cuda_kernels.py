@@ -165,9 +165,8 @@ kvb_copy_aligned(const i64* __restrict__ table, i64 n, i64 chunk, i64 nchunks, i
   copy_fragments<true>(table, n, chunk, nchunks, flen);
 }
 
-// Any alignment: each piece takes the widest word its two ends share. At least 3 CTAs per SM: misaligned
-// fragments +6-10% (bench/RESULTS.md, "Fragment-copy kernel sweep", lb3), aligned ones unchanged.
-extern "C" __global__ void __launch_bounds__(256, 3)
+// Any alignment: each piece takes the widest word its two ends share.
+extern "C" __global__ void __launch_bounds__(256)
 kvb_copy_any(const i64* __restrict__ table, i64 n, i64 chunk, i64 nchunks, i64 flen) {
   copy_fragments<false>(table, n, chunk, nchunks, flen);
 }
