@@ -31,7 +31,7 @@ from .pull import ReceiveResult
 from .receiver import Receiver
 from .sender import Sender, SendResult
 
-__all__ = ["CacheTransceiver"]
+__all__ = ["CacheTransceiver", "agent_defaults"]
 
 
 class CacheTransceiver:
@@ -52,14 +52,14 @@ class CacheTransceiver:
     def context(cls, buffers, layout: KVLayout, rank: int, num_blocks: int, config: TransceiverConfig | None = None,
                 instance: str | None = None) -> "CacheTransceiver":
         config = config or TransceiverConfig()
-        return cls("context", LocalPool(layout, rank, buffers, num_blocks, _agent_defaults(config)), config,
+        return cls("context", LocalPool(layout, rank, buffers, num_blocks, agent_defaults(config)), config,
                    instance)
 
     @classmethod
     def generation(cls, buffers, layout: KVLayout, rank: int, num_blocks: int,
                    config: TransceiverConfig | None = None, instance: str | None = None) -> "CacheTransceiver":
         config = config or TransceiverConfig()
-        return cls("generation", LocalPool(layout, rank, buffers, num_blocks, _agent_defaults(config)), config,
+        return cls("generation", LocalPool(layout, rank, buffers, num_blocks, agent_defaults(config)), config,
                    instance)
 
     # --- context side ---------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class CacheTransceiver:
 _AGENT_DEFAULTS = {"nixl": {"idle_progress_s": 0.005}}
 
 
-def _agent_defaults(config: TransceiverConfig) -> TransceiverConfig:
+def agent_defaults(config: TransceiverConfig) -> TransceiverConfig:
     """`config` with _AGENT_DEFAULTS under its own agent options (a copy; `config` is untouched)."""
     options = {kind: dict(opts) for kind, opts in config.options.items()}
     for kind, defaults in _AGENT_DEFAULTS.items():

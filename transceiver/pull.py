@@ -226,12 +226,17 @@ class Pull:
                 if h.state() is XferState.PENDING:
                     h.cancel()
 
+    def _first_post(self) -> None:
+        if "first_post" not in self.marks:
+            self.marks["first_post"] = time.monotonic()
+            self.marks["first_read_unix"] = time.time()
+
     def post_ready_layers(self, leg: Leg, local: RankPool, agent) -> None:
         """Plan and post reads for the layers of `leg` that became ready since the last call."""
         remote = leg.remote
         if leg.remote_slot >= 0:  # staged: the whole packed piece is one descriptor
             if not leg.handles:
-                self.marks.setdefault("first_read_unix", time.time())
+                self._first_post()
                 one = np.ones(1, dtype=np.int64)
                 leg.handles.append(agent.read(
                     leg.peer_name, DescriptorList(one * leg.slot, one * leg.slot_bytes, local.kind, local.device),
@@ -257,7 +262,7 @@ class Pull:
             frags = plan_piece(*args, _scratch())
             leg.plans.append(frags.src)
         t1 = time.monotonic()
-        self.marks.setdefault("first_read_unix", time.time())
+        self._first_post()
         if grid is not None:
             g = grid.length
             h = agent.read_grid(leg.peer_name,
@@ -310,6 +315,8 @@ class Pull:
         if "read_done" in self.marks and "fetched" in self.marks:
             t["read"] = (self.marks["read_done"] - self.marks["fetched"]) * 1e3
             t["confirm"] = (end - self.marks["read_done"]) * 1e3
+            if "first_post" in self.marks:  # the reads alone: first READ posted -> last done (no planning)
+                t["xfer"] = (self.marks["read_done"] - self.marks["first_post"]) * 1e3
         if "first_read_unix" in self.marks:  # a wall-clock time (ms since the epoch), comparable across hosts'
             t["first_read_unix_ms"] = self.marks["first_read_unix"] * 1e3  # synchronised clocks: overlap proofs
         ok = self.state is PullState.DONE and not self.error

@@ -17,7 +17,7 @@ calls each and what it may do (vLLM's own contract, kv_connector/v1/base.py):
 | update_state_after_alloc | scheduler, after the blocks are allocated | queue the pull (or the refusal of bad params) |
 | build_connector_meta | scheduler, every step | hand this step's work to the workers |
 | start_load_kv | worker, every step (also steps without a forward) | publish, start pulls, cancel |
-| get_transfer_results | worker, every step | finished sends / receives / failed receives |
+| get_transfer_results | worker, every step | finished sends / receives / failed receives; a step with no forward first waits up to `idle_wait_ms` for a pull |
 | build_connector_worker_meta / update_connector_output | worker -> scheduler, every step | pull stats |
 | request_finished | scheduler, once per request, before its blocks are freed | prefill: keep the blocks, answer kvbridge's kv_transfer_params; decode: cancel a pull in flight |
 | save_kv_layer | worker, after each attention layer wrote its KV | early decode: the streamed requests' layers up to it are readable |
@@ -49,7 +49,7 @@ from ...transceiver.config import TransceiverConfig
 from .layout import DTYPE_NAMES, PACKED_ORDERS, EngineShape, describe_caches
 from .packing import Packing, probe
 from .scheduler import SchedulerSide
-from .work import PullStats, StepWork
+from .work import IDLE_WAIT_MS, PullStats, StepWork, idle_wait_s
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -118,6 +118,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         tc.setdefault("publish_wait_s", float(tc.get("transfer_timeout_s") or TransceiverConfig.transfer_timeout_s))
         self._config = TransceiverConfig.from_dict(tc)
         self._digest_dir = extra.get("kv_digest_dir")
+        self._idle_wait_s = idle_wait_s(extra.get("idle_wait_ms", IDLE_WAIT_MS))
         self._instance = f"vllm-{ktc.engine_id}"
         self._produce, self._consume = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self._shape = engine_shape(vllm_config)
@@ -191,6 +192,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(meta, KVBridgeMeta) and meta.work.idle:
+            self._worker.wait_pulls(self._idle_wait_s)
         sending, recving, failed = self._worker.poll()
         return KVConnectorTransferResults(sending, recving, failed)
 

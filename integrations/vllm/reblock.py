@@ -184,7 +184,7 @@ class Reblocker:
                         self._repack(st, job)
                         self._settled.append(Settled(job.key, True, r.nbytes,
                                                      (time.monotonic() - job.started) * 1e3,
-                                                     read_ms=float(r.timings_ms.get("read", 0.0))))
+                                                     read_ms=float(r.timings_ms.get("xfer", 0.0))))
                     except Exception as e:  # noqa: BLE001
                         self._settled.append(Settled(job.key, False, error=f"repacking failed: {e}"))
                 else:

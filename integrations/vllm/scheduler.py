@@ -190,6 +190,9 @@ class SchedulerSide:
         if self._early and scheduler_output is not None:
             self._early_step(scheduler_output)
         work, self._work = self._work, StepWork()
+        # no token scheduled: the engine only waits (for remote KV, or for nothing) and would spin through empty
+        # steps; the workers may block a little for their pulls instead (connector.py, idle_wait_ms)
+        work.idle = scheduler_output is not None and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         return work
 
     # --- early decode (prefill side) -----------------------------------------------------------------

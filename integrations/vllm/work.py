@@ -8,8 +8,9 @@ request ids are vLLM's strings, handles kvbridge's 63-bit wire ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Publish", "Pull", "Refuse", "StepWork", "PullStats"]
+__all__ = ["Publish", "Pull", "Refuse", "StepWork", "PullStats", "IDLE_WAIT_MS", "idle_wait_s"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,25 @@ class StepWork:
     cancels: list[str] = field(default_factory=list)  # decode requests aborted while their pull runs
     finished: list[str] = field(default_factory=list)  # streamed prefill requests vLLM has finished
     send_cancels: list[str] = field(default_factory=list)  # streamed prefill requests aborted: unpublish
+    idle: bool = False  # vLLM runs no forward this step: a worker whose pulls are in flight may wait for them
 
     def __bool__(self) -> bool:
         return bool(self.publishes or self.pulls or self.refusals or self.cancels or self.finished or
                     self.send_cancels)
+
+
+# A step with no forward (the engine only waits, e.g. for remote KV) blocks a worker up to this long for one of
+# its pulls to finish instead of spinning into the next empty step (`kv_connector_extra_config.idle_wait_ms`);
+# a request arriving meanwhile waits at most this long for the engine.
+IDLE_WAIT_MS = 5.0
+
+
+def idle_wait_s(ms: Any) -> float:
+    """`idle_wait_ms` checked and in seconds; ValueError naming the key for anything but 0..1000 ms."""
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms <= 1000:
+        raise ValueError(f"kv_connector_extra_config.idle_wait_ms must be a number of milliseconds in [0, 1000] "
+                         f"(0: never wait), got {ms!r}")
+    return float(ms) / 1e3
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from itertools import count
 from typing import Callable
 
 from ...errors import LayoutError
+from ...transceiver.cache_transceiver import agent_defaults
 from ...transceiver.config import TransceiverConfig
 from ...transceiver.params import DisaggParams
 from ...transceiver.pool import LocalPool
@@ -60,7 +61,8 @@ class WorkerSide:
         if packed and packing_of is None:
             raise LayoutError(f"a {pool.layout.order} cache needs its attention kernel's packing")
         self.packing = packing_of(pool.layout.shape.tokens_per_block) if packed and packing_of else None
-        self.pool = LocalPool(pool.layout, pool.rank, list(pool.buffers), pool.num_blocks, config)
+        # the agents' defaults of every transceiver (a NIXL progress thread fast only while a peer reads this rank)
+        self.pool = LocalPool(pool.layout, pool.rank, list(pool.buffers), pool.num_blocks, agent_defaults(config))
         try:
             self.sender = Sender(self.pool, config, instance) if produce else None
             self.receiver = Receiver(self.pool, config, instance) if consume else None
@@ -197,6 +199,13 @@ class WorkerSide:
         self._failed.add(req_id)
         self._stats[req_id] = PullStats(error=why)
 
+    def wait_pulls(self, timeout: float) -> None:
+        """A step with no forward: block (the GIL released) until one of this rank's pulls finished, at most
+        `timeout` seconds; return at once when none is in flight or a result already waits. vLLM's engine would
+        spin through empty steps meanwhile, taking the core (and the GIL) the reads run on."""
+        if timeout > 0 and self.receiver is not None and self._pulls and not (self._done_recv or self._failed):
+            self.receiver.wait_finished(timeout)
+
     def poll(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) vLLM request ids since the last poll."""
         sending, self._release = self._release, set()
@@ -225,7 +234,7 @@ class WorkerSide:
                     self._digest("gen", handle, blocks, n)
                     self._done_recv.add(req_id)
                     self._stats[req_id] = PullStats(r.nbytes, float(r.timings_ms.get("total", 0.0)),
-                                                    read_ms=float(r.timings_ms.get("read", 0.0)),
+                                                    read_ms=float(r.timings_ms.get("xfer", 0.0)),
                                                     first_read_unix_ms=float(r.timings_ms.get(
                                                         "first_read_unix_ms", 0.0)))
                 else:
