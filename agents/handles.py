@@ -87,6 +87,9 @@ class TransferHandle(_Releasable, ABC):
         self.error: str | None = None
         self.posted_at = time.monotonic()
         self._released = False
+        # (start, end) in microseconds on the transport's own clock, where it times its transfers (NIXL's
+        # telemetry: postXferReq -> completion seen); None otherwise. Set once the handle is DONE.
+        self.transport_span: tuple[float, float] | None = None
 
     @abstractmethod
     def state(self) -> XferState:
@@ -179,6 +182,18 @@ class ChunkedTransfer(TransferHandle):
         if pending:
             return XferState.PENDING
         return XferState.FAILED if failed else XferState.DONE
+
+    @property
+    def transport_span(self) -> tuple[float, float] | None:  # type: ignore[override]
+        """The parts' spans joined (first start, last end), when every part has one."""
+        spans = [p.transport_span for p in self._parts]
+        if not spans or any(x is None for x in spans):
+            return None
+        return min(a for a, _ in spans), max(b for _, b in spans)
+
+    @transport_span.setter
+    def transport_span(self, _value) -> None:  # the base __init__ sets None; the parts hold the spans
+        pass
 
     def _cancel(self) -> None:
         for p in self._parts:

@@ -59,6 +59,7 @@ class NixlTransfer(TransferHandle):
         self._cancelled = False
         if first == "DONE":
             self._final = XferState.DONE
+            self._timed()
         elif first == "ERR":
             self._final = XferState.FAILED
             self.error = "NIXL refused to post the transfer"
@@ -73,10 +74,22 @@ class NixlTransfer(TransferHandle):
             s = "ERR"
         if s == "DONE":
             self._final = XferState.FAILED if self._cancelled else XferState.DONE
+            self._timed()
         elif s == "ERR":
             self._final = XferState.FAILED
             self.error = self.error or "NIXL reported a transfer error (peer gone or memory invalid)"
         return self._final or XferState.PENDING
+
+    def _timed(self) -> None:
+        """Keep NIXL's own timing of this transfer (agents made with `telemetry`), as vLLM's NixlConnector
+        reports it: (start, start + xferDuration) in microseconds."""
+        if self._xfer is None or not getattr(self._nx, "kvb_telemetry", False):
+            return
+        try:
+            t = self._nx.get_xfer_telemetry(self._xfer)
+            self.transport_span = (float(t.startTime), float(t.startTime) + float(t.xferDuration))
+        except Exception:  # noqa: BLE001 - a diagnostic only; the transfer's outcome stands
+            pass
 
     def _cancel(self) -> None:
         # NIXL cannot stop data already in flight (releasing the request or forgetting the peer does not stop
@@ -113,6 +126,8 @@ class NixlAgent(TransferAgent):
             (`expect_reads`): an owner that knows when peers read (the transceiver's sender) sets it longer,
             so an idle thread stops taking the GIL and a core every `progress_interval_s`. Default:
             `progress_interval_s`.
+        telemetry: NIXL times every transfer (its `capture_telemetry`); a DONE handle's `transport_span` then
+            holds NIXL's (start, end), the measure vLLM's NixlConnector reports as its transfer time.
     """
 
     agent_kind = "nixl"
@@ -120,7 +135,7 @@ class NixlAgent(TransferAgent):
 
     def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",), num_threads: int = 0,
                  progress: str = "thread", progress_interval_s: float = 0.0005,
-                 idle_progress_s: float | None = None) -> None:
+                 idle_progress_s: float | None = None, telemetry: bool = False) -> None:
         super().__init__(name)
         if progress not in ("thread", "nixl", "manual"):
             raise AgentError(f"NixlAgent progress must be 'thread', 'nixl' or 'manual', got {progress!r}")
@@ -130,11 +145,13 @@ class NixlAgent(TransferAgent):
             backends=list(backends),
             num_threads=num_threads,
             sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            capture_telemetry=bool(telemetry),
         )
         try:
             self._nx = mod.nixl_agent(name, cfg)
         except Exception as e:  # noqa: BLE001
             raise AgentError(f"could not create NIXL agent {name!r}: {e}") from e
+        self._nx.kvb_telemetry = bool(telemetry)
         missing = [b for b in backends if b not in self._nx.backends]
         if missing:
             raise AgentError(f"NIXL backends {missing} are not available (plugins: {self._nx.plugin_list})")

@@ -5,9 +5,12 @@ tokens, unique per request so no prefix cache hides a transfer), greedy. Per con
 TTFT p50/p90 (aggregated: to the first streamed token; disaggregated: the prefill hop + the decode hop's
 first token, the protocol of serving/vllm_backend.py), the KV transfer's own time (p50) and bytes per
 request (NixlConnector: the decode server's `vllm:nixl_*` histograms in /metrics, one request at a time;
-KVBridgeConnector: the `kvbridge_transfer` {bytes, ms, read_ms} it answers in a non-streamed decode's
-`kv_transfer_params`, from one more unique prompt per repetition; `read_ms_p50` is the like-for-like column:
-NIXL's histogram times its READ alone, kvbridge's read_ms its reads, its ms the whole pull), requests/s at a fixed concurrency, and
+KVBridgeConnector: the `kvbridge_transfer` {bytes, ms, read_ms, transport_ms} it answers in a non-streamed
+decode's `kv_transfer_params`, from one more unique prompt per repetition; `read_ms_p50` is the like-for-like
+column: the READs on NIXL's own clock for both (vLLM's histogram is NIXL's telemetry of NixlConnector's READ;
+KVBridgeConnector's NIXL agents keep the same telemetry: `transport_ms`), `read_wall_ms_p50` kvbridge's reads
+on its own clock (first READ posted -> last seen done, from Python), transfer_ms kvbridge's whole pull),
+requests/s at a fixed concurrency, and
 whether every prompt's tokens equal the aggregated server's. Servers run one configuration at a time (the
 aggregated reference alone, as ../shared/vllm/ measured it): NixlConnector in its best configuration here
 (prefill on core 0, decode on core 1, every thread pinned once up); KVBridgeConnector with vLLM's OpenMP
@@ -84,9 +87,10 @@ def _stream(client: httpx.Client, url: str, body: dict, timeout: float) -> tuple
 
 
 def kvbridge_transfer(client: httpx.Client, servers: dict, prompt: list[int], max_tokens: int,
-                      timeout: float = 300.0) -> tuple[float | None, int | None, float | None]:
-    """(ms, bytes, read ms) of one prefill -> decode whose decode is not streamed: KVBridgeConnector answers
-    them in the decode's kv_transfer_params (`kvbridge_transfer`; ms: the whole pull, read_ms: its reads)."""
+                      timeout: float = 300.0) -> tuple[float | None, int | None, float | None, float | None]:
+    """(ms, bytes, read ms, NIXL ms) of one prefill -> decode whose decode is not streamed: KVBridgeConnector
+    answers them in the decode's kv_transfer_params (`kvbridge_transfer`; ms: the whole pull, read_ms: its
+    reads from the first posted to the last seen done, transport_ms: the same on NIXL's clock)."""
     body = _body(prompt, max_tokens, False)
     if servers.get("early"):
         r = _early(client, servers, body, timeout, lambda kvp: client.post(
@@ -98,7 +102,7 @@ def kvbridge_transfer(client: httpx.Client, servers: dict, prompt: list[int], ma
     t = (r.json().get("kv_transfer_params") or {}).get("kvbridge_transfer") or {}
     if r.status_code != 200 or t.get("error"):
         raise RuntimeError(f"decode: HTTP {r.status_code}: {str(r.json())[:300]}")
-    return t.get("ms"), t.get("bytes"), t.get("read_ms")
+    return t.get("ms"), t.get("bytes"), t.get("read_ms"), t.get("transport_ms") or None
 
 
 def one_request(client: httpx.Client, servers: dict, prompt: list[int], max_tokens: int,
@@ -211,7 +215,7 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
     names = TRANSFER_METRICS.get(name)
     rows, tokens = [], {}
     for n in a.lens:
-        ttfts, xfer_ms, xfer_bytes, read_ms, errors = [], [], [], [], []
+        ttfts, xfer_ms, xfer_bytes, read_ms, wall_ms, errors = [], [], [], [], [], []
         for rep in range(a.reps):
             before = metric_sums(client, servers["decode"], names) if names else {}
             try:
@@ -223,17 +227,19 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
             tokens[(n, rep)] = ids
             if names:
                 ms, nb = _transfer(client, servers["decode"], names, before, a.settle_s)
-                rd = ms  # vLLM's NIXL metric is the READ alone (xferDuration)
+                rd, wall = ms, None  # vLLM's NIXL metric is the READ alone (NIXL's xferDuration)
             elif name.startswith("kvbridge"):
                 try:
-                    ms, nb, rd = kvbridge_transfer(client, servers, prompt_ids(n, 300_000 + 1000 * rep + n),
-                                                   a.max_tokens)
+                    ms, nb, wall, nixl_ms = kvbridge_transfer(
+                        client, servers, prompt_ids(n, 300_000 + 1000 * rep + n), a.max_tokens)
+                    rd = nixl_ms if nixl_ms is not None else wall  # like for like: NIXL's clock for both
                 except RuntimeError as e:
                     errors.append(str(e)[:200])
                     continue
             if name != "aggregated":
                 xfer_ms.append(ms)
                 read_ms.append(rd)
+                wall_ms.append(wall)
                 xfer_bytes.append(nb)
         rps = throughput(servers, n, a)
         same = not errors and (ref is None or all(ref.get((n, r)) == tokens.get((n, r))
@@ -242,6 +248,7 @@ def measure(name: str, servers: dict, a, ref: dict | None) -> tuple[list[dict], 
         rows.append({"connector": name, "prompt_tokens": n, "ttft_p50_ms": _pct(ttfts, 0.5),
                      "ttft_p90_ms": _pct(ttfts, 0.9), "transfer_ms_p50": _pct(xfer_ms, 0.5),
                      "read_ms_p50": _pct([x for x in read_ms if x is not None], 0.5),
+                     "read_wall_ms_p50": _pct([x for x in wall_ms if x is not None], 0.5),
                      "kv_bytes": int(statistics.median(nb)) if nb else None, "req_per_s": rps,
                      "tokens_identical": same, "requests": a.reps, "transfers_seen": len(nb),
                      "errors": errors})
@@ -324,7 +331,7 @@ def plot(rows: list[dict], path: str) -> None:
         lens = sorted({r["prompt_tokens"] for r in rows})
         names = [c for c in CONNECTORS if any(r["connector"] == c for r in rows)]
         panels = (("ttft_p50_ms", "TTFT p50 (ms)"), ("transfer_ms_p50", "KV transfer p50 (ms, whole pull)"),
-                  ("read_ms_p50", "KV reads p50 (ms, like NIXL's xferDuration)"), ("req_per_s", "requests/s"))
+                  ("read_ms_p50", "KV READs p50 (ms, NIXL's telemetry for both)"), ("req_per_s", "requests/s"))
         for i, (key, label) in enumerate(panels):
             ax = fig.add_subplot(1, len(panels), i + 1)
             w = 0.8 / max(1, len(names))
@@ -373,7 +380,7 @@ def main(argv: list[str]) -> int:
     a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-vllm-")
     rows = run(a)
     print(table(rows, ["connector", "prompt_tokens", "ttft_p50_ms", "ttft_p90_ms", "transfer_ms_p50",
-                       "read_ms_p50", "kv_bytes", "req_per_s", "tokens_identical"]))
+                       "read_ms_p50", "read_wall_ms_p50", "kv_bytes", "req_per_s", "tokens_identical"]))
     path = a.json or (None if a.quick else DEFAULT_JSON)
     if path:
         write_json(path, rows)

@@ -226,6 +226,14 @@ class Pull:
                 if h.state() is XferState.PENDING:
                     h.cancel()
 
+    def reads_settled(self) -> None:
+        """Every read is done: note when, and the transport's own time for them where it keeps one (NIXL's
+        telemetry, as vLLM reports NixlConnector's transfers: first READ posted -> last seen done)."""
+        self.mark("read_done")
+        spans = [h.transport_span for leg in self.legs.values() for h in leg.handles]
+        if spans and all(x is not None for x in spans):
+            self.marks["transport_ms"] = (max(b for _, b in spans) - min(a for a, _ in spans)) / 1e3
+
     def _first_post(self) -> None:
         if "first_post" not in self.marks:
             self.marks["first_post"] = time.monotonic()
@@ -317,6 +325,8 @@ class Pull:
             t["confirm"] = (end - self.marks["read_done"]) * 1e3
             if "first_post" in self.marks:  # the reads alone: first READ posted -> last done (no planning)
                 t["xfer"] = (self.marks["read_done"] - self.marks["first_post"]) * 1e3
+            if "transport_ms" in self.marks:  # the same on the transport's own clock (NIXL telemetry)
+                t["transport"] = self.marks["transport_ms"]
         if "first_read_unix" in self.marks:  # a wall-clock time (ms since the epoch), comparable across hosts'
             t["first_read_unix_ms"] = self.marks["first_read_unix"] * 1e3  # synchronised clocks: overlap proofs
         ok = self.state is PullState.DONE and not self.error

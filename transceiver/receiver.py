@@ -356,7 +356,7 @@ class Receiver(IOThread):
                 self._fail(pull, "TransferFailed", f"read from context rank {leg.ctx_rank} failed: {err}")
                 return True
         if all(leg.all_posted and not leg.pending() for leg in pull.legs.values()):
-            pull.mark("read_done")
+            pull.reads_settled()
             if self.before_confirm is not None:
                 self.before_confirm(pull)
             if self._finisher.needed(pull):

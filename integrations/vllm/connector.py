@@ -113,6 +113,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         tc = dict(extra.get("transceiver") or {})
+        # NIXL times kvbridge's READs as vLLM's NixlConnector has it time its own (`transport_ms` in the answer)
+        opts = tc.get("options")
+        if opts is None or isinstance(opts, dict):  # anything else: TransceiverConfig names what is wrong
+            opts = dict(opts or {})
+            if opts.get("nixl") is None or isinstance(opts["nixl"], dict):
+                opts["nixl"] = {"telemetry": True, **(opts.get("nixl") or {})}
+            tc["options"] = opts
         # an early decode's Fetch may come while its prefill still waits in vLLM's queue: a prefill engine
         # keeps it for the decode's whole transfer deadline unless told otherwise (params.py: early decode)
         tc.setdefault("publish_wait_s", float(tc.get("transfer_timeout_s") or TransceiverConfig.transfer_timeout_s))

@@ -171,6 +171,7 @@ class SchedulerSide:
                 return False, None
             return False, {"kvbridge_transfer": {"bytes": stats.nbytes, "ms": round(stats.ms, 3),
                                                  "read_ms": round(stats.read_ms, 3), "error": stats.error,
+                                                 "transport_ms": round(stats.transport_ms, 3),
                                                  "first_read_unix_ms": round(stats.first_read_unix_ms, 3)}}
         if not finished_ok or not block_ids or num_computed <= 0 or not self.endpoints:
             return False, None

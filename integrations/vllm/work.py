@@ -84,8 +84,10 @@ class PullStats:
     error: str = ""
     read_ms: float = 0.0  # the reads alone (first READ posted -> last done), as vLLM's NIXL metric counts
     first_read_unix_ms: float = 0.0  # wall clock of the first READ posted (0: none), for overlap evidence
+    transport_ms: float = 0.0  # the reads on NIXL's own clock (its telemetry, as vLLM times NixlConnector's)
 
     def merge(self, other: "PullStats") -> "PullStats":
         firsts = [t for t in (self.first_read_unix_ms, other.first_read_unix_ms) if t]
         return PullStats(self.nbytes + other.nbytes, max(self.ms, other.ms), self.error or other.error,
-                         max(self.read_ms, other.read_ms), min(firsts) if firsts else 0.0)
+                         max(self.read_ms, other.read_ms), min(firsts) if firsts else 0.0,
+                         max(self.transport_ms, other.transport_ms))

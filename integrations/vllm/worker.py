@@ -236,7 +236,8 @@ class WorkerSide:
                     self._stats[req_id] = PullStats(r.nbytes, float(r.timings_ms.get("total", 0.0)),
                                                     read_ms=float(r.timings_ms.get("xfer", 0.0)),
                                                     first_read_unix_ms=float(r.timings_ms.get(
-                                                        "first_read_unix_ms", 0.0)))
+                                                        "first_read_unix_ms", 0.0)),
+                                                    transport_ms=float(r.timings_ms.get("transport", 0.0)))
                 else:
                     self._fail(req_id, f"{r.error_type}: {r.error}")
         if self.reblock is not None:
