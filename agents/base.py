@@ -119,6 +119,7 @@ class TransferAgent(ABC):
     agent_kind: ClassVar[str] = "abstract"
     memory_kinds: ClassVar[frozenset[MemoryKind]] = frozenset({MemoryKind.DRAM})
     post_chunk: ClassVar[int] = 0  # >0: post long descriptor lists as pipelined chunks of at most this many
+    post_grow: ClassVar[bool] = False  # True: the chunks double from post_chunk / 8 up (`chunk_bounds`, grow)
     grid_native: ClassVar[bool] = False  # True: `_post_grid` takes DescriptorGrids as they are
 
     def __init__(self, name: str) -> None:
@@ -241,7 +242,7 @@ class TransferAgent(ABC):
         parts: list[TransferHandle] = []  # pipelined by rows, as `_transfer` does by descriptors
         a = 0
         try:
-            for b in chunk_bounds(local.outer.size, rows):
+            for b in chunk_bounds(local.outer.size, rows, self.post_grow):
                 parts.append(self._post_grid("READ", peer, local.rows(a, b), remote.rows(a, b)))
                 a = b
         except BaseException:
@@ -271,7 +272,7 @@ class TransferAgent(ABC):
         parts: list[TransferHandle] = []
         a = 0
         try:
-            for b in chunk_bounds(n, self.post_chunk):
+            for b in chunk_bounds(n, self.post_chunk, self.post_grow):
                 lo, ro = local[a:b], remote[a:b]
                 self._kvb_regions.check(lo, f"{op} local side (descriptors {a}..{b - 1})")
                 parts.append(self._post(op, peer, lo, ro))

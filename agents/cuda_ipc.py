@@ -162,6 +162,8 @@ class CudaIpcAgent(TransferAgent):
         post_chunk: descriptors per pipelined kernel (None: the class default); for tuning and tests.
         side_upload: upload descriptor tables on a second stream, so the next transfer's upload overlaps the
             current copy (False: on the kernel's stream, ahead of its kernel, as before).
+        post_grow: pipelined parts double from post_chunk / 8 up to post_chunk (None: the class default, True;
+            False: a first part of post_chunk / 8, then post_chunk each, as before).
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -177,15 +179,24 @@ class CudaIpcAgent(TransferAgent):
     # pays ~1.9 ms of host work before the first byte moves). Lists over twice the first chunk (post_chunk / 8)
     # are pipelined (`_posted_whole`).
     post_chunk = 32768
+    # The parts double from post_chunk / 8 (4,096, 8,192, 16,384, 32,768, ...): each part's host work (~50 us
+    # of driver calls + ~4-6 ns per descriptor) then fits under the copy of the part before, so the kernels run
+    # back to back from the first (equal parts left a 133 us hole after the first 4 KiB kernel, and on slow
+    # host processes a 30-55 us one at 16 KiB).
+    post_grow = True
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
                  kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None,
-                 side_upload: bool = True) -> None:
+                 side_upload: bool = True, post_grow: bool | None = None) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         if post_chunk is not None:
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
                 raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
             self.post_chunk = post_chunk
+        if post_grow is not None:
+            if not isinstance(post_grow, bool):
+                raise AgentError(f"post_grow must be True or False, got {post_grow!r}")
+            self.post_grow = post_grow
         if not isinstance(side_upload, bool):
             raise AgentError(f"side_upload must be True or False, got {side_upload!r}")
         self._side_upload = side_upload
