@@ -43,6 +43,13 @@ def set_mode(mode: str) -> None:
     cuda_ipc.CudaIpcAgent.post_grow = mode == "grow"
 
 
+def cuda_ipc_default() -> None:
+    """Back to the class's own choice (grow for small fragments only)."""
+    from kvbridge.agents import cuda_ipc
+
+    cuda_ipc.CudaIpcAgent.post_grow = None
+
+
 def one_read(agent, peer: str, dst, case: Case) -> float:
     from kvbridge.agents import DescriptorList, MemoryKind
 
@@ -100,7 +107,7 @@ def main(argv=None) -> int:
                 flush=True)
             del case
     finally:
-        set_mode("grow")
+        cuda_ipc_default()
         for a, reg in live:
             reg.release()
             a.close()
