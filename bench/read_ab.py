@@ -4,7 +4,9 @@ The host's speed differs from process to process on the lent GPU hosts (post_ms 
 0.13-0.28 ms between runs of the same tree), more than the changes measured here, so an A/B across runs
 of `transfer_cuda` says little. Here the modes alternate READ by READ in one process, on one agent:
   equal      a first part of post_chunk / 8 descriptors, then post_chunk each (main before issue 24's read8);
-  grow       parts doubling from post_chunk / 8 up to post_chunk (`chunk_bounds(..., grow=True)`).
+  grow       parts doubling from post_chunk / 8 up to post_chunk (`chunk_bounds(..., grow=True)`);
+  auto       the class's default (post_grow=None): grow where the first fragments average under 16 KiB, so
+             the same code as one of the two above at every size (their spread is this run's noise).
 Timing as `transfer_cuda`: DescriptorLists built inside the timing, `wait` returns, then the whole 1 GiB
 destination is compared with the expected bytes (every READ verified). (read7's modes, base / nopipe / new,
 compared the completion and posting changes of that session; they are in its commit.)
@@ -33,14 +35,14 @@ from kvbridge.bench.transfer_cuda import (
     gpu_pattern,
 )
 
-MODES = ("equal", "grow")
+MODES = ("equal", "grow", "auto")
 
 
 def set_mode(mode: str) -> None:
     """Switch the cuda_ipc agent class (process-wide) to one mode's part sizes."""
     from kvbridge.agents import cuda_ipc
 
-    cuda_ipc.CudaIpcAgent.post_grow = mode == "grow"
+    cuda_ipc.CudaIpcAgent.post_grow = None if mode == "auto" else mode == "grow"
 
 
 def cuda_ipc_default() -> None:
