@@ -119,6 +119,7 @@ class TransferAgent(ABC):
     agent_kind: ClassVar[str] = "abstract"
     memory_kinds: ClassVar[frozenset[MemoryKind]] = frozenset({MemoryKind.DRAM})
     post_chunk: ClassVar[int] = 0  # >0: post long descriptor lists as pipelined chunks of at most this many
+    post_grow: ClassVar[bool | None] = False  # True: the chunks double from post_chunk / 8 up (`_part_ends`)
     grid_native: ClassVar[bool] = False  # True: `_post_grid` takes DescriptorGrids as they are
 
     def __init__(self, name: str) -> None:
@@ -241,7 +242,7 @@ class TransferAgent(ABC):
         parts: list[TransferHandle] = []  # pipelined by rows, as `_transfer` does by descriptors
         a = 0
         try:
-            for b in chunk_bounds(local.outer.size, rows):
+            for b in self._part_ends(local.outer.size, rows, local.length):
                 parts.append(self._post_grid("READ", peer, local.rows(a, b), remote.rows(a, b)))
                 a = b
         except BaseException:
@@ -268,10 +269,11 @@ class TransferAgent(ABC):
             return self._post(op, peer, local, remote)
         # Pipelined posting: check and post the list chunk by chunk, so the host work on chunk i+1 overlaps
         # the transfer of chunk i. The first chunk is small so data starts moving at once.
+        head = local.lengths[:max(1, self.post_chunk // 8)]  # the first part's fragments: their mean size
         parts: list[TransferHandle] = []
         a = 0
         try:
-            for b in chunk_bounds(n, self.post_chunk):
+            for b in self._part_ends(n, self.post_chunk, int(head.sum()) // head.size):
                 lo, ro = local[a:b], remote[a:b]
                 self._kvb_regions.check(lo, f"{op} local side (descriptors {a}..{b - 1})")
                 parts.append(self._post(op, peer, lo, ro))
@@ -284,6 +286,11 @@ class TransferAgent(ABC):
     def _posted_whole(self, n: int) -> bool:
         """Whether a list of `n` descriptors goes out as one post (else as chunks of at most `post_chunk`)."""
         return not self.post_chunk or n <= self.post_chunk
+
+    def _part_ends(self, n: int, chunk: int, frag: int) -> list[int]:
+        """End offsets of the pipelined parts of `n` descriptors (or grid rows) of at most `chunk`, the first
+        fragments `frag` bytes on average: `chunk_bounds`, growing if `post_grow`."""
+        return chunk_bounds(n, chunk, bool(self.post_grow))
 
     def _joined(self, parts: list[TransferHandle]) -> TransferHandle:
         """The handle of one transfer posted as pipelined parts (an agent whose parts end in order may poll

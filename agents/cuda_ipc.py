@@ -33,7 +33,7 @@ from ..errors import AgentError, PeerError, RegistrationError
 from . import cuda_driver as drv
 from .base import (DescriptorGrid, DescriptorList, MemoryKind, MemoryRegion, TransferAgent,
                    TransferHandle, XferState)
-from .handles import ChunkedTransfer
+from .handles import ChunkedTransfer, chunk_bounds
 from .cuda_engine import NOT_READY, Engine, Slot
 from .cuda_peers import MAX_REGIONS, FastRegionTable, _parse_regions, _Peer  # noqa: F401 - re-exported
 from .cuda_kernels import CopyKernel, CopyTuning
@@ -45,6 +45,7 @@ _FAST_NVLINK = 400e9  # bytes/s no intra-node copy beats: `wait` sleeps through 
 # `wait` wakes this long before the earliest possible end: time.sleep overshoots by the timer slack (50-80 us
 # on the GPU hosts, also for sleep(0)), so it must wake early and then poll without sleeping.
 _WAKE_EARLY = 250e-6
+_GROW_BELOW = 16384  # post_grow=None: parts grow where the first fragments average fewer bytes than this
 _SPIN_S = 2e-3  # ... for at most this long (then the base class's polling, which sleeps between polls)
 
 
@@ -162,6 +163,9 @@ class CudaIpcAgent(TransferAgent):
         post_chunk: descriptors per pipelined kernel (None: the class default); for tuning and tests.
         side_upload: upload descriptor tables on a second stream, so the next transfer's upload overlaps the
             current copy (False: on the kernel's stream, ahead of its kernel, as before).
+        post_grow: True: pipelined parts double from post_chunk / 8 up to post_chunk; False: a first part of
+            post_chunk / 8, then post_chunk each (as before); None (default): True where the first part's
+            fragments average under 16 KiB (`_GROW_BELOW`), else False.
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -177,15 +181,25 @@ class CudaIpcAgent(TransferAgent):
     # pays ~1.9 ms of host work before the first byte moves). Lists over twice the first chunk (post_chunk / 8)
     # are pipelined (`_posted_whole`).
     post_chunk = 32768
+    # Small fragments: the parts double from post_chunk / 8 (4,096, 8,192, 16,384, 32,768, ...), so each part's
+    # host work (~50 us of driver calls + ~4-6 ns per descriptor) fits under the copy of the part before (equal
+    # parts left a 133 us hole after the first 4 KiB kernel). From 16 KiB the first kernel already covers the
+    # second part's host work on a fast host, and the extra parts' kernel boundaries cost ~10 us per READ
+    # (bench/RESULTS.md, "Parts that grow"): equal parts there. None: that choice; True / False: always.
+    post_grow: bool | None = None
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
                  kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None,
-                 side_upload: bool = True) -> None:
+                 side_upload: bool = True, post_grow: bool | None = None) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         if post_chunk is not None:
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
                 raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
             self.post_chunk = post_chunk
+        if post_grow is not None:
+            if not isinstance(post_grow, bool):
+                raise AgentError(f"post_grow must be True, False or None, got {post_grow!r}")
+            self.post_grow = post_grow
         if not isinstance(side_upload, bool):
             raise AgentError(f"side_upload must be True or False, got {side_upload!r}")
         self._side_upload = side_upload
@@ -363,6 +377,10 @@ class CudaIpcAgent(TransferAgent):
         # Pipelined from twice the first chunk on: the first kernel starts after the host work of post_chunk / 8
         # descriptors instead of all n (a READ of 16,384 x 64 KiB: 4,096, then 12,288 while the first copies).
         return n <= 2 * max(1, self.post_chunk // 8)
+
+    def _part_ends(self, n: int, chunk: int, frag: int) -> list[int]:
+        grow = self.post_grow if self.post_grow is not None else frag < _GROW_BELOW
+        return chunk_bounds(n, chunk, grow)
 
     def _peer(self, op: str, peer: str) -> _Peer:
         p = self._remote.get(peer)

@@ -141,10 +141,29 @@ class TransferHandle(_Releasable, ABC):
         pass
 
 
-def chunk_bounds(n: int, chunk: int) -> list[int]:
-    """End offsets of pipelined chunks: a first chunk of chunk/8 (data moves early), then `chunk` each."""
+def chunk_bounds(n: int, chunk: int, grow: bool = False) -> list[int]:
+    """End offsets of pipelined chunks: a first chunk of chunk/8 (data moves early), then `chunk` each.
+
+    With `grow` the parts double from chunk/8 up to `chunk` (chunk/8, chunk/4, chunk/2, chunk, chunk, ...): each
+    part's host work (about proportional to its size) then fits under the copy of the part before, which is at
+    least half its size. A tail under half the next size joins the part before it; a joined tail over `chunk`
+    goes out as two halves. No part is over `chunk`.
+    """
     first = max(1, chunk // 8)
-    return [first] + list(range(first + chunk, n, chunk)) + [n] if n > first else [n]
+    if not grow:
+        return [first] + list(range(first + chunk, n, chunk)) + [n] if n > first else [n]
+    out, a, size = [], 0, first
+    while True:
+        nxt = min(2 * size, chunk)
+        if n - a - size < max(1, nxt // 2):  # what would follow this part is small: end here
+            rest = n - a
+            if rest > chunk:
+                out.append(a + rest // 2)
+            out.append(n)
+            return out
+        a += size
+        out.append(a)
+        size = nxt
 
 
 def settle_all(parts: list["TransferHandle"], timeout: float = 30.0) -> None:

@@ -63,3 +63,18 @@ def test_a_bad_descriptor_in_a_late_chunk_raises_after_earlier_chunks_settle(pai
     assert np.all((settled[head] == remote[head]) | (settled[head] == before[head]))
     np.testing.assert_array_equal(settled[800 * 64:], before[800 * 64:])
     np.testing.assert_array_equal(buf, settled)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 8, 64, 100, 32768])
+def test_growing_chunks_cover_the_list_in_order_double_and_stay_within_post_chunk(chunk):
+    from kvbridge.agents.handles import chunk_bounds
+
+    for n in list(range(1, 700)) + [65536, 262144, 1 << 20]:
+        ends = chunk_bounds(n, chunk, grow=True)
+        sizes = np.diff([0] + ends)
+        assert ends[-1] == n and (sizes > 0).all() and sizes.max() <= chunk, (n, chunk, ends)
+        assert sizes[0] == min(n, max(1, chunk // 8)) or len(sizes) == 1
+        body = sizes[:-2]  # every part but the (possibly joined or halved) last two at most doubles its predecessor
+        assert (body[1:] <= 2 * body[:-1]).all() and (body[1:] >= body[:-1]).all()
+    assert list(np.diff([0] + chunk_bounds(65536, 32768, grow=True))) == [4096, 8192, 16384, 18432, 18432]
+    assert chunk_bounds(16384, 32768, grow=True) == [4096, 16384]  # the tail joins the part before

@@ -176,6 +176,30 @@ def test_a_list_a_little_over_twice_the_first_chunk_is_already_pipelined(rig):
     np.testing.assert_array_equal(rig.dst, rig.expected(d, s, np.full(17, 4096)))
 
 
+def test_pipelined_parts_of_small_fragments_double_up_to_post_chunk_and_either_rule_can_be_forced(rig):
+    rng = np.random.default_rng(5)
+    d, s = _scattered(rng, 300, 2048)  # post_chunk 64: 8, 16, 32, then 64s, the tail of 52 as it is
+    assert [len(p[0]) for p in rig.read(*rig.lists(d, s, np.full(300, 2048)))] == [8, 16, 32, 64, 64, 64, 52]
+    np.testing.assert_array_equal(rig.dst, rig.expected(d, s, np.full(300, 2048)))
+    do, so = rng.permutation(32)[:30] * (SIZE // 32), rng.permutation(32)[:30] * (SIZE // 32)  # 30 rows
+    di, si = rng.permutation(16)[:10] * 2048, rng.permutation(16)[:10] * 2048  # of 10 ranges
+    rows = rig.read(*rig.grids(do, di, so, si, 2048), grid=True)
+    assert [len(p[0]) for p in rows] == [10, 20, 40, 60, 60, 60, 50]  # rows of 10: 6 rows a part at most
+    gd, gs = (do[:, None] + di[None, :]).ravel(), (so[:, None] + si[None, :]).ravel()
+    np.testing.assert_array_equal(rig.dst, rig.expected(gd, gs, np.full(300, 2048)))
+    d16, s16 = _scattered(rng, 40, 16384)  # 16 KiB fragments: equal parts by default (8, then up to 64)
+    assert [len(p[0]) for p in rig.read(*rig.lists(d16, s16, np.full(40, 16384)))] == [8, 32]
+    np.testing.assert_array_equal(rig.dst, rig.expected(d16, s16, np.full(40, 16384)))
+    rig.local.post_grow = True  # growing parts for any fragment size
+    assert [len(p[0]) for p in rig.read(*rig.lists(d16, s16, np.full(40, 16384)))] == [8, 16, 16]
+    np.testing.assert_array_equal(rig.dst, rig.expected(d16, s16, np.full(40, 16384)))
+    rig.local.post_grow = False  # as before: a first part of post_chunk / 8, then post_chunk each
+    assert [len(p[0]) for p in rig.read(*rig.lists(d, s, np.full(300, 2048)))] == [8, 64, 64, 64, 64, 36]
+    np.testing.assert_array_equal(rig.dst, rig.expected(d, s, np.full(300, 2048)))
+    with pytest.raises(AgentError, match="post_grow must be True, False or None"):
+        create_agent("cuda_ipc", "stub-bad", post_grow=1)
+
+
 def test_remote_ranges_outside_the_peers_memory_are_refused_naming_the_range(rig):
     local, remote = rig.grids([0], [0, 4096], [0], [0, SIZE - 100], 4096)  # the second runs past the end
     with pytest.raises(RegistrationError, match=r"descriptor 1 \(4096 bytes"):
