@@ -64,6 +64,7 @@ def test_a_failed_part_cancels_the_rest_and_the_whole_fails_only_once_none_still
 def test_near_the_end_wait_polls_without_sleeping(monkeypatch):
     sleeps: list[float] = []
     monkeypatch.setattr(cuda_ipc.time, "sleep", sleeps.append)
+    monkeypatch.setattr(cuda_ipc, "_SPIN_S", 60.0)  # a loaded box's 50 yields may outlast 2 ms: not this test's
     h = Part(nbytes=1, done_after=50)  # expected end already passed: no sleep at all
     _await_end(h, time.monotonic() + 30.0)
     assert h.now is D and h.polls == 50 and sleeps == []
@@ -72,6 +73,7 @@ def test_near_the_end_wait_polls_without_sleeping(monkeypatch):
 def test_wait_sleeps_once_through_the_time_the_copy_must_take_then_polls(monkeypatch):
     sleeps: list[float] = []
     monkeypatch.setattr(cuda_ipc.time, "sleep", sleeps.append)  # returns at once: the poll loop follows
+    monkeypatch.setattr(cuda_ipc, "_SPIN_S", 60.0)
     h = Part(nbytes=1 << 30, done_after=3)
     _await_end(h, time.monotonic() + 30.0)
     assert len(sleeps) == 1 and h.now is D
