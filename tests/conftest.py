@@ -9,7 +9,10 @@ run in file order with `pytest -p no:randomly`; rerun one test alone with its no
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import warnings
 
 import pytest
 
@@ -18,6 +21,28 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
+
+
+_STOP = (signal.SIGINT, signal.SIGTERM)
+_AT_A_TERMINAL = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_as_at_a_terminal(request):
+    """Each test starts with Ctrl-C and SIGTERM as a terminal's foreground command has them: children inherit an
+    ignored or blocked signal, so a server a later test starts would not stop on Ctrl-C (4 tests failed that way
+    in one shuffled run). A test that leaves them changed is named in a warning, and they are put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    changed = [signal.Signals(s).name for s in _STOP if signal.getsignal(s) is not _AT_A_TERMINAL[s]]
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP) & set(_STOP)
+    for s in _STOP:
+        signal.signal(s, _AT_A_TERMINAL[s])
+    if changed or blocked:
+        warnings.warn(f"the test before {request.node.nodeid} left {changed or ''} {sorted(blocked) or ''} "
+                      f"changed (ignored/handled or blocked); put back", stacklevel=1)
+    yield
 
 
 def _cuda_count() -> int:

@@ -108,6 +108,20 @@ def test_control_trace_quick():
     assert {"c.io_done", "c.io_fetch"} & hops, p.stdout  # a Fetch may carry its Done (protocol 4)
 
 
+def test_read_ab_quick(tmp_path):
+    """`python -m kvbridge.bench.read_ab` (docs/pipelined-parts.md): one size, one READ per mode, on two GPUs."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("bench read_ab reads between two CUDA GPUs (this machine has "
+                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+    out = tmp_path / "read_ab.json"
+    p = subprocess.run([sys.executable, "-m", "kvbridge.bench.read_ab", "--sizes", "65536", "--reps", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 0, f"read_ab exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert out.exists()
+
+
 QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file relative to the checkout)
     "transfer": "tests/bench/test_bench_quick.py::test_bench_transfer_quick",
     "plan": "tests/bench/test_bench_quick.py::test_bench_plan_quick",
@@ -122,6 +136,7 @@ QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file rel
     "control_trace": "tests/bench/test_bench_quick.py::test_control_trace_quick",  # python -m kvbridge.bench.X
     "route_trace": "tests/serving/test_bench_route.py::"
                    "test_bench_route_quick_writes_every_row_with_answers_equal_to_aggregated",
+    "read_ab": "tests/bench/test_bench_quick.py::test_read_ab_quick",  # two GPUs: skips here, runs on the GPU host
 }
 
 
