@@ -51,10 +51,11 @@ def _load_nixl():
 class NixlTransfer(TransferHandle):
     """A NIXL transfer request; state polled from NIXL; after cancel() it reports FAILED once NIXL settles."""
 
-    def __init__(self, nx, xfer, ndesc: int, nbytes: int, first: str) -> None:
+    def __init__(self, nx, xfer, ndesc: int, nbytes: int, first: str, timed: bool = False) -> None:
         super().__init__(ndesc, nbytes)
         self._nx = nx  # the agent's nixl_agent binding, which owns the request
         self._xfer = xfer
+        self._timed_by_nixl = timed  # the agent captures NIXL telemetry: keep NIXL's span once DONE
         self._final: XferState | None = None
         self._cancelled = False
         if first == "DONE":
@@ -83,7 +84,7 @@ class NixlTransfer(TransferHandle):
     def _timed(self) -> None:
         """Keep NIXL's own timing of this transfer (agents made with `telemetry`), as vLLM's NixlConnector
         reports it: (start, start + xferDuration) in microseconds."""
-        if self._xfer is None or not getattr(self._nx, "kvb_telemetry", False):
+        if self._xfer is None or not self._timed_by_nixl:
             return
         try:
             t = self._nx.get_xfer_telemetry(self._xfer)
@@ -151,7 +152,7 @@ class NixlAgent(TransferAgent):
             self._nx = mod.nixl_agent(name, cfg)
         except Exception as e:  # noqa: BLE001
             raise AgentError(f"could not create NIXL agent {name!r}: {e}") from e
-        self._nx.kvb_telemetry = bool(telemetry)
+        self._telemetry = bool(telemetry)
         missing = [b for b in backends if b not in self._nx.backends]
         if missing:
             raise AgentError(f"NIXL backends {missing} are not available (plugins: {self._nx.plugin_list})")
@@ -248,7 +249,7 @@ class NixlAgent(TransferAgent):
         except Exception as e:  # noqa: BLE001
             nx.release_xfer_handle(xfer)
             raise AgentError(f"NIXL could not post a {op} to {peer!r}: {e}") from e
-        return NixlTransfer(self._nx, xfer, len(local), local.nbytes, first)
+        return NixlTransfer(self._nx, xfer, len(local), local.nbytes, first, self._telemetry)
 
     def _close(self) -> None:
         self._stop_progress.set()
