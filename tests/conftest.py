@@ -27,22 +27,33 @@ _STOP = (signal.SIGINT, signal.SIGTERM)
 _AT_A_TERMINAL = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
 
-@pytest.fixture(autouse=True)
-def _stop_signals_as_at_a_terminal(request):
-    """Each test starts with Ctrl-C and SIGTERM as a terminal's foreground command has them: children inherit an
-    ignored or blocked signal, so a server a later test starts would not stop on Ctrl-C (4 tests failed that way
-    in one shuffled run). A test that leaves them changed is named in a warning, and they are put back."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _put_back_stop_signals() -> list[str]:
+    """Ctrl-C and SIGTERM back to a terminal's defaults; the names of those that were not there."""
     changed = [signal.Signals(s).name for s in _STOP if signal.getsignal(s) is not _AT_A_TERMINAL[s]]
     blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP) & set(_STOP)
     for s in _STOP:
         signal.signal(s, _AT_A_TERMINAL[s])
-    if changed or blocked:
-        warnings.warn(f"the test before {request.node.nodeid} left {changed or ''} {sorted(blocked) or ''} "
-                      f"changed (ignored/handled or blocked); put back", stacklevel=1)
+    return changed + [f"{signal.Signals(s).name} blocked" for s in sorted(blocked)]
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_as_at_a_terminal(request):
+    """Each test starts with Ctrl-C and SIGTERM as a terminal's foreground command has them: children inherit an
+    ignored or blocked signal, so a server a later test starts would not stop on Ctrl-C (4 tests failed that way
+    in one shuffled run). A test that leaves them changed is named in a warning (checked after it and, for a
+    change made outside any test, before the next), and they are put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    changed = _put_back_stop_signals()
+    if changed:
+        warnings.warn(f"something before {request.node.nodeid} (not a test) left {changed} changed; put back",
+                      stacklevel=1)
     yield
+    changed = _put_back_stop_signals()
+    if changed:
+        warnings.warn(f"{request.node.nodeid} left {changed} changed (ignored/handled or blocked); put back",
+                      stacklevel=1)
 
 
 def _cuda_count() -> int:
