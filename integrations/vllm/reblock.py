@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from ...formatter.layout import KVLayout, KVShape
+from ...transceiver.cache_transceiver import agent_defaults
 from ...transceiver.config import TransceiverConfig
 from ...transceiver.params import DisaggParams
 from ...transceiver.pool import LocalPool
@@ -46,6 +47,7 @@ class Settled:
     ms: float = 0.0
     error: str = ""
     read_ms: float = 0.0
+    transport_ms: float = 0.0  # the reads on NIXL's own clock, where the agent keeps its telemetry
 
 
 @dataclass
@@ -73,7 +75,8 @@ class _Stage:
         like = cache.buffers[0]
         dims = (self.num_blocks,) + tuple(like.shape[1:2]) + (tokens_per_block,) + tuple(like.shape[3:])
         self.buffers = tuple(torch.zeros(dims, dtype=like.dtype, device=like.device) for _ in cache.buffers)
-        self.pool = LocalPool(self.layout, cache.rank, list(self.buffers), self.num_blocks, config)
+        # the agents' defaults of every transceiver, as the worker's own pool has them
+        self.pool = LocalPool(self.layout, cache.rank, list(self.buffers), self.num_blocks, agent_defaults(config))
         try:
             self.receiver = Receiver(self.pool, config, f"{instance}-b{tokens_per_block}")
         except BaseException:
@@ -184,7 +187,8 @@ class Reblocker:
                         self._repack(st, job)
                         self._settled.append(Settled(job.key, True, r.nbytes,
                                                      (time.monotonic() - job.started) * 1e3,
-                                                     read_ms=float(r.timings_ms.get("xfer", 0.0))))
+                                                     read_ms=float(r.timings_ms.get("xfer", 0.0)),
+                                                     transport_ms=float(r.timings_ms.get("transport", 0.0))))
                     except Exception as e:  # noqa: BLE001
                         self._settled.append(Settled(job.key, False, error=f"repacking failed: {e}"))
                 else:

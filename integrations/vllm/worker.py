@@ -246,7 +246,7 @@ class WorkerSide:
                 if s.ok:
                     self._digest("gen", handle, blocks, n)
                     self._done_recv.add(s.key)
-                    self._stats[s.key] = PullStats(s.nbytes, s.ms, read_ms=s.read_ms)
+                    self._stats[s.key] = PullStats(s.nbytes, s.ms, read_ms=s.read_ms, transport_ms=s.transport_ms)
                 else:
                     self._fail(s.key, s.error)
         recving, failed = self._done_recv, self._failed

@@ -108,6 +108,19 @@ def test_control_trace_quick():
     assert {"c.io_done", "c.io_fetch"} & hops, p.stdout  # a Fetch may carry its Done (protocol 4)
 
 
+def test_control_floor_quick(tmp_path):
+    """docs/control-plane.md's `python -m kvbridge.bench.control_floor`: every bare hop answers, JSON + PNG."""
+    out = tmp_path / "floor.json"
+    p = subprocess.run([sys.executable, "-m", "kvbridge.bench.control_floor", "--rounds", "50", "--json", str(out)],
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    assert {(r["hop"], r["wait"]) for r in rows} == {("pipe", "block"), ("zmq_ipc", "block"), ("zmq_tcp", "block"),
+                                                      ("zmq_ipc", "spin"), ("zmq_tcp", "spin")}
+    assert all(r["rtt_p50_us"] > 0 for r in rows)
+
+
 def test_read_ab_quick(tmp_path):
     """`python -m kvbridge.bench.read_ab` (docs/pipelined-parts.md): one size, one READ per mode, on two GPUs."""
     import torch
@@ -137,6 +150,7 @@ QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file rel
     "route_trace": "tests/serving/test_bench_route.py::"
                    "test_bench_route_quick_writes_every_row_with_answers_equal_to_aggregated",
     "read_ab": "tests/bench/test_bench_quick.py::test_read_ab_quick",  # two GPUs: skips here, runs on the GPU host
+    "control_floor": "tests/bench/test_bench_quick.py::test_control_floor_quick",
 }
 
 
