@@ -313,29 +313,35 @@ class CudaIpcAgent(TransferAgent):
             return e
 
     grid_native = True  # grids are bounds-checked from their extremes and written straight into staging
+    checks_ranges = True  # each part's ranges are checked in the passes its staging makes anyway (`_post`)
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         n = len(local)
         if n == 0:
             return CudaIpcTransfer(None, None, 0, 0)
         p = self._peer(op, peer)
-        lens = local.lengths  # == remote.lengths (the base class checked)
-        lmax = self._kvb_regions.max_length(lens)  # the base class's local check just computed it
-        p.table.check(remote, f"{op} remote side (peer {peer!r})", lmax)
+        # Every range is checked here (checks_ranges): the local side by the base class's check of this part
+        # (FastRegionTable: lengths positive, addresses inside a registered region), the remote side below.
+        local_addrs, lens = local.raw()  # lens == remote's (the base class checked)
+        lmin, lmax = self._kvb_regions.length_range(lens)  # the base class's local check just computed them
+        if lmin <= 0:
+            local.validate()  # names the descriptor
+        p.table.check(remote, f"{op} remote side (peer {peer!r})", (lmin, lmax))
+        remote_addrs = remote.raw()[0]
         engine = self._engine(local.device)
         starts, deltas = p.mapping(engine.dev, remote.device)
-        flen = lmax if int(lens.min()) == lmax else 0  # equal lengths: no prefix sum, no search
+        flen = lmax if lmin == lmax else 0  # equal lengths: no prefix sum, no search
         words = 2 * n if flen else 3 * n + 1
         slot = engine.acquire(words)
         try:
             w = slot.pinned.words  # table: src[n] | dst[n] | cum[n + 1] (no cum when lengths are equal)
             remote_va, local_va = (w[:n], w[n:2 * n]) if op == "READ" else (w[n:2 * n], w[:n])
             if starts.size == 1 or not deltas.any():  # one mapping (or this process's own addresses)
-                np.add(remote.addrs, deltas[0], out=remote_va)
+                np.add(remote_addrs, deltas[0], out=remote_va)
             else:
-                idx = np.searchsorted(starts, remote.addrs, side="right") - 1
-                np.add(remote.addrs, deltas[idx], out=remote_va)
-            local_va[:] = local.addrs
+                idx = np.searchsorted(starts, remote_addrs, side="right") - 1
+                np.add(remote_addrs, deltas[idx], out=remote_va)
+            local_va[:] = local_addrs
             if flen:
                 total = flen * n
             else:
