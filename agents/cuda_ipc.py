@@ -166,6 +166,8 @@ class CudaIpcAgent(TransferAgent):
         post_grow: True: pipelined parts double from post_chunk / 8 up to post_chunk; False: a first part of
             post_chunk / 8, then post_chunk each (as before); None (default): True where the first part's
             fragments average under 16 KiB (`_GROW_BELOW`), else False.
+        grid_kernel: a grid READ uploads its outer and inner arrays and the grid kernel forms the addresses
+            (None: the class default, True); False: every address staged on the host, as before.
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -190,7 +192,7 @@ class CudaIpcAgent(TransferAgent):
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
                  kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None,
-                 side_upload: bool = True, post_grow: bool | None = None) -> None:
+                 side_upload: bool = True, post_grow: bool | None = None, grid_kernel: bool | None = None) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         if post_chunk is not None:
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
@@ -200,6 +202,10 @@ class CudaIpcAgent(TransferAgent):
             if not isinstance(post_grow, bool):
                 raise AgentError(f"post_grow must be True, False or None, got {post_grow!r}")
             self.post_grow = post_grow
+        if grid_kernel is not None:
+            if not isinstance(grid_kernel, bool):
+                raise AgentError(f"grid_kernel must be True or False, got {grid_kernel!r}")
+            self.grid_kernel = grid_kernel
         if not isinstance(side_upload, bool):
             raise AgentError(f"side_upload must be True or False, got {side_upload!r}")
         self._side_upload = side_upload
@@ -313,6 +319,9 @@ class CudaIpcAgent(TransferAgent):
             return e
 
     grid_native = True  # grids are bounds-checked from their extremes and written straight into staging
+    # A grid READ uploads the grid itself (outer and inner arrays, k + r words a side) and the grid kernel forms
+    # each fragment's addresses (False: every address written into staging, 2 x k x r words, as before)
+    grid_kernel: bool = True
     checks_ranges = True  # each part's ranges are checked in the passes its staging makes anyway (`_post`)
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
@@ -355,7 +364,8 @@ class CudaIpcAgent(TransferAgent):
 
     def _post_grid(self, op: str, peer: str, local: DescriptorGrid, remote: DescriptorGrid) -> TransferHandle:
         """A READ of grids: the remote span checked against the peer's regions in one test (range by range
-        only when it fails), addresses written straight into the pinned table, one upload, one kernel."""
+        only when it fails), the grid's arrays (or, without grid_kernel, every address) into the pinned table,
+        one upload, one kernel."""
         n = len(local)
         if n == 0:
             return CudaIpcTransfer(None, None, 0, 0)
@@ -366,15 +376,18 @@ class CudaIpcAgent(TransferAgent):
         inside = p.table.contains_span(remote.kind, remote.device, lo, hi + remote.length)
         if op != "READ" or not inside or (starts.size > 1 and deltas.any()):  # the list path, range by range
             return self._post(op, peer, local.to_list(), remote.to_list())
-        slot = engine.acquire(2 * n)
+        # table: src_outer | src_inner | dst_outer | dst_inner (grid kernel), else src[n] | dst[n]
+        rows = local.inner.size if self.grid_kernel else 0  # read once: the table and the kernel agree
+        half = local.outer.size + rows if rows else n
+        slot = engine.acquire(2 * half)
         try:
-            w = slot.pinned.words  # table: src[n] | dst[n], every fragment `length` bytes
-            remote.write(w[:n], int(deltas[0]))
-            local.write(w[n:2 * n])
+            w = slot.pinned.words
+            for g, out, delta in ((remote, w[:half], int(deltas[0])), (local, w[half:2 * half], 0)):
+                (g.write_axes if rows else g.write)(out, delta)
         except Exception:
             engine.recycle(slot, done=False)
             raise
-        return self._launch(engine, slot, n, n * local.length, local.length, 2 * n)
+        return self._launch(engine, slot, n, n * local.length, local.length, 2 * half, grid=rows)
 
     def _joined(self, parts: list[TransferHandle]) -> TransferHandle:
         return CudaIpcChunked(parts)
@@ -394,8 +407,10 @@ class CudaIpcAgent(TransferAgent):
             raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
         return p
 
-    def _launch(self, engine: Engine, slot: Slot, n: int, total: int, flen: int, words: int) -> TransferHandle:
-        """Upload a staged table (side stream: the kernel waits for this upload only) and launch its kernel."""
+    def _launch(self, engine: Engine, slot: Slot, n: int, total: int, flen: int, words: int,
+                grid: int = 0) -> TransferHandle:
+        """Upload a staged table (side stream: the kernel waits for this upload only) and launch its kernel
+        (the grid kernel, rows of `grid` fragments, where `grid` > 0)."""
         side = engine.upload  # None: the table goes up on the kernel's own stream
         enqueued = None  # the stream an upload was enqueued on: a failure fences the slot behind it
         cu, _ = drv.load()
@@ -417,7 +432,7 @@ class CudaIpcAgent(TransferAgent):
                     enqueued = engine.stream
                 engine.copier.launch(slot.table.ptr, n, total, aligned, engine.stream, uniform=flen,
                                      chunk=tuning.chunk, max_blocks=tuning.max_blocks, args=slot.args,
-                                     current=True)
+                                     current=True, grid=grid)
                 drv.check(cu.cuEventRecord(slot.event, engine.stream), "cuEventRecord")
                 engine.tail = slot
         except Exception:

@@ -10,7 +10,7 @@ from dataclasses import FrozenInstanceError
 import numpy as np
 import pytest
 
-from kvbridge.agents import DescriptorList, MemoryKind, TransferAgent
+from kvbridge.agents import DescriptorList, MemoryKind, TransferAgent, create_agent
 from kvbridge.errors import AgentError
 
 from .test_cuda_ipc_stub import SIZE, Rig, _has_cuda
@@ -142,3 +142,48 @@ def test_cuda_ipc_reads_an_unchecked_list_exactly_and_leaves_the_check_to_its_pa
     assert not local._checked and not remote._checked  # no whole-list passes: each part was checked as staged
     np.testing.assert_array_equal(rig.dst, rig.expected(d, s, lens))
     np.testing.assert_array_equal(np.concatenate([p[2] for p in parts]), lens)
+
+
+@pytestmark_stub
+@pytest.mark.parametrize("grid_kernel", [True, False], ids=["grid-kernel", "staged-addresses"])
+def test_a_grid_read_uploads_only_its_outer_and_inner_arrays_to_the_grid_kernel(grid_kernel):
+    from kvbridge.bench import cuda_stub
+
+    with cuda_stub.installed() as stub:
+        stub.run_kernels = True
+        rig = Rig(stub, post_chunk=64, grid_kernel=grid_kernel)
+        try:
+            rng = np.random.default_rng(9)
+            do, so = rng.permutation(16)[:12] * (SIZE // 16), rng.permutation(16)[:12] * (SIZE // 16)  # 12 rows
+            di, si = rng.permutation(32)[:10] * 2048, rng.permutation(32)[:10] * 2048  # of 10 ranges of 1 KiB
+            parts = rig.read(*rig.grids(do, di, so, si, 1024), grid=True)
+            d, s = (do[:, None] + di[None, :]).ravel(), (so[:, None] + si[None, :]).ravel()
+            np.testing.assert_array_equal(rig.dst, rig.expected(d, s, np.full(d.size, 1024)))
+            for k in range(3):  # the kernels saw exactly the list's (src, dst, length), in order
+                np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]),
+                                              [s + int(rig.src.ctypes.data), d + int(rig.dst.ctypes.data),
+                                               np.full(d.size, 1024)][k])
+            for launch in rig.stub.launches:
+                rows = launch.n // 10
+                if grid_kernel:
+                    assert launch.name == b"kvb_grid_any" and launch.grid_rows == 10
+                    assert launch.table.size == 2 * (rows + 10)  # not 2 x rows x 10 addresses
+                else:
+                    assert launch.name == b"kvb_copy_any" and launch.table.size == 2 * launch.n
+        finally:
+            rig.close()
+    with pytest.raises(AgentError, match="grid_kernel must be True or False"):
+        create_agent("cuda_ipc", "stub-bad", grid_kernel="yes")
+
+
+@pytestmark_stub
+def test_a_grid_launch_needs_equal_lengths_and_whole_rows():
+    from kvbridge.agents import cuda_driver as drv
+    from kvbridge.agents.cuda_kernels import FragmentCopier
+    from kvbridge.bench import cuda_stub
+
+    with cuda_stub.installed():
+        copier = FragmentCopier.get(drv.Device.get(0))
+        for n, r, flen in ((10, 3, 64), (12, 3, 0)):
+            with pytest.raises(AgentError, match="a grid launch needs equal lengths and whole rows"):
+                copier.launch(4096, n, n * 64, False, None, uniform=flen, grid=r)
