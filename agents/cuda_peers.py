@@ -106,7 +106,7 @@ class FastRegionTable(RegionTable):
             if starts.size:
                 addrs, lens = descs.raw()
                 lo = int(addrs.min())
-                i = int(np.searchsorted(starts, lo, side="right")) - 1
+                i = int(starts.searchsorted(lo, "right")) - 1
                 bot, top = (int(lens.min()), int(lens.max())) if lengths is None else lengths
                 self._last = (lens, bot, top)
                 if i >= 0 and bot > 0 and int(addrs.max()) + top <= int(ends[i]):
