@@ -64,6 +64,8 @@ def _await_end(h: TransferHandle, deadline: float) -> None:
 class CudaIpcTransfer(TransferHandle):
     """One posted copy kernel; `state()` queries its CUDA event (never blocks)."""
 
+    peak_bps = _FAST_NVLINK
+
     def __init__(self, engine: Engine | None, slot: Slot | None, ndesc: int, nbytes: int) -> None:
         super().__init__(ndesc, nbytes)
         self._engine, self._slot = engine, slot
@@ -125,6 +127,8 @@ class CudaIpcChunked(ChunkedTransfer):
     first part not yet seen DONE and stops at a PENDING one (one event query per poll, not one per part), and
     `wait` sleeps and polls like CudaIpcTransfer's for the bytes of all parts. A FAILED part, or all parts
     DONE, is settled by ChunkedTransfer's rules (cancel the rest, FAILED once none can still move data)."""
+
+    peak_bps = _FAST_NVLINK
 
     def __init__(self, parts: list[TransferHandle]) -> None:
         super().__init__(parts)
@@ -198,14 +202,11 @@ class CudaIpcAgent(TransferAgent):
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
                 raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
             self.post_chunk = post_chunk
-        if post_grow is not None:
-            if not isinstance(post_grow, bool):
-                raise AgentError(f"post_grow must be True, False or None, got {post_grow!r}")
-            self.post_grow = post_grow
-        if grid_kernel is not None:
-            if not isinstance(grid_kernel, bool):
-                raise AgentError(f"grid_kernel must be True or False, got {grid_kernel!r}")
-            self.grid_kernel = grid_kernel
+        for knob, value in (("post_grow", post_grow), ("grid_kernel", grid_kernel)):
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise AgentError(f"{knob} must be True, False or None, got {value!r}")
+                setattr(self, knob, value)
         if not isinstance(side_upload, bool):
             raise AgentError(f"side_upload must be True or False, got {side_upload!r}")
         self._side_upload = side_upload
@@ -319,9 +320,7 @@ class CudaIpcAgent(TransferAgent):
             return e
 
     grid_native = True  # grids are bounds-checked from their extremes and written straight into staging
-    # A grid READ uploads the grid itself (outer and inner arrays, k + r words a side) and the grid kernel forms
-    # each fragment's addresses (False: every address written into staging, 2 x k x r words, as before)
-    grid_kernel: bool = True
+    grid_kernel: bool = True  # grid READs upload outer + inner (k + r words a side); the grid kernel adds them
     checks_ranges = True  # each part's ranges are checked in the passes its staging makes anyway (`_post`)
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
@@ -329,8 +328,7 @@ class CudaIpcAgent(TransferAgent):
         if n == 0:
             return CudaIpcTransfer(None, None, 0, 0)
         p = self._peer(op, peer)
-        # Every range is checked here (checks_ranges): the local side by the base class's check of this part
-        # (FastRegionTable: lengths positive, addresses inside a registered region), the remote side below.
+        # checks_ranges: the base class's check of this part (FastRegionTable) covered the local side
         local_addrs, lens = local.raw()  # lens == remote's (the base class checked)
         lmin, lmax = self._kvb_regions.length_range(lens)  # the base class's local check just computed them
         if lmin <= 0:

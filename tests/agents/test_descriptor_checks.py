@@ -172,7 +172,7 @@ def test_a_grid_read_uploads_only_its_outer_and_inner_arrays_to_the_grid_kernel(
                     assert launch.name == b"kvb_copy_any" and launch.table.size == 2 * launch.n
         finally:
             rig.close()
-    with pytest.raises(AgentError, match="grid_kernel must be True or False"):
+    with pytest.raises(AgentError, match="grid_kernel must be True, False or None"):
         create_agent("cuda_ipc", "stub-bad", grid_kernel="yes")
 
 
