@@ -19,7 +19,9 @@ Rules every implementation keeps:
 - `read`/`write` never block on the data movement; they post it and return a `TransferHandle`.
 - `TransferHandle.wait` takes a timeout (seconds) and never waits past it; there is no unbounded wait.
 - Local descriptors must lie inside regions registered with this agent; this base class checks that with
-  vectorised interval lookups before a subclass sees them. Remote descriptors are checked by the subclass
+  vectorised interval lookups before a subclass sees them. Every range is checked (positive address and
+  length: `DescriptorList.validate`) before `_post`, unless the subclass sets `checks_ranges` and refuses bad
+  ranges itself in its own passes over each part (cuda_ipc). Remote descriptors are checked by the subclass
   against what the peer advertised (or by the transport, as UCX does with its keys).
 - `metadata()` and `connect()` handle bytes that came from the network: `connect` validates them and raises
   `PeerError` naming what was wrong; it never unpickles anything.

@@ -6,12 +6,13 @@
 #   1. bench/read_ab.py on new: --modes checked,fused alternated READ by READ in one process (every READ verified)
 #   2. transfer_cuda --no-memcpy --agents cuda_ipc --sizes $SIZES --reps 3: new, base
 #   3. tests/gpu/test_cuda_ipc.py and test_transceiver_gpu.py on new
-#   4. bench/direct_gpu.py --requests 3: new, base (1 GiB through the transceiver, TP2 -> TP1 and TP1 -> TP2)
+#   4. bench/direct_gpu.py --requests 4: new, base, new with grid_kernel=false (1 GiB through the transceiver,
+#      TP2 -> TP1 and TP1 -> TP2)
 #   5. transfer_cuda again: new, base
 set -u
 export NCCL_NVLS_ENABLE=0 UCX_LOG_LEVEL=error NIXL_LOG_LEVEL=WARN PYTHONUNBUFFERED=1 KVBRIDGE_CACHE_DIR=/tmp/kvbc
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-ROOT=$(realpath "${ROOT:-.dev-read9}") D=$OUT HARD=${HARD:-270} SIZES=${SIZES:-4096,16384,65536}
+ROOT=$(realpath "${ROOT:-.dev-read9}") D=$OUT HARD=${HARD:-280} SIZES=${SIZES:-4096,16384,65536}
 mkdir -p /tmp/base $D/tc && ln -sfn "$PWD" /tmp/base/kvbridge
 path() { if [ "$1" = base ]; then echo /tmp/site:/tmp/base; else echo /tmp/site:$ROOT/new; fi; }
 left() { if [ $((HARD - SECONDS)) -ge 30 ]; then return 0; fi; echo "== skipped (${SECONDS}s of ${HARD}s): $*"; return 1; }
@@ -34,11 +35,12 @@ if left tests; then
   (cd $ROOT/new/kvbridge && PYTHONPATH=$(path new) timeout $(tmo 150) python3 -m pytest -q -p no:cacheprovider \
     -p no:randomly tests/gpu/test_cuda_ipc.py tests/gpu/test_transceiver_gpu.py 2>&1 | grep -vE '^\{' | tail -15) | tee $D/tests.txt
 fi
-for t in new base; do
+for t in new base nogrid; do  # nogrid: new with the grid kernel off (the receiver's change alone)
   left "direct $t" || break
   echo "== $SECONDS s: $t direct_gpu"
-  (cd /tmp && PYTHONPATH=$(path $t) timeout $(tmo 60) python3 "$ROOT/new/kvbridge/bench/direct_gpu.py" --requests 3 \
-    --json $D/direct_gpu_$t.jsonl 2>&1 | grep -v '^{' | tail -4)
+  opt=(); tree=$t; if [ $t = nogrid ]; then opt=(--option grid_kernel=false); tree=new; fi
+  (cd /tmp && PYTHONPATH=$(path $tree) timeout $(tmo 60) python3 "$ROOT/new/kvbridge/bench/direct_gpu.py" --requests 4 \
+    "${opt[@]}" --json $D/direct_gpu_$t.jsonl 2>&1 | grep -v '^{' | tail -4)
 done
 tc new 2; tc base 2
 python3 - "$D" <<'PY'
