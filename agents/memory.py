@@ -96,6 +96,9 @@ class DescriptorList:
     def __repr__(self) -> str:
         return f"DescriptorList({len(self)} ranges, kind={self.kind.value}, device={self.device})"
 
+    def __reduce__(self):  # copy.copy / deepcopy (made anew: the copy checks its ranges on its own first use)
+        return DescriptorList, (self._addrs, self._lengths, self.kind, self.device)
+
     @property
     def addrs(self) -> np.ndarray:
         if not self._checked:

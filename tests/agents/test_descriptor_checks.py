@@ -5,6 +5,7 @@ naming its index in the whole list, and no kernel ever gets a length or address 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import FrozenInstanceError
 
 import numpy as np
@@ -33,6 +34,9 @@ def test_a_list_checks_its_ranges_on_first_use_naming_the_first_bad_one():
     assert good.validate() is good and good.nbytes == 32 and (good.kind, good.device, len(good)) == (MemoryKind.VRAM, 1, 2)
     with pytest.raises(FrozenInstanceError):
         good.device = 0
+    twin = copy.deepcopy(good)
+    np.testing.assert_array_equal(twin.lengths, [16, 16])
+    assert (twin.kind, twin.device) == (MemoryKind.VRAM, 1)
     assert len(DescriptorList([], []).validate()) == 0
 
 
