@@ -100,10 +100,10 @@ class _Current:
 
     __slots__ = ("_dev",)
 
-    def __init__(self, dev: "Device") -> None:
+    def __init__(self, dev: Device) -> None:
         self._dev = dev
 
-    def __enter__(self) -> "Device":
+    def __enter__(self) -> Device:
         r = _cu.cuCtxPushCurrent(self._dev.ctx)
         err = r[0] if isinstance(r, tuple) else r
         if int(err) != 0:
@@ -146,7 +146,7 @@ class Device:
                 d = cls._cache[ordinal] = Device(ordinal)
             return d
 
-    def current(self) -> "_Current":
+    def current(self) -> _Current:
         """Make this device's primary context current for the block; the caller's context is restored."""
         return _Current(self)
 

@@ -74,7 +74,7 @@ class DescriptorList:
     checks and staging already pass over each part) reads the arrays through `raw()` and skips the extra passes.
     """
 
-    __slots__ = ("_addrs", "_lengths", "kind", "device", "_checked", "_base")
+    __slots__ = ("_addrs", "_base", "_checked", "_lengths", "device", "kind")
 
     def __init__(self, addrs, lengths, kind: MemoryKind = MemoryKind.DRAM, device: int = 0) -> None:
         addrs = np.ascontiguousarray(addrs, dtype=np.int64)
@@ -116,7 +116,7 @@ class DescriptorList:
         before using it (positive lengths, addresses inside registered memory)."""
         return self._addrs, self._lengths
 
-    def validate(self) -> "DescriptorList":
+    def validate(self) -> DescriptorList:
         """Check every range once (AgentError naming the first with an address or length <= 0); returns self."""
         if not self._checked:
             a, n = self._addrs, self._lengths

@@ -10,7 +10,6 @@ from dataclasses import FrozenInstanceError
 
 import numpy as np
 import pytest
-
 from kvbridge.agents import DescriptorList, MemoryKind, TransferAgent, create_agent
 from kvbridge.errors import AgentError
 
@@ -26,7 +25,7 @@ def test_a_list_checks_its_ranges_on_first_use_naming_the_first_bad_one():
         dl[50:70].validate()
     dl[:60].validate()  # the good head alone is fine
     with pytest.raises(AgentError, match=r"descriptor 2 is 8 bytes at -5"):
-        DescriptorList([8, 16, -5], [8, 8, 8]).addrs
+        _ = DescriptorList([8, 16, -5], [8, 8, 8]).addrs
     with pytest.raises(AgentError, match="1-D and of equal length"):
         DescriptorList([8, 16], [8])
     good = DescriptorList([4096, 8192], [16, 16], MemoryKind.VRAM, 1)

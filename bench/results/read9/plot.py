@@ -6,11 +6,18 @@ import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "..", "..", ".."))  # the folder holding the kvbridge package
-from kvbridge.bench.plot import save_plot  # noqa: E402
+from kvbridge.bench.plot import save_plot
 
-ab = json.load(open(os.path.join(here, "read_ab.json")))
-tc = json.load(open(os.path.join(here, "transfer.json")))["rows"]
-direct = {t: [json.loads(x) for x in open(os.path.join(here, f"direct_gpu_{t}.jsonl"))] for t in ("base", "nogrid", "new")}
+
+
+def _load(name: str):
+    with open(os.path.join(here, name), encoding="utf-8") as f:
+        return [json.loads(x) for x in f] if name.endswith(".jsonl") else json.load(f)
+
+
+ab = _load("read_ab.json")
+tc = _load("transfer.json")["rows"]
+direct = {t: _load(f"direct_gpu_{t}.jsonl") for t in ("base", "nogrid", "new")}
 
 
 def draw(fig):
