@@ -19,7 +19,9 @@ Rules every implementation keeps:
 - `read`/`write` never block on the data movement; they post it and return a `TransferHandle`.
 - `TransferHandle.wait` takes a timeout (seconds) and never waits past it; there is no unbounded wait.
 - Local descriptors must lie inside regions registered with this agent; this base class checks that with
-  vectorised interval lookups before a subclass sees them. Remote descriptors are checked by the subclass
+  vectorised interval lookups before a subclass sees them. Every range is checked (positive address and
+  length: `DescriptorList.validate`) before `_post`, unless the subclass sets `checks_ranges` and refuses bad
+  ranges itself in its own passes over each part (cuda_ipc). Remote descriptors are checked by the subclass
   against what the peer advertised (or by the transport, as UCX does with its keys).
 - `metadata()` and `connect()` handle bytes that came from the network: `connect` validates them and raises
   `PeerError` naming what was wrong; it never unpickles anything.
@@ -121,6 +123,9 @@ class TransferAgent(ABC):
     post_chunk: ClassVar[int] = 0  # >0: post long descriptor lists as pipelined chunks of at most this many
     post_grow: ClassVar[bool | None] = False  # True: the chunks double from post_chunk / 8 up (`_part_ends`)
     grid_native: ClassVar[bool] = False  # True: `_post_grid` takes DescriptorGrids as they are
+    # True: `_post` checks every range of its part itself (positive lengths, addresses inside the regions) in
+    # the passes it makes anyway, so `_transfer` skips DescriptorList.validate's two passes per list
+    checks_ranges: ClassVar[bool] = False
 
     def __init__(self, name: str) -> None:
         if not name or not isinstance(name, str):
@@ -256,10 +261,13 @@ class TransferAgent(ABC):
             raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
         if len(local) != len(remote):
             raise AgentError(f"{op}: {len(local)} local descriptors but {len(remote)} remote ones")
-        if not _same_array(local.lengths, remote.lengths) and not np.array_equal(local.lengths, remote.lengths):
-            bad = int(np.argmax(local.lengths != remote.lengths))
-            raise AgentError(f"{op}: descriptor {bad} is {local.lengths[bad]} bytes locally but "
-                             f"{remote.lengths[bad]} remotely")
+        if not self.checks_ranges:  # the agent gets checked lists; else it checks each part as it stages it
+            local.validate()
+            remote.validate()
+        llen, rlen = local.raw()[1], remote.raw()[1]
+        if not _same_array(llen, rlen) and not np.array_equal(llen, rlen):
+            bad = int(np.argmax(llen != rlen))
+            raise AgentError(f"{op}: descriptor {bad} is {llen[bad]} bytes locally but {rlen[bad]} remotely")
         for d, side in ((local, "local"), (remote, "remote")):
             if d.kind not in self.memory_kinds:
                 raise AgentError(f"{op}: {self.agent_kind} agent cannot move {side} {d.kind.value} memory")
@@ -269,7 +277,7 @@ class TransferAgent(ABC):
             return self._post(op, peer, local, remote)
         # Pipelined posting: check and post the list chunk by chunk, so the host work on chunk i+1 overlaps
         # the transfer of chunk i. The first chunk is small so data starts moving at once.
-        head = local.lengths[:max(1, self.post_chunk // 8)]  # the first part's fragments: their mean size
+        head = llen[:max(1, self.post_chunk // 8)]  # the first part's fragments: their mean size
         parts: list[TransferHandle] = []
         a = 0
         try:

@@ -15,7 +15,6 @@ import ctypes
 import socket
 import threading
 import uuid
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -32,6 +31,8 @@ PROCESS_TOKEN = uuid.uuid4().hex
 def load() -> tuple[object, object]:
     """The `cuda.bindings` driver and nvrtc modules, with the driver initialised; AgentError if unusable."""
     global _cu, _nvrtc
+    if _cu is not None:  # loaded: no lock on the hot path (set once, under the lock, never unset but by tests)
+        return _cu, _nvrtc
     with _import_lock:
         if _cu is None:
             try:
@@ -93,6 +94,26 @@ def device_count() -> int:
     return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
+class _Current:
+    """`with device.current():` (a plain class: a generator-based context manager costs ~1 us more per use, and
+    transfers and polls enter one each time)."""
+
+    __slots__ = ("_dev",)
+
+    def __init__(self, dev: Device) -> None:
+        self._dev = dev
+
+    def __enter__(self) -> Device:
+        r = _cu.cuCtxPushCurrent(self._dev.ctx)
+        err = r[0] if isinstance(r, tuple) else r
+        if int(err) != 0:
+            raise AgentError(f"cuCtxPushCurrent(device {self._dev.ordinal}) failed: {error_name(_cu, err)}")
+        return self._dev
+
+    def __exit__(self, *exc) -> None:
+        _cu.cuCtxPopCurrent()
+
+
 class Device:
     """One CUDA device's primary context (the one torch and the runtime API use), retained for our life."""
 
@@ -125,15 +146,9 @@ class Device:
                 d = cls._cache[ordinal] = Device(ordinal)
             return d
 
-    @contextmanager
-    def current(self):
+    def current(self) -> _Current:
         """Make this device's primary context current for the block; the caller's context is restored."""
-        cu = _cu
-        check(cu.cuCtxPushCurrent(self.ctx), f"cuCtxPushCurrent(device {self.ordinal})")
-        try:
-            yield self
-        finally:
-            cu.cuCtxPopCurrent()
+        return _Current(self)
 
     def enable_peer_access(self, peer: "Device") -> None:
         """Let kernels here touch `peer`'s memory (idempotent); AgentError if the link forbids it."""

@@ -64,6 +64,8 @@ def _await_end(h: TransferHandle, deadline: float) -> None:
 class CudaIpcTransfer(TransferHandle):
     """One posted copy kernel; `state()` queries its CUDA event (never blocks)."""
 
+    peak_bps = _FAST_NVLINK
+
     def __init__(self, engine: Engine | None, slot: Slot | None, ndesc: int, nbytes: int) -> None:
         super().__init__(ndesc, nbytes)
         self._engine, self._slot = engine, slot
@@ -126,6 +128,8 @@ class CudaIpcChunked(ChunkedTransfer):
     `wait` sleeps and polls like CudaIpcTransfer's for the bytes of all parts. A FAILED part, or all parts
     DONE, is settled by ChunkedTransfer's rules (cancel the rest, FAILED once none can still move data)."""
 
+    peak_bps = _FAST_NVLINK
+
     def __init__(self, parts: list[TransferHandle]) -> None:
         super().__init__(parts)
         self.posted_at = parts[0].posted_at
@@ -166,6 +170,8 @@ class CudaIpcAgent(TransferAgent):
         post_grow: True: pipelined parts double from post_chunk / 8 up to post_chunk; False: a first part of
             post_chunk / 8, then post_chunk each (as before); None (default): True where the first part's
             fragments average under 16 KiB (`_GROW_BELOW`), else False.
+        grid_kernel: a grid READ uploads its outer and inner arrays and the grid kernel forms the addresses
+            (None: the class default, True); False: every address staged on the host, as before.
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -190,16 +196,17 @@ class CudaIpcAgent(TransferAgent):
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
                  kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None,
-                 side_upload: bool = True, post_grow: bool | None = None) -> None:
+                 side_upload: bool = True, post_grow: bool | None = None, grid_kernel: bool | None = None) -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         if post_chunk is not None:
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
                 raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
             self.post_chunk = post_chunk
-        if post_grow is not None:
-            if not isinstance(post_grow, bool):
-                raise AgentError(f"post_grow must be True, False or None, got {post_grow!r}")
-            self.post_grow = post_grow
+        for knob, value in (("post_grow", post_grow), ("grid_kernel", grid_kernel)):
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise AgentError(f"{knob} must be True, False or None, got {value!r}")
+                setattr(self, knob, value)
         if not isinstance(side_upload, bool):
             raise AgentError(f"side_upload must be True or False, got {side_upload!r}")
         self._side_upload = side_upload
@@ -313,29 +320,35 @@ class CudaIpcAgent(TransferAgent):
             return e
 
     grid_native = True  # grids are bounds-checked from their extremes and written straight into staging
+    grid_kernel: bool = True  # grid READs upload outer + inner (k + r words a side); the grid kernel adds them
+    checks_ranges = True  # each part's ranges are checked in the passes its staging makes anyway (`_post`)
 
     def _post(self, op: str, peer: str, local: DescriptorList, remote: DescriptorList) -> TransferHandle:
         n = len(local)
         if n == 0:
             return CudaIpcTransfer(None, None, 0, 0)
         p = self._peer(op, peer)
-        lens = local.lengths  # == remote.lengths (the base class checked)
-        lmax = self._kvb_regions.max_length(lens)  # the base class's local check just computed it
-        p.table.check(remote, f"{op} remote side (peer {peer!r})", lmax)
+        # checks_ranges: the base class's check of this part (FastRegionTable) covered the local side
+        local_addrs, lens = local.raw()  # lens == remote's (the base class checked)
+        lmin, lmax = self._kvb_regions.length_range(lens)  # the base class's local check just computed them
+        if lmin <= 0:
+            local.validate()  # names the descriptor
+        p.table.check(remote, f"{op} remote side (peer {peer!r})", (lmin, lmax))
+        remote_addrs = remote.raw()[0]
         engine = self._engine(local.device)
         starts, deltas = p.mapping(engine.dev, remote.device)
-        flen = lmax if int(lens.min()) == lmax else 0  # equal lengths: no prefix sum, no search
+        flen = lmax if lmin == lmax else 0  # equal lengths: no prefix sum, no search
         words = 2 * n if flen else 3 * n + 1
         slot = engine.acquire(words)
         try:
             w = slot.pinned.words  # table: src[n] | dst[n] | cum[n + 1] (no cum when lengths are equal)
             remote_va, local_va = (w[:n], w[n:2 * n]) if op == "READ" else (w[n:2 * n], w[:n])
             if starts.size == 1 or not deltas.any():  # one mapping (or this process's own addresses)
-                np.add(remote.addrs, deltas[0], out=remote_va)
+                np.add(remote_addrs, deltas[0], out=remote_va)
             else:
-                idx = np.searchsorted(starts, remote.addrs, side="right") - 1
-                np.add(remote.addrs, deltas[idx], out=remote_va)
-            local_va[:] = local.addrs
+                idx = np.searchsorted(starts, remote_addrs, side="right") - 1
+                np.add(remote_addrs, deltas[idx], out=remote_va)
+            local_va[:] = local_addrs
             if flen:
                 total = flen * n
             else:
@@ -349,7 +362,8 @@ class CudaIpcAgent(TransferAgent):
 
     def _post_grid(self, op: str, peer: str, local: DescriptorGrid, remote: DescriptorGrid) -> TransferHandle:
         """A READ of grids: the remote span checked against the peer's regions in one test (range by range
-        only when it fails), addresses written straight into the pinned table, one upload, one kernel."""
+        only when it fails), the grid's arrays (or, without grid_kernel, every address) into the pinned table,
+        one upload, one kernel."""
         n = len(local)
         if n == 0:
             return CudaIpcTransfer(None, None, 0, 0)
@@ -360,15 +374,18 @@ class CudaIpcAgent(TransferAgent):
         inside = p.table.contains_span(remote.kind, remote.device, lo, hi + remote.length)
         if op != "READ" or not inside or (starts.size > 1 and deltas.any()):  # the list path, range by range
             return self._post(op, peer, local.to_list(), remote.to_list())
-        slot = engine.acquire(2 * n)
+        # table: src_outer | src_inner | dst_outer | dst_inner (grid kernel), else src[n] | dst[n]
+        rows = local.inner.size if self.grid_kernel else 0  # read once: the table and the kernel agree
+        half = local.outer.size + rows if rows else n
+        slot = engine.acquire(2 * half)
         try:
-            w = slot.pinned.words  # table: src[n] | dst[n], every fragment `length` bytes
-            remote.write(w[:n], int(deltas[0]))
-            local.write(w[n:2 * n])
+            w = slot.pinned.words
+            for g, out, delta in ((remote, w[:half], int(deltas[0])), (local, w[half:2 * half], 0)):
+                (g.write_axes if rows else g.write)(out, delta)
         except Exception:
             engine.recycle(slot, done=False)
             raise
-        return self._launch(engine, slot, n, n * local.length, local.length, 2 * n)
+        return self._launch(engine, slot, n, n * local.length, local.length, 2 * half, grid=rows)
 
     def _joined(self, parts: list[TransferHandle]) -> TransferHandle:
         return CudaIpcChunked(parts)
@@ -388,8 +405,10 @@ class CudaIpcAgent(TransferAgent):
             raise PeerError(f"{op} names peer {peer!r}, which this agent is not connected to")
         return p
 
-    def _launch(self, engine: Engine, slot: Slot, n: int, total: int, flen: int, words: int) -> TransferHandle:
-        """Upload a staged table (side stream: the kernel waits for this upload only) and launch its kernel."""
+    def _launch(self, engine: Engine, slot: Slot, n: int, total: int, flen: int, words: int,
+                grid: int = 0) -> TransferHandle:
+        """Upload a staged table (side stream: the kernel waits for this upload only) and launch its kernel
+        (the grid kernel, rows of `grid` fragments, where `grid` > 0)."""
         side = engine.upload  # None: the table goes up on the kernel's own stream
         enqueued = None  # the stream an upload was enqueued on: a failure fences the slot behind it
         cu, _ = drv.load()
@@ -411,7 +430,7 @@ class CudaIpcAgent(TransferAgent):
                     enqueued = engine.stream
                 engine.copier.launch(slot.table.ptr, n, total, aligned, engine.stream, uniform=flen,
                                      chunk=tuning.chunk, max_blocks=tuning.max_blocks, args=slot.args,
-                                     current=True)
+                                     current=True, grid=grid)
                 drv.check(cu.cuEventRecord(slot.event, engine.stream), "cuEventRecord")
                 engine.tail = slot
         except Exception:

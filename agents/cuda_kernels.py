@@ -12,6 +12,10 @@ warp-wide search of `cum` (4 rounds for 1M fragments), then copies the fragment 
 chunk. So a 4 MiB fragment is spread over hundreds of warps on every SM, while hundreds of 4 KiB fragments
 share one CTA; the kernel's speed does not depend on fragment size once a fragment fills a warp's loads.
 
+A DescriptorGrid READ (every fragment one length, fragment i * r + j at outer[i] + inner[j] on each side) goes
+to the grid kernels instead: the table is the grid's own arrays (k + r words a side instead of k * r) and each
+warp forms its fragments' addresses, so the host writes and uploads a few KiB instead of 16 bytes a fragment.
+
 Each piece is copied with the widest word both ends share an alignment for (16, 8, 4, 2 or 1 bytes): head
 bytes up to the source's word boundary, then words (8 loads in flight per lane before the first store), then
 tail bytes. Any alignment and any length is correct; 16-byte-aligned KV blocks take the 16-byte path.
@@ -159,6 +163,47 @@ __device__ __forceinline__ void copy_fragments(const i64* __restrict__ table, i6
   }
 }
 
+// A grid of n = k * r fragments of flen bytes each: fragment i = row * r + col is at outer[row] + inner[col]
+// on each side, and the table is src_outer[k] | src_inner[r] | dst_outer[k] | dst_inner[r] (k + r words a side
+// instead of n). The same chunking as copy_fragments' equal-length case.
+template <bool ALIGNED>
+__device__ __forceinline__ void copy_grid(const i64* __restrict__ table, i64 n, i64 chunk, i64 nchunks, i64 flen,
+                                          i64 r) {
+  const i64 k = n / r;
+  const i64* src = table;
+  const i64* dst = table + k + r;
+  const int lane = threadIdx.x & 31;
+  const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+  const i64 total = n * flen;
+  for (i64 c = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; c < nchunks; c += nwarps) {
+    i64 begin = c * chunk;
+    const i64 end = min(begin + chunk, total);
+    i64 i = begin / flen;
+    i64 fstart = i * flen;
+    while (begin < end) {
+      const i64 fend = fstart + flen;
+      const i64 stop = min(end, fend);
+      const i64 off = begin - fstart;
+      const i64 row = i / r, col = i - row * r;
+      copy_piece<ALIGNED>(reinterpret_cast<const char*>(src[row] + src[k + col]) + off,
+                          reinterpret_cast<char*>(dst[row] + dst[k + col]) + off, stop - begin, lane);
+      begin = stop;
+      fstart = fend;
+      ++i;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+kvb_grid_aligned(const i64* __restrict__ table, i64 n, i64 chunk, i64 nchunks, i64 flen, i64 r) {
+  copy_grid<true>(table, n, chunk, nchunks, flen, r);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+kvb_grid_any(const i64* __restrict__ table, i64 n, i64 chunk, i64 nchunks, i64 flen, i64 r) {
+  copy_grid<false>(table, n, chunk, nchunks, flen, r);
+}
+
 // Every fragment has src % 16 == dst % 16: the 16-byte path only (fewer registers, more warps per SM).
 extern "C" __global__ void __launch_bounds__(256)
 kvb_copy_aligned(const i64* __restrict__ table, i64 n, i64 chunk, i64 nchunks, i64 flen) {
@@ -247,16 +292,18 @@ class FragmentCopier:
         cu, _ = load()
         self.device = device
         image = compile_source(device.cc)
-        self._fn: dict[bool, object] = {}
-        self.max_blocks: dict[bool, int] = {}
+        self._fn: dict[tuple[bool, bool], object] = {}  # (aligned, grid) -> kernel
+        self._blocks: dict[tuple[bool, bool], int] = {}
         with device.current():
             self._module = check(cu.cuModuleLoadData(image), "cuModuleLoadData")
-            for aligned, name in ((True, b"kvb_copy_aligned"), (False, b"kvb_copy_any")):
+            for key, name in (((True, False), b"kvb_copy_aligned"), ((False, False), b"kvb_copy_any"),
+                              ((True, True), b"kvb_grid_aligned"), ((False, True), b"kvb_grid_any")):
                 fn = check(cu.cuModuleGetFunction(self._module, name), "cuModuleGetFunction")
                 per_sm = int(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, THREADS, 0),
                                    "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
-                self._fn[aligned] = fn
-                self.max_blocks[aligned] = max(1, per_sm) * device.sm_count
+                self._fn[key] = fn
+                self._blocks[key] = max(1, per_sm) * device.sm_count
+        self.max_blocks: dict[bool, int] = {a: self._blocks[(a, False)] for a in (True, False)}  # list kernels
 
     @classmethod
     def get(cls, device: Device) -> "FragmentCopier":
@@ -267,9 +314,10 @@ class FragmentCopier:
             return c
 
     def geometry(self, total: int, aligned: bool, chunk: int | None = None,
-                 max_blocks: int | None = None) -> tuple[int, int, int]:
+                 max_blocks: int | None = None, grid: bool = False) -> tuple[int, int, int]:
         """(chunk bytes, number of chunks, CTAs) for a transfer of `total` bytes."""
-        cap = min(max_blocks or self.max_blocks[aligned], self.max_blocks[aligned])
+        full = self._blocks[(aligned, grid)]
+        cap = min(max_blocks or full, full)
         if chunk is None:
             # a few chunks for every resident warp, but never chunks too small to keep 8 loads per lane busy
             want = -(-total // (cap * (THREADS // 32) * 4))
@@ -280,7 +328,7 @@ class FragmentCopier:
 
     def launch(self, table_dev: int, n: int, total: int, aligned: bool, stream, *, uniform: int = 0,
                chunk: int | None = None, max_blocks: int | None = None, args: "KernelArgs | None" = None,
-               current: bool = False) -> None:
+               current: bool = False, grid: int = 0) -> None:
         """Enqueue one copy of all `n` fragments described by the device table at `table_dev` on `stream`.
 
         Args:
@@ -294,30 +342,38 @@ class FragmentCopier:
             chunk, max_blocks: override the launch geometry (benchmarks and tests).
             args: a KernelArgs the caller owns until the launch returns (none: one is made here).
             current: this device's context is already current (the caller pushed it).
+            grid: > 0: the fragments are a grid of n / grid rows of `grid` (the grid kernel, `uniform` > 0
+                required) and the table is src_outer | src_inner | dst_outer | dst_inner (n / grid + grid words
+                a side); 0: the table above.
         """
         cu, _ = load()
-        chunk, nchunks, blocks = self.geometry(total, aligned, chunk, max_blocks)
+        g = grid > 0
+        if g and (uniform <= 0 or n % grid):
+            raise AgentError(f"a grid launch needs equal lengths and whole rows, got n={n}, r={grid}, "
+                             f"length={uniform}")
+        chunk, nchunks, blocks = self.geometry(total, aligned, chunk, max_blocks, g)
         args = args if args is not None else KernelArgs()
-        args.values[:] = (table_dev, n, chunk, nchunks, uniform)
-        ptrs = args.address
+        args.values[:] = (table_dev, n, chunk, nchunks, uniform, grid)
+        ptrs, fn = args.address, self._fn[(aligned, g)]
         if current:
-            check(cu.cuLaunchKernel(self._fn[aligned], blocks, 1, 1, THREADS, 1, 1, 0, stream, ptrs, 0),
+            check(cu.cuLaunchKernel(fn, blocks, 1, 1, THREADS, 1, 1, 0, stream, ptrs, 0),
                   f"cuLaunchKernel(fragment copy, {blocks} CTAs)")
             return
         with self.device.current():
-            check(cu.cuLaunchKernel(self._fn[aligned], blocks, 1, 1, THREADS, 1, 1, 0, stream, ptrs, 0),
+            check(cu.cuLaunchKernel(fn, blocks, 1, 1, THREADS, 1, 1, 0, stream, ptrs, 0),
                   f"cuLaunchKernel(fragment copy, {blocks} CTAs)")
 
 
 class KernelArgs:
-    """A launch's argument block, made once and filled per launch: the five int64 kernel arguments (`values`),
+    """A launch's argument block, made once and filled per launch: the six int64 kernel arguments (`values`;
+    the list kernels take the first five, the driver reads no more than a kernel has),
     the array of pointers to them, and that array's address (`address`, what cuLaunchKernel takes). One
     launch at a time uses it (a slot's own block, or a fresh one); the driver copies the values at launch."""
 
     __slots__ = ("values", "ptrs", "address")
 
     def __init__(self) -> None:
-        self.values = np.zeros(5, dtype=np.int64)
+        self.values = np.zeros(6, dtype=np.int64)
         base = self.values.__array_interface__["data"][0]
-        self.ptrs = np.arange(5, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
+        self.ptrs = np.arange(6, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
         self.address = int(self.ptrs.__array_interface__["data"][0])

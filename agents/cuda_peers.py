@@ -90,30 +90,34 @@ class _Peer:
 
 
 class FastRegionTable(RegionTable):
-    """RegionTable whose check first tries "all descriptors inside one region" with three reductions.
+    """RegionTable whose check first tries "all descriptors inside one region" with four reductions.
 
-    Same answers as RegionTable.check; falls back to it (per-descriptor search) when the quick test fails.
+    Same answers as RegionTable.check, also for a DescriptorList not yet validated (its quick test requires
+    every length positive and the lowest address inside a region, which implies every address positive);
+    falls back to RegionTable.check (per-descriptor search, which validates the list first) when it fails.
     """
 
-    _last: tuple = (None, 0)  # (lengths array, its max) from the latest check: read() reuses it
+    _last: tuple = (None, 0, 0)  # (lengths array, its min, its max) from the latest check: read() reuses them
 
-    def check(self, descs: DescriptorList, what: str, max_length: int | None = None) -> None:
-        """RegionTable.check; `max_length` (lengths.max(), if the caller has it) saves a pass."""
+    def check(self, descs: DescriptorList, what: str, lengths: tuple[int, int] | None = None) -> None:
+        """RegionTable.check; `lengths` ((min, max) of descs' lengths, if the caller has them) saves passes."""
         if len(descs):
             starts, ends = self._sorted(descs.kind, descs.device)
             if starts.size:
-                lo = int(descs.addrs.min())
-                i = int(np.searchsorted(starts, lo, side="right")) - 1
-                top = int(descs.lengths.max()) if max_length is None else max_length
-                self._last = (descs.lengths, top)
-                if i >= 0 and int(descs.addrs.max()) + top <= int(ends[i]):
+                addrs, lens = descs.raw()
+                lo = int(addrs.min())
+                i = int(starts.searchsorted(lo, "right")) - 1
+                bot, top = (int(lens.min()), int(lens.max())) if lengths is None else lengths
+                self._last = (lens, bot, top)
+                if i >= 0 and bot > 0 and int(addrs.max()) + top <= int(ends[i]):
                     return
         super().check(descs, what)
 
-    def max_length(self, lengths: np.ndarray) -> int:
-        """lengths.max(), from the latest check when it saw this very array (one pass fewer per READ)."""
-        arr, top = self._last
-        return top if arr is lengths else int(lengths.max())
+    def length_range(self, lengths: np.ndarray) -> tuple[int, int]:
+        """(lengths.min(), lengths.max()), from the latest check when it saw this very array (two passes fewer
+        per READ)."""
+        arr, bot, top = self._last
+        return (bot, top) if arr is lengths else (int(lengths.min()), int(lengths.max()))
 
 
 def _parse_regions(name: str, raw) -> list[tuple]:

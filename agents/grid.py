@@ -91,6 +91,12 @@ class DescriptorGrid:
         np.add((self.outer + delta)[:, None] if delta else self.outer[:, None], self.inner[None, :],
                out=out.reshape(k, r))
 
+    def write_axes(self, out: np.ndarray, delta: int = 0) -> None:
+        """Write outer (+ delta) then inner into `out` (len(outer) + len(inner) int64): the grid kernel's table."""
+        k = self.outer.size
+        np.add(self.outer, delta, out=out[:k])
+        out[k:k + self.inner.size] = self.inner
+
     def to_list(self) -> DescriptorList:
         """The same ranges as a DescriptorList (row-major: outer-major, inner-minor)."""
         addrs = np.empty(len(self), dtype=np.int64)

@@ -81,6 +81,8 @@ class Registration(_Releasable):
 class TransferHandle(_Releasable, ABC):
     """One posted READ or WRITE. Poll `state()`, or `wait(timeout)`; always `release()` it."""
 
+    peak_bps: float = 0.0  # bytes/s no transfer of this kind beats (0: unknown); see `earliest_end`
+
     def __init__(self, num_descriptors: int, nbytes: int) -> None:
         self.num_descriptors = num_descriptors
         self.nbytes = nbytes
@@ -94,6 +96,11 @@ class TransferHandle(_Releasable, ABC):
     @abstractmethod
     def state(self) -> XferState:
         """PENDING, DONE or FAILED; never blocks. After FAILED, `error` says why."""
+
+    def earliest_end(self) -> float | None:
+        """The `time.monotonic()` before which this transfer cannot be DONE (posted + bytes at `peak_bps`), for a
+        poller that looks more often near the end; None where the transport gives no such bound."""
+        return self.posted_at + self.nbytes / self.peak_bps if self.peak_bps > 0 else None
 
     def cancel(self) -> bool:
         """Abort the transfer if it is still running (best effort); True if it was PENDING and was asked to stop.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
 
 import numpy as np
 
@@ -64,37 +64,82 @@ class MemoryRegion:
         raise RegistrationError(f"cannot register a {type(buffer).__name__}; pass a tensor or ndarray")
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class DescriptorList:
-    """`len(addrs)` byte ranges on one memory kind/device: range i is `lengths[i]` bytes at `addrs[i]`."""
+    """`len(addrs)` byte ranges on one memory kind/device: range i is `lengths[i]` bytes at `addrs[i]`.
 
-    addrs: np.ndarray
-    lengths: np.ndarray
-    kind: MemoryKind = MemoryKind.DRAM
-    device: int = 0
+    Immutable (like a frozen dataclass). Shapes and dtypes are checked when it is made; the per-range check
+    (every address and length positive: two passes over the arrays) runs once, the first time anything reads
+    `addrs` or `lengths` (or `validate()` is called), so it raises the same AgentError, naming the first bad
+    range, before any range is used. An agent that checks ranges as it stages them (cuda_ipc: its bounds
+    checks and staging already pass over each part) reads the arrays through `raw()` and skips the extra passes.
+    """
 
-    def __post_init__(self) -> None:
-        addrs = np.ascontiguousarray(self.addrs, dtype=np.int64)
-        lengths = np.ascontiguousarray(self.lengths, dtype=np.int64)
+    __slots__ = ("_addrs", "_base", "_checked", "_lengths", "device", "kind")
+
+    def __init__(self, addrs, lengths, kind: MemoryKind = MemoryKind.DRAM, device: int = 0) -> None:
+        addrs = np.ascontiguousarray(addrs, dtype=np.int64)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64)
         if addrs.ndim != 1 or lengths.shape != addrs.shape:
             raise AgentError(
                 f"descriptor arrays must be 1-D and of equal length, got {addrs.shape} and {lengths.shape}"
             )
-        if addrs.size and (lengths.min() <= 0 or addrs.min() <= 0):
-            raise AgentError("descriptors need positive addresses and lengths")
-        object.__setattr__(self, "addrs", addrs)
-        object.__setattr__(self, "lengths", lengths)
+        for f, v in (("_addrs", addrs), ("_lengths", lengths), ("kind", kind), ("device", device),
+                     ("_checked", not addrs.size), ("_base", 0)):
+            object.__setattr__(self, f, v)
+
+    def __setattr__(self, name, value) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"DescriptorList({len(self)} ranges, kind={self.kind.value}, device={self.device})"
+
+    def __reduce__(self):  # copy.copy / deepcopy (made anew: the copy checks its ranges on its own first use)
+        return DescriptorList, (self._addrs, self._lengths, self.kind, self.device)
+
+    @property
+    def addrs(self) -> np.ndarray:
+        if not self._checked:
+            self.validate()
+        return self._addrs
+
+    @property
+    def lengths(self) -> np.ndarray:
+        if not self._checked:
+            self.validate()
+        return self._lengths
+
+    def raw(self) -> tuple[np.ndarray, np.ndarray]:
+        """(addrs, lengths) without the per-range check: only for a caller that checks every range itself
+        before using it (positive lengths, addresses inside registered memory)."""
+        return self._addrs, self._lengths
+
+    def validate(self) -> DescriptorList:
+        """Check every range once (AgentError naming the first with an address or length <= 0); returns self."""
+        if not self._checked:
+            a, n = self._addrs, self._lengths
+            if n.min() <= 0 or a.min() <= 0:
+                bad = int(np.argmax((n <= 0) | (a <= 0)))
+                raise AgentError(f"descriptors need positive addresses and lengths: descriptor "
+                                 f"{self._base + bad} is {int(n[bad])} bytes at {int(a[bad])}")
+            object.__setattr__(self, "_checked", True)
+        return self
 
     def __len__(self) -> int:
-        return int(self.addrs.shape[0])
+        return int(self._addrs.shape[0])
 
     def __getitem__(self, sl: slice) -> "DescriptorList":
         """A contiguous sub-list (views of the same arrays, no copy, no re-validation)."""
         if not isinstance(sl, slice):
             raise TypeError("DescriptorList supports slices only")
+        start = sl.indices(len(self))[0] if sl.step in (None, 1) else 0
         sub = object.__new__(DescriptorList)
-        for f, v in (("addrs", self.addrs[sl]), ("lengths", self.lengths[sl]), ("kind", self.kind),
-                     ("device", self.device)):
+        a = self._addrs[sl]
+        for f, v in (("_addrs", a), ("_lengths", self._lengths[sl]), ("kind", self.kind),
+                     ("device", self.device), ("_checked", self._checked or not a.size),
+                     ("_base", self._base + start)):
             object.__setattr__(sub, f, v)
         return sub
 

@@ -54,7 +54,8 @@ class CUipcMemHandle:
 
 
 class Launch:
-    """One recorded kernel launch: its name, grid, the five kernel arguments, a copy of its table, when."""
+    """One recorded kernel launch: its name, grid, the kernel arguments (five; six for the grid kernels, whose
+    table is src_outer | src_inner | dst_outer | dst_inner), a copy of its table, when."""
 
     def __init__(self, name: bytes, grid: int, args: tuple[int, ...], table: np.ndarray, at: float) -> None:
         self.name, self.grid, self.args, self.table, self.at = name, grid, args, table, at
@@ -67,9 +68,20 @@ class Launch:
     def uniform(self) -> int:
         return self.args[4]
 
+    @property
+    def grid_rows(self) -> int:
+        """Fragments per row of a grid kernel's launch (0: a list kernel)."""
+        return self.args[5] if len(self.args) > 5 else 0
+
     def fragments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src, dst, length) exactly as the kernel reads them from its table."""
         n, flen, t = self.n, self.uniform, self.table
+        r = self.grid_rows
+        if r:
+            k = n // r
+            so, si, do, di = t[:k], t[k:k + r], t[k + r:2 * k + r], t[2 * k + r:2 * k + 2 * r]
+            return ((so[:, None] + si[None, :]).ravel(), (do[:, None] + di[None, :]).ravel(),
+                    np.full(n, flen, dtype=np.int64))
         lens = np.full(n, flen, dtype=np.int64) if flen > 0 else np.diff(t[2 * n:3 * n + 1])
         return t[:n], t[n:2 * n], lens
 
@@ -284,10 +296,18 @@ class Stub:
         if not (self.record_tables or self.run_kernels):  # timing: the launch's time only
             self.launches.append(Launch(name, grid, (), None, at))
             return
-        ptrs = np.ctypeslib.as_array((ctypes.c_uint64 * 5).from_address(params))
+        grid_kernel = name.startswith(b"kvb_grid")
+        nargs = 6 if grid_kernel else 5
+        ptrs = np.ctypeslib.as_array((ctypes.c_uint64 * nargs).from_address(params))
         args = tuple(int(ctypes.c_int64.from_address(int(p)).value) for p in ptrs)
-        table_ptr, n, _chunk, _nchunks, flen = args
-        words = 2 * n if flen > 0 else 3 * n + 1
+        table_ptr, n, _chunk, _nchunks, flen = args[:5]
+        if grid_kernel:
+            r = args[5]
+            if r <= 0 or flen <= 0 or n % r:
+                raise ValueError(f"grid kernel launched with n={n}, r={r}, flen={flen}")
+            words = 2 * (n // r + r)
+        else:
+            words = 2 * n if flen > 0 else 3 * n + 1
         table = None
         if self.record_tables or self.run_kernels:
             table = np.frombuffer((ctypes.c_int64 * words).from_address(table_ptr), dtype=np.int64).copy()

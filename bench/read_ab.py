@@ -7,11 +7,16 @@ of `transfer_cuda` says little. Here the modes alternate READ by READ in one pro
   grow       parts doubling from post_chunk / 8 up to post_chunk (`chunk_bounds(..., grow=True)`);
   auto       the class's default (post_grow=None): grow where the first fragments average under 16 KiB, so
              the same code as one of the two above at every size (their spread is this run's noise).
+or (read9, `--modes checked,fused`) where a list's ranges are checked, each with the class's own part sizes:
+  checked    both DescriptorLists validated as they are built (`validate()`: main's cost before read9, two
+             passes over each list), then read;
+  fused      read at once: cuda_ipc checks each part's ranges in the passes its staging makes (`checks_ranges`).
 Timing as `transfer_cuda`: DescriptorLists built inside the timing, `wait` returns, then the whole 1 GiB
 destination is compared with the expected bytes (every READ verified). (read7's modes, base / nopipe / new,
 compared the completion and posting changes of that session; they are in its commit.)
 
     python -m kvbridge.bench.read_ab --sizes 4096,16384,65536,1073741824 --reps 20 --json out.json
+    python -m kvbridge.bench.read_ab --modes checked,fused --sizes 4096,16384,65536,1073741824 --reps 12
 """
 
 from __future__ import annotations
@@ -36,13 +41,15 @@ from kvbridge.bench.transfer_cuda import (
 )
 
 MODES = ("equal", "grow", "auto")
+CHECK_MODES = ("checked", "fused")
 
 
 def set_mode(mode: str) -> None:
-    """Switch the cuda_ipc agent class (process-wide) to one mode's part sizes."""
+    """Switch the cuda_ipc agent class (process-wide) to one mode's part sizes (the class's own for the
+    check modes)."""
     from kvbridge.agents import cuda_ipc
 
-    cuda_ipc.CudaIpcAgent.post_grow = None if mode == "auto" else mode == "grow"
+    cuda_ipc.CudaIpcAgent.post_grow = None if mode in ("auto",) + CHECK_MODES else mode == "grow"
 
 
 def cuda_ipc_default() -> None:
@@ -52,13 +59,17 @@ def cuda_ipc_default() -> None:
     cuda_ipc.CudaIpcAgent.post_grow = None
 
 
-def one_read(agent, peer: str, dst, case: Case) -> float:
+def one_read(agent, peer: str, dst, case: Case, mode: str = "auto") -> float:
     from kvbridge.agents import DescriptorList, MemoryKind
 
     _reset(dst)
     t0 = time.perf_counter()
-    h = agent.read(peer, DescriptorList(case.local_addrs, case.lens, MemoryKind.VRAM, 0),
-                   DescriptorList(case.remote_addrs, case.lens, MemoryKind.VRAM, 1))
+    local = DescriptorList(case.local_addrs, case.lens, MemoryKind.VRAM, 0)
+    remote = DescriptorList(case.remote_addrs, case.lens, MemoryKind.VRAM, 1)
+    if mode == "checked":
+        local.validate()
+        remote.validate()
+    h = agent.read(peer, local, remote)
     h.wait(TIMEOUT)
     t = time.perf_counter() - t0
     h.release()
@@ -74,12 +85,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvbridge.bench.read_ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=f"16384,65536,{GIB}")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES + CHECK_MODES}")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    modes = tuple(args.modes.split(","))
+    if not modes or set(modes) - set(MODES + CHECK_MODES):
+        p.error(f"--modes: choose from {MODES + CHECK_MODES}, got {args.modes!r}")
     torch.cuda.set_device(0)
     _enable_peer_access(0, 1)
     peer_proc = PeerProcess(GIB, ["cuda_ipc"])
-    live, out = [], {"benchmark": "read_ab", "modes": MODES, "sizes": {}}
+    live, out = [], {"benchmark": "read_ab", "modes": modes, "sizes": {}}
     try:
         dst = torch.empty(GIB, dtype=torch.uint8, device="cuda:0")
         pattern0 = gpu_pattern(GIB, "cuda:0", SEED).clone()
@@ -92,12 +107,12 @@ def main(argv=None) -> int:
         for frag in (int(x) for x in args.sizes.split(",")):
             case = Case(frag, GIB, pattern0, rng)
             case.addresses(dst.data_ptr(), peer_proc.addr)
-            times = {m: [] for m in MODES}
+            times = {m: [] for m in modes}
             for rep in range(args.reps + 1):
-                order = MODES if rep % 2 else MODES[::-1]
+                order = modes if rep % 2 else modes[::-1]
                 for m in order:
                     set_mode(m)
-                    t = one_read(agent, name, dst, case)
+                    t = one_read(agent, name, dst, case, m)
                     if rep:
                         times[m].append(t)
             row = {m: {"best_gbps": round(GIB / min(v) / 1e9, 1), "median_gbps": round(GIB / float(np.median(v)) / 1e9, 1),

@@ -36,6 +36,9 @@ log = logging.getLogger("kvbridge.transceiver.receiver")
 __all__ = ["Leg", "LegState", "Pull", "PullState", "ReceiveResult"]
 
 _local = threading.local()
+# The receiver looks at reads in flight without pausing from _NEAR_S before a read's earliest possible end (the
+# pause overshoots 50-80 us on the GPU hosts) until _LATE_S after it, then with the pause again (`near_end`).
+_NEAR_S, _LATE_S = 250e-6, 2e-3
 
 
 def _scratch() -> PlanScratch:
@@ -233,6 +236,17 @@ class Pull:
         spans = [h.transport_span for leg in self.legs.values() for h in leg.handles]
         if spans and all(x is not None for x in spans):
             self.marks["transport_ms"] = (max(b for _, b in spans) - min(a for a, _ in spans)) / 1e3
+
+    def near_end(self, now: float) -> bool:
+        """Whether a read of this pull may end about now: from _NEAR_S before its transport's earliest possible
+        end (TransferHandle.earliest_end) to _LATE_S after it; False where no transport gives one."""
+        for leg in self.legs.values():
+            for h in leg.handles:
+                bound = getattr(h, "earliest_end", None)  # a TransferHandle's (fakes in tests may lack it)
+                end = bound() if bound is not None else None
+                if end is not None and end - _NEAR_S <= now <= end + _LATE_S:
+                    return True
+        return False
 
     def _first_post(self) -> None:
         if "first_post" not in self.marks:

@@ -15,6 +15,7 @@ its blocks were still pinned when the reads finished.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
@@ -124,8 +125,12 @@ class Receiver(IOThread):
         # short sleep (_READ_POLL_S) when nothing came; otherwise sleep in the poll.
         busy = any(p.state in _POLLED for p in self._pulls.values())
         ready = self._wait(poller, 0 if busy else 20)
-        if busy and not ready:
-            time.sleep(_READ_POLL_S)
+        if busy and not ready:  # no pause while a read may end any moment (pull.near_end: cuda_ipc's)
+            now = time.monotonic()
+            if any(p.state in _POLLED and p.near_end(now) for p in self._pulls.values()):
+                os.sched_yield()
+            else:
+                time.sleep(_READ_POLL_S)
         self._drain_commands()
         for s, peer in socks.items():
             if s in ready:
