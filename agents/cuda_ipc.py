@@ -175,9 +175,8 @@ class CudaIpcAgent(TransferAgent):
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
-    `tuning` (a CopyTuning of kernel, chunk, max_blocks) may be replaced between transfers, e.g. by a
-    benchmark sweeping launch geometries on one connected agent; a transfer uses the tuning current at its
-    post.
+    `tuning` (a CopyTuning of kernel, chunk, max_blocks) may be replaced between transfers (a benchmark sweeping
+    launch geometries on one connected agent); a transfer uses the tuning current at its post.
     """
 
     agent_kind = "cuda_ipc"

@@ -14,14 +14,16 @@ export PYTHONPATH=/tmp/site:/tmp/pkg
 D=$OUT && mkdir -p $D/ucx
 (nproc; nvidia-smi -L; date -u) > $D/env.txt 2>&1
 BASE="UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo"
+# GPU memory over UCX's TCP transport goes through host bounce buffers in segments of UCX_TCP_*_SEG_SIZE (8 KiB /
+# 64 KiB by default), each with its own CUDA copy: larger segments and socket buffers are the first suspects
 declare -A V=(
   [default]=""
+  [seg64k]="UCX_TCP_TX_SEG_SIZE=64K UCX_TCP_RX_SEG_SIZE=256K UCX_TCP_SNDBUF=8M UCX_TCP_RCVBUF=8M"
+  [seg1m]="UCX_TCP_TX_SEG_SIZE=1M UCX_TCP_RX_SEG_SIZE=1M UCX_TCP_SNDBUF=8M UCX_TCP_RCVBUF=8M"
+  [seg1m_frag4m]="UCX_TCP_TX_SEG_SIZE=1M UCX_TCP_RX_SEG_SIZE=1M UCX_TCP_SNDBUF=8M UCX_TCP_RCVBUF=8M UCX_RNDV_FRAG_SIZE=host:4M,cuda:4M"
   [frag4m]="UCX_RNDV_FRAG_SIZE=host:4M,cuda:4M"
-  [seg]="UCX_TCP_TX_SEG_SIZE=64K UCX_TCP_RX_SEG_SIZE=256K UCX_TCP_SNDBUF=8M UCX_TCP_RCVBUF=8M"
-  [frag4m_seg]="UCX_RNDV_FRAG_SIZE=host:4M,cuda:4M UCX_TCP_TX_SEG_SIZE=64K UCX_TCP_RX_SEG_SIZE=256K UCX_TCP_SNDBUF=8M UCX_TCP_RCVBUF=8M"
-  [proto_v1]="UCX_PROTO_ENABLE=n"
 )
-for name in default frag4m seg frag4m_seg proto_v1; do
+for name in default seg64k seg1m seg1m_frag4m frag4m; do
   echo "== $SECONDS s: $name: ${V[$name]}"
   (cd /tmp && env $BASE ${V[$name]} timeout 90 python3 -m kvbridge.bench.transfer_cuda --no-memcpy --agents nixl \
     --total-mib 256 --sizes 65536,4194304 --reps 2 --json $D/ucx/$name.json 2>&1 | grep -v '^{' | tail -6)
