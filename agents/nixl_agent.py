@@ -25,6 +25,26 @@ log = logging.getLogger(__name__)
 _nixl = None
 _nixl_lock = threading.Lock()
 
+# UCX's TCP transport sends in segments of UCX_TCP_TX_SEG_SIZE and receives into UCX_TCP_RX_SEG_SIZE (8 KiB and
+# 64 KiB unless set). A peer whose send segment exceeds our receive segment makes UCX fail the connection and
+# abort the sending process on the first transfer over TCP; each agent advertises both and refuses such a peer.
+_UCX_TCP_SEGMENTS = (("tcp_tx_seg", "UCX_TCP_TX_SEG_SIZE", 8 << 10), ("tcp_rx_seg", "UCX_TCP_RX_SEG_SIZE", 64 << 10))
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
+
+
+def ucx_tcp_segments() -> dict[str, int]:
+    """{"tcp_tx_seg": bytes, "tcp_rx_seg": bytes} as UCX will read them from this process's environment (a
+    value kvbridge cannot parse is left out: not checked)."""
+    out = {}
+    for key, env, default in _UCX_TCP_SEGMENTS:
+        text = os.environ.get(env, "").strip().lower()
+        num = text.rstrip("kmgb")
+        if not text:
+            out[key] = default
+        elif num.isdigit() and text[len(num):] in _UNITS:
+            out[key] = int(num) * _UNITS[text[len(num):]]
+    return out
+
 
 def _load_nixl():
     global _nixl
@@ -153,6 +173,7 @@ class NixlAgent(TransferAgent):
         except Exception as e:  # noqa: BLE001
             raise AgentError(f"could not create NIXL agent {name!r}: {e}") from e
         self._telemetry = bool(telemetry)
+        self._tcp_segments = ucx_tcp_segments()  # what UCX read when this agent was made
         missing = [b for b in backends if b not in self._nx.backends]
         if missing:
             raise AgentError(f"NIXL backends {missing} are not available (plugins: {self._nx.plugin_list})")
@@ -209,13 +230,14 @@ class NixlAgent(TransferAgent):
             self._nx.deregister_memory(descs)
 
     def _metadata(self) -> bytes:
-        return seal(self.agent_kind, self.name, {"nixl": self._nx.get_agent_metadata()})
+        return seal(self.agent_kind, self.name, {"nixl": self._nx.get_agent_metadata(), **self._tcp_segments})
 
     def _connect(self, peer_metadata: bytes) -> str:
         name, payload = open_envelope(peer_metadata, self.agent_kind)
         blob = field(payload, "nixl", bytes)
         if name == self.name:
             raise PeerError(f"peer metadata carries this agent's own name {name!r}; names must be unique")
+        self._check_tcp_segments(name, payload)
         if name in self.peers:
             self._nx.remove_remote_agent(name)  # the peer restarted: forget its old registrations
         try:
@@ -227,6 +249,18 @@ class NixlAgent(TransferAgent):
             self._nx.remove_remote_agent(got)
             raise PeerError(f"peer metadata names {name!r} in its envelope but {got!r} inside")
         return name
+
+    def _check_tcp_segments(self, name: str, payload: dict) -> None:
+        """PeerError when either side would send UCX TCP segments larger than the other receives (a peer that
+        advertises nothing, an older kvbridge, is not checked)."""
+        mine = self._tcp_segments
+        for sender, receiver, who in ((payload, mine, f"peer {name!r}"), (mine, payload, "this agent")):
+            tx, rx = sender.get("tcp_tx_seg"), receiver.get("tcp_rx_seg")
+            if isinstance(tx, int) and isinstance(rx, int) and not isinstance(tx, bool) and tx > rx:
+                raise PeerError(
+                    f"{who} sends UCX TCP segments of {tx} bytes (UCX_TCP_TX_SEG_SIZE) but the other side receives "
+                    f"{rx} (UCX_TCP_RX_SEG_SIZE): UCX would abort the sender on the first transfer over TCP; set "
+                    f"both alike on every worker (docs/agents.md, NIXL over TCP)")
 
     def _disconnect(self, peer: str) -> None:
         try:

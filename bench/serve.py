@@ -44,7 +44,8 @@ QUICK_MODEL = "seeded:tiny3,layers=8,hidden=384,ffn=768"
 PATIENT = {"transfer_timeout_s": 120, "peer_timeout_s": 300, "lease_s": 60, "heartbeat_s": 1,
            "handshake_timeout_s": 30}
 STAGING = {"staging_arena_bytes": 1 << 30}
-UCX_TCP = {"UCX_TLS": "tcp,cuda_copy,self", "UCX_NET_DEVICES": "lo"}
+UCX_TCP = {"UCX_TLS": "tcp,cuda_copy,self", "UCX_NET_DEVICES": "lo",  # docs/nixl-tcp.md: alike on every worker
+           "UCX_TCP_TX_SEG_SIZE": "1M", "UCX_TCP_RX_SEG_SIZE": "1M", "UCX_TCP_SNDBUF": "8M", "UCX_TCP_RCVBUF": "8M"}
 
 
 class _Skip(Exception):
