@@ -7,7 +7,8 @@ heads, head_dim 128, bf16), the context executor on GPU 1, generation on GPU 0, 
 there, more than an 80 GB GPU holds beside the weights and pools). Phase A (matching layouts, TP1 -> TP1): one context worker and one generation worker per agent
 (cuda_ipc, nixl direct, nixl staged), each behind two routers (overlap off / on). Phase B (hetero, 8k):
 context TP1 -> generation TP2 and context TP2 -> generation TP1, one side sharing a GPU so KV crosses NVLink.
-Phase C (8k): NIXL with UCX forced to TCP (UCX_TLS=tcp,...), standing for another host. Then ITL and
+Phase C (8k): NIXL with UCX forced to TCP (UCX_TLS=tcp,..., 1 MiB segments on every worker: docs/nixl-tcp.md),
+standing for another host, streaming every layer (`--tcp-stream-layers`). Then ITL and
 requests/s at a fixed concurrency: disaggregated (through the router, overlap on) vs aggregated (requests
 spread over both GPUs' workers, each running them whole). `--quick`: the same on CPU with a tiny model, the
 tcp agent and short prompts (seconds; for `make test`).
@@ -311,8 +312,9 @@ def run(a) -> dict[str, Any]:
             dep.stop()
     if not quick and "C" in a.phases:
         print("[bench serve] phase C: NIXL with UCX over TCP", flush=True)
-        dep = Deployment(_config(model, _server(1, g1, "nixl"), [_server(1, g0, "nixl")], quick, blocks, tpb),
-                         env=UCX_TCP)
+        st = a.tcp_stream_layers  # the exposed time is the last layer group's read: finer groups on a slow link
+        dep = Deployment(_config(model, _server(1, g1, "nixl", stream=st), [_server(1, g0, "nixl", stream=st)], quick,
+                                 blocks, tpb), env=UCX_TCP)
         try:
             agg = dep.cluster.cfg.context[0].url
             for n in hetero_n:
@@ -376,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                     "nixl/staged; quick: tcp/direct); the first runs in the deployment, the others in extra "
                     "generation workers")
     ap.add_argument("--phases", default="ABC", help="A: TP1->TP1 + load, B: hetero TP, C: NIXL over TCP")
+    ap.add_argument("--tcp-stream-layers", type=int, default=1,
+                    help="phase C: layers per streamed group (A and B: 4); over TCP the last group's read is exposed")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="default: the --json path with .png")
     a = ap.parse_args(argv)
