@@ -62,7 +62,7 @@ class LocalPool:
         if config.staging_arena_bytes:
             from .staging import StagingArena
 
-            self.arena = StagingArena(self.kind, self.device, config.staging_arena_bytes)
+            self.arena = StagingArena(self.kind, self.device, config.staging_arena_bytes, config.staging_memory)
         base = name or f"kvb-{os.getpid()}-{uuid.uuid4().hex[:8]}-r{rank}"
         self.agents: dict[str, TransferAgent] = {}
         self._regs: list[Registration] = []
@@ -80,8 +80,10 @@ class LocalPool:
             self.agents[kind] = agent
             self._regs += regs
         if not self.agents:
+            host = " with a host staging arena (transceiver.staging_memory: host)" if self.arena is not None and \
+                self.arena.kind is not self.kind else ""
             raise AgentError(f"no transfer agent of {list(config.agents)} could serve a "
-                             f"{self.kind.value} pool ({'; '.join(why)})")
+                             f"{self.kind.value} pool{host} ({'; '.join(why)})")
 
     @property
     def bases(self) -> list[int]:
