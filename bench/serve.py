@@ -7,7 +7,9 @@ heads, head_dim 128, bf16), the context executor on GPU 1, generation on GPU 0, 
 there, more than an 80 GB GPU holds beside the weights and pools). Phase A (matching layouts, TP1 -> TP1): one context worker and one generation worker per agent
 (cuda_ipc, nixl direct, nixl staged), each behind two routers (overlap off / on). Phase B (hetero, 8k):
 context TP1 -> generation TP2 and context TP2 -> generation TP1, one side sharing a GPU so KV crosses NVLink.
-Phase C (8k): NIXL with UCX forced to TCP (UCX_TLS=tcp,...), standing for another host. Then ITL and
+Phase C (8k): NIXL with UCX forced to TCP (UCX_TLS=tcp,...), standing for another host: reads straight from
+GPU memory ("direct") and staged through pinned host memory, packed layer group by layer group during the
+prefill ("staged-host": transceiver.staging_memory host, a 1 GiB arena each side). Then ITL and
 requests/s at a fixed concurrency: disaggregated (through the router, overlap on) vs aggregated (requests
 spread over both GPUs' workers, each running them whole). `--quick`: the same on CPU with a tiny model, the
 tcp agent and short prompts (seconds; for `make test`).
@@ -45,6 +47,7 @@ PATIENT = {"transfer_timeout_s": 120, "peer_timeout_s": 300, "lease_s": 60, "hea
            "handshake_timeout_s": 30}
 STAGING = {"staging_arena_bytes": 1 << 30}
 UCX_TCP = {"UCX_TLS": "tcp,cuda_copy,self", "UCX_NET_DEVICES": "lo"}
+HOST_STAGING = {"staging_arena_bytes": (1 << 30) + (64 << 20), "staging_memory": "host"}  # phase C, issue 24
 
 
 class _Skip(Exception):
@@ -309,17 +312,20 @@ def run(a) -> dict[str, Any]:
         finally:
             dep.stop()
     if not quick and "C" in a.phases:
-        print("[bench serve] phase C: NIXL with UCX over TCP", flush=True)
-        dep = Deployment(_config(model, _server(1, g1, "nixl"), [_server(1, g0, "nixl")], quick, blocks, tpb),
-                         env=UCX_TCP)
+        print("[bench serve] phase C: NIXL with UCX over TCP, direct and staged through host memory", flush=True)
+        # the context worker has a host arena for the staged row's reader; the direct reader asks for no staging
+        dep = Deployment(_config(model, _server(1, g1, "nixl", HOST_STAGING), [_server(1, g0, "nixl")], quick,
+                                 blocks, tpb), [{"instances": 1, **_server(1, g0, "nixl", HOST_STAGING)}], env=UCX_TCP)
         try:
-            agg = dep.cluster.cfg.context[0].url
-            for n in hetero_n:
-                res["rows"] += measure(dep, 0, n, a.repeat, vocab, "nixl-tcp", "direct", "tp1->tp1", agg, {})
-                _save(a, res)
-        except RuntimeError as e:
-            print(f"[bench serve] nixl over TCP failed: {e}", flush=True)
-            res.setdefault("errors", []).append({"agent": "nixl-tcp", "error": str(e)[:400]})
+            agg, cache = dep.cluster.cfg.context[0].url, {}
+            for gi, path in enumerate(("direct", "staged-host")):
+                for n in hetero_n:
+                    try:
+                        res["rows"] += measure(dep, gi, n, a.repeat, vocab, "nixl-tcp", path, "tp1->tp1", agg, cache)
+                        _save(a, res)
+                    except RuntimeError as e:
+                        print(f"[bench serve] nixl over TCP ({path}) failed: {e}", flush=True)
+                        res.setdefault("errors", []).append({"agent": "nixl-tcp", "path": path, "error": str(e)[:400]})
         finally:
             dep.stop()
     return res
