@@ -262,3 +262,38 @@ def test_a_reader_failure_during_streamed_staging_frees_every_slot(cluster):
     ans = c.gen[0].call("collect", {"timeout": 20})
     assert ans["results"][0]["ok"] and ans["mismatched_bytes"] == 0
     _arenas_empty(c)
+
+
+FAST = {**HOST, "agents": ["nixl"], "stream_layers": True, "lease_s": 2.0, "heartbeat_s": 0.25,
+        "peer_timeout_s": 2.0, "pickup_timeout_s": 3.0, "drain_timeout_s": 1.0}
+
+
+def test_a_killed_generation_rank_during_streamed_staging_frees_the_context_slot(cluster):
+    from .ranks import RankProc
+
+    c = cluster
+    c.setup(L(), L(), NB, NB, FAST)
+    pull = _start(c, 71)
+    _ready(c, 71, 1)
+    assert _arrived(c, pull, 1) == [0]
+    c.gen[0].proc.kill()  # kill -9 mid-stream: its lease runs out on the context rank
+    st = _wait(lambda: (s if (s := c.ctx_status()[0])["finished"] else None), "request 71 finished", 10)
+    assert st["finished"] == [(71, "expired", "lease expired: readers stopped renewing the lease")]
+    assert st["pinned"] == 0 and c.ctx[0].call("arena_in_use") == 0
+    c.procs[1] = RankProc()  # (the next test's setup initialises it)
+
+
+def test_a_killed_context_rank_during_streamed_staging_fails_the_pull_and_frees_its_slot(cluster):
+    from .ranks import RankProc
+
+    c = cluster
+    c.setup(L(), L(), NB, NB, FAST)
+    pull = _start(c, 81)
+    _ready(c, 81, 2)
+    assert _arrived(c, pull, 2) == [0, 1]
+    c.ctx[0].proc.kill()
+    ans = c.gen[0].call("collect", {"timeout": 10})
+    (r,) = ans["results"]
+    assert not r["ok"] and r["error_type"] == "PeerGone", r
+    assert c.gen[0].call("arena_in_use") == 0
+    c.procs[0] = RankProc()
