@@ -227,6 +227,7 @@ def measure(dep: Deployment, gen: int, n: int, repeat: int, vocab: int, agent: s
                      "exposed_pct": round(100 * ex / prefill, 3) if prefill else None,
                      "transfer_ms": _med([kb["transfer"]["ms"]["total"] for kb in kbs]),
                      "kv_bytes": kbs[0]["transfer"]["bytes"], "agents_used": kbs[0]["transfer"]["agents"],
+                     "fragments": kbs[0]["transfer"].get("fragments"),  # staged: one per packed layer range
                      "exact": all(r["tokens"] == want for r in runs)})
         print(table(rows[-1:], list(rows[-1])), flush=True)
     return rows

@@ -7,6 +7,11 @@ heads, tokens, head_dim], independent of either pool's layout), the generation r
 descriptor into a slot of its own arena and unpacks it into its blocks. Both local copies are vectorised
 (agents/staging.py gather/scatter: one index over rows, torch on GPUs, numpy on hosts).
 
+A host arena (transceiver.staging_memory: host) is pinned host memory beside a GPU pool: every piece is staged
+so the wire carries host memory only, and the copies go through a bounded device buffer (`through_temp`).
+Layers are outermost in the canonical order, so a layer range of a piece is one byte range of its slot
+(`layer_range`): a streamed request is packed, read and unpacked range by range (docs/staging.md).
+
 Owns the arena (a registered scratch region per rank, handed out in slots) and the pack/unpack calls. Never
 touches sockets; slots are freed by whoever allocated them, on every path (done, failure, expiry, close).
 """
