@@ -68,14 +68,18 @@ class LocalPool:
         self._regs: list[Registration] = []
         why: list[str] = []
         for kind in resolve_agent_kinds(config.agents, self.kind):
+            agent, regs = None, []
             try:
                 agent = create_agent(kind, f"{base}-{kind}", **config.options.get(kind, {}))
-                regs = [agent.register_memory(r) for r in self.regions]
-                if self.arena is not None:
-                    regs.append(agent.register_memory(self.arena.region))
+                for r in self.regions + ([self.arena.region] if self.arena is not None else []):
+                    regs.append(agent.register_memory(r))
             except (AgentError, KvBridgeError, OSError) as e:
                 log.info("agent %s not available for rank %d's %s pool: %s", kind, rank, self.kind.value, e)
                 why.append(f"{kind}: {e}")
+                for reg in regs:  # e.g. cuda_ipc took the VRAM pool but cannot take a host arena
+                    reg.release()
+                if agent is not None:
+                    agent.close()
                 continue
             self.agents[kind] = agent
             self._regs += regs

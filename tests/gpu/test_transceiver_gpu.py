@@ -166,3 +166,70 @@ def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
     finally:
         for p in ctx + gen:
             p.close()
+
+
+@pytest.mark.cuda
+def test_a_host_staging_arena_is_pinned_and_leaves_out_agents_that_cannot_register_it():
+    import torch
+
+    from kvbridge.agents import MemoryKind
+    from kvbridge.errors import AgentError
+    from kvbridge.transceiver import TransceiverConfig
+    from kvbridge.transceiver.pool import LocalPool
+
+    lay = KVLayout(SHAPE, ParallelSplit(tp=1))
+    pool = torch.zeros(lay.block_bytes(0) * 4, dtype=torch.uint8, device="cuda:0")
+    cfg = TransceiverConfig(agents=("cuda_ipc",), staging_arena_bytes=1 << 20, staging_memory="host")
+    with pytest.raises(AgentError, match="host staging arena"):
+        LocalPool(lay, 0, pool, 4, cfg)
+    lp = LocalPool(lay, 0, pool, 4, cfg.with_(agents=("cuda_ipc", "nixl")))
+    try:
+        assert list(lp.agents) == ["nixl"]
+        assert lp.arena.kind is MemoryKind.DRAM and lp.arena.buffer.is_pinned()
+    finally:
+        lp.close()
+
+
+@pytest.mark.cuda
+def test_packing_a_vram_pool_into_a_host_arena_equals_packing_it_on_the_device():
+    import torch
+
+    from kvbridge.agents import MemoryKind
+    from kvbridge.formatter.mapping import mapping_for
+    from kvbridge.formatter.planner import RankPool
+    from kvbridge.formatter.staging import staging_nbytes
+    from kvbridge.transceiver import staging
+
+    ctx, gen = KVLayout(SHAPE, ParallelSplit(tp=2)), KVLayout(SHAPE, ParallelSplit(tp=1))
+    nb, n = 40, 600
+    src = torch.arange(ctx.block_bytes(0) * nb // 8, device="cuda:0", dtype=torch.int64).mul_(0x9E3779B1)
+    src = src.view(torch.uint8)
+    rp = RankPool.of(ctx, 0, [src.data_ptr()], nb, MemoryKind.VRAM, 0)
+    (piece,) = [p for p in mapping_for(ctx, gen).pieces(0) if p.ctx_rank == 0]
+    blocks = np.random.default_rng(0).permutation(nb)[:-(-n // SHAPE.tokens_per_block)]
+    nbytes = staging_nbytes(ctx, piece, n, 5)
+    host = staging.StagingArena(MemoryKind.VRAM, 0, nbytes + 4096, "host")
+    dev = staging.StagingArena(MemoryKind.VRAM, 0, nbytes + 4096, "device")
+    a, b = host.alloc(nbytes), dev.alloc(nbytes)
+    staging.pack(piece, rp, blocks, n, host, a, 5)
+    staging.pack(piece, rp, blocks, n, dev, b, 5)
+    assert torch.equal(host.view(a, nbytes), dev.view(b, nbytes).cpu())
+    # a layer range at its offset, then the unpack back into a zeroed pool, chunked far below the piece
+    back = torch.zeros_like(src)
+    bp = RankPool.of(ctx, 0, [back.data_ptr()], nb, MemoryKind.VRAM, 0)
+    sub, off, _nb = staging.layer_range(piece, range(3, 9), ctx, n, 5)
+    staging.unpack(sub, bp, blocks, n, host, a + off, 5)
+    want = torch.zeros_like(src)
+    staging.unpack(sub, RankPool.of(ctx, 0, [want.data_ptr()], nb, MemoryKind.VRAM, 0), blocks, n, dev, b + off, 5)
+    assert torch.equal(back, want) and bool(back.any())
+    # the bounded device buffer: chunks far smaller than the copy, both ways
+    addrs = src.data_ptr() + np.arange(0, 1 << 20, 4096, dtype=np.int64)
+    lengths = np.full(addrs.shape, 1024, dtype=np.int64)
+    slot = torch.empty(int(lengths.sum()), dtype=torch.uint8).pin_memory()
+    staging.through_temp(MemoryKind.VRAM, 0, addrs, lengths, slot, True, chunk_bytes=10000)
+    assert torch.equal(slot, src[:1 << 20].view(-1, 4096)[:, :1024].reshape(-1).cpu())
+    zero = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+    staging.through_temp(MemoryKind.VRAM, 0, zero.data_ptr() + (addrs - src.data_ptr()), lengths, slot, False,
+                         chunk_bytes=10000)
+    assert torch.equal(zero.view(-1, 4096)[:, :1024], src[:1 << 20].view(-1, 4096)[:, :1024])
+    assert not zero.view(-1, 4096)[:, 1024:].any()
