@@ -18,6 +18,7 @@ touches sockets; slots are freed by whoever allocated them, on every path (done,
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -111,9 +112,24 @@ def worth_staging(piece: Piece, remote: RankPool, local: RankPool, num_tokens: i
     return count >= max(2, min_fragments) and staging_nbytes(local.layout, piece, num_tokens) / count < threshold_bytes
 
 
-def _sync(kind: MemoryKind, device: int) -> None:
-    if kind is MemoryKind.VRAM:
-        torch.cuda.synchronize(device)
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _side_stream(kind: MemoryKind, device: int):
+    """Run a pack's or unpack's device work on a stream of its own (one per device), synchronised on the way
+    out, failure included. Apart from the engine's streams, a pack during a prefill waits neither for the
+    prefill's queued kernels nor they for it; the KV it reads is final (an executor marks layers ready, or
+    publishes, only once their kernels completed: executor/streaming.py, executor/worker.py)."""
+    if kind is not MemoryKind.VRAM:
+        yield
+        return
+    stream = _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device=device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
 
 
 CHUNK_BYTES = 64 << 20  # device memory a copy between a VRAM pool and a host arena borrows at once
@@ -134,26 +150,26 @@ def through_temp(kind: MemoryKind, device: int, addrs: np.ndarray, lengths: np.n
     total = int(lengths.sum())
     if total == 0:
         return
-    temp = torch.empty(min(total, chunk_bytes), dtype=torch.uint8,
-                       device=f"cuda:{device}" if kind is MemoryKind.VRAM else "cpu")
-    off = 0
-    for a, n, nb in chunks(addrs, lengths, chunk_bytes):
-        if to_slot:
-            gather(kind, device, a, n, temp)
-            slot[off:off + nb].copy_(temp[:nb])  # same stream after the gather; blocking: temp is free after
-        else:
-            temp[:nb].copy_(slot[off:off + nb])  # queued after the previous chunk's scatter on the same stream
-            scatter(kind, device, a, n, temp[:nb])
-        off += nb
-    _sync(kind, device)
+    with _side_stream(kind, device):
+        temp = torch.empty(min(total, chunk_bytes), dtype=torch.uint8,
+                           device=f"cuda:{device}" if kind is MemoryKind.VRAM else "cpu")
+        off = 0
+        for a, n, nb in chunks(addrs, lengths, chunk_bytes):
+            if to_slot:
+                gather(kind, device, a, n, temp)
+                slot[off:off + nb].copy_(temp[:nb])  # same stream after the gather; blocking: temp is free after
+            else:
+                temp[:nb].copy_(slot[off:off + nb])  # queued after the previous chunk's scatter on the same stream
+                scatter(kind, device, a, n, temp[:nb])
+            off += nb
 
 
 def _copy(pool: RankPool, arena: StagingArena, addrs: np.ndarray, lengths: np.ndarray, addr: int, nbytes: int,
           to_slot: bool) -> None:
     if arena.kind is pool.kind:  # the arena on the pool's device: one vectorised copy straight into the slot
-        slot = span_view(arena.kind, arena.device, addr, nbytes)
-        (gather if to_slot else scatter)(pool.kind, pool.device, addrs, lengths, slot)
-        _sync(pool.kind, pool.device)
+        with _side_stream(pool.kind, pool.device):
+            slot = span_view(arena.kind, arena.device, addr, nbytes)
+            (gather if to_slot else scatter)(pool.kind, pool.device, addrs, lengths, slot)
     else:
         through_temp(pool.kind, pool.device, addrs, lengths, arena.view(addr, nbytes), to_slot)
 
