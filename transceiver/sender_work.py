@@ -118,6 +118,7 @@ class SenderJobs:
             log.warning("request %d: packing for generation rank %d failed (%s)", e.rid, gen_rank, ex)
             ident = e.fetched[gen_rank]
             if slot.told:  # it may be reading packed ranges: the slot stays until its Done; its pull fails
+                slot.packed = self._nlocal  # and nothing more is packed into it
                 self._send(ident, m.Error(m.ErrorCode.INTERNAL.value, f"context rank {self._pool.rank} could not "
                                           f"pack request {e.rid}'s KV: {ex}", e.rid, "fetch").encode())
                 return

@@ -46,7 +46,6 @@ class StagingArena:
     """
 
     def __init__(self, kind: MemoryKind, device: int, nbytes: int, memory: str = "device") -> None:
-        self.pool_kind, self.pool_device = kind, device
         if memory == "host" and kind is MemoryKind.VRAM:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         elif kind is MemoryKind.VRAM:
