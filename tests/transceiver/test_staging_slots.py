@@ -37,10 +37,12 @@ def rig(monkeypatch):
     buf = (np.arange(NB * LAYOUT.block_bytes(0), dtype=np.int64) % 251).astype(np.uint8)
     arena = staging.StagingArena(MemoryKind.DRAM, 0, 1 << 20, "host")
     pool = SimpleNamespace(layout=LAYOUT, rank=0, arena=arena, rank_pool=RankPool.of(LAYOUT, 0, [buf.ctypes.data], NB))
-    gate, real = threading.Event(), staging.pack
+    gate, real, breaks = threading.Event(), staging.pack, []
 
     def gated(*a, **k):
         assert gate.wait(30), "gate never opened"
+        if breaks:
+            raise RuntimeError(breaks.pop())
         return real(*a, **k)
 
     monkeypatch.setattr(staging, "pack", gated)
@@ -51,7 +53,7 @@ def rig(monkeypatch):
     entry = Entry(7, np.array([3, 1]), 20, 1, time.monotonic() + 60)
     entry.fetched[0] = b"reader"
     entry.advance(EntryState.READING)
-    yield SimpleNamespace(jobs=jobs, arena=arena, gate=gate, sent=sent, e=entry, buf=buf,
+    yield SimpleNamespace(jobs=jobs, arena=arena, gate=gate, sent=sent, e=entry, buf=buf, breaks=breaks,
                           session=Session("gen", 0, LAYOUT))
     gate.set()
     worker.shutdown(wait=True)
@@ -119,6 +121,34 @@ def test_a_slot_released_while_its_pack_runs_is_freed_by_the_pack_not_before(rig
         r.jobs.release(r.e)
     else:
         assert r.sent == []  # nothing told about a slot that is gone
+    assert r.arena.in_use == 0
+
+
+def test_a_failed_pack_goes_direct_before_the_reader_was_told_and_fails_its_pull_after(rig):
+    r = rig
+    r.breaks.append("injected fault: the first pack raised")
+    r.gate.set()
+    assert r.jobs.stage(b"reader", r.e, r.session)
+    _settle(r.jobs)
+    (ident, blocks), = r.sent
+    assert isinstance(blocks, m.Blocks) and blocks.staging_addr == -1 and blocks.layers_ready == 1  # direct
+    assert r.arena.in_use == 0 and 0 not in r.e.slots
+    # staged again (a later Fetch), told, then a later pack fails: the reader hears an Error, the slot stays
+    r.sent.clear()
+    assert r.jobs.stage(b"reader", r.e, r.session)
+    _settle(r.jobs)
+    r.breaks.append("injected fault: the second pack raised")
+    r.e.layers_ready = 3
+    r.jobs.pack_more(r.e)
+    _settle(r.jobs)
+    assert [type(msg).__name__ for _i, msg in r.sent] == ["Blocks", "Error"]
+    assert r.sent[1][1].code == m.ErrorCode.INTERNAL.value and "second pack raised" in r.sent[1][1].message
+    assert r.arena.in_use > 0  # the reader may still be reading layer 0 from it
+    r.e.layers_ready = 4
+    r.jobs.pack_more(r.e)  # nothing more is packed into a failed reader's slot
+    assert not r.jobs.busy and len(r.sent) == 2
+    r.e.done[0] = False
+    r.jobs.release(r.e, 0)  # its Done
     assert r.arena.in_use == 0
 
 
