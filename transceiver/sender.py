@@ -100,7 +100,7 @@ class Sender(IOThread):
         self._handlers = {m.Hello: self._on_hello, m.Fetch: self._on_fetch, m.Heartbeat: self._on_heartbeat,
                           m.Done: self._on_done}
         self._open_io(zctx, f"kvb-sender-r{pool.rank}")
-        self._jobs = SenderJobs(pool, config, self._worker, self._send)  # packing and hashing, off the I/O thread
+        self._jobs = SenderJobs(pool, config, self._worker, self._send, self._wake)  # packing, hashing: off the loop
         self._outbox = Outbox(self._send_parts)
         self._readers = ReadWatch(pool.agents.values(), config.lease_s)  # agents progress fast while read
         self._poller = zmq.Poller()

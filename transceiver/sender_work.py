@@ -39,11 +39,14 @@ class SenderJobs:
         config: lease_s (renewed when a job finishes).
         worker: where the jobs run (the Sender's one worker thread).
         send: sends one frame to a ROUTER identity (I/O thread only).
+        wake: wakes the I/O thread (any thread): called as each job finishes, so its callback runs at once,
+            not at the loop's next timeout.
     """
 
     def __init__(self, pool: LocalPool, config: TransceiverConfig, worker: Executor,
-                 send: Callable[[bytes, bytes], None]) -> None:
+                 send: Callable[[bytes, bytes], None], wake: Callable[[], None] = lambda: None) -> None:
         self._pool, self._layout, self._config, self._worker, self._send = pool, pool.layout, config, worker, send
+        self._wake = wake
         self._nlocal = pool.layout.local_layers(pool.rank)
         self._stage = pool.layout.stage_layers(pool.layout.coords(pool.rank)[1])  # this rank's global layers
         self._jobs: list[tuple[Future, Callable[[Future], None]]] = []
@@ -103,7 +106,7 @@ class SenderJobs:
         slot.busy = True
         fut = self._worker.submit(pack, sub, self._pool.rank_pool, e.blocks, e.num_tokens, self._pool.arena,
                                   slot.addr + off, slot.from_token)
-        self._jobs.append((fut, lambda f: self._packed(f, e, gen_rank, slot, ready)))
+        self._add(fut, lambda f: self._packed(f, e, gen_rank, slot, ready))
 
     def _packed(self, fut: Future, e: Entry, gen_rank: int, slot: StagedSlot, ready: int) -> None:
         slot.busy = False
@@ -146,7 +149,7 @@ class SenderJobs:
         """Verification mode: hash this rank's copy of what the reader read and compare with its digests off
         the I/O thread; then `then(intact, why)` on the I/O thread, with the entry's lease renewed."""
         fut = self._worker.submit(self._check_digests, e, s, digests)
-        self._jobs.append((fut, lambda f: self._verified(f, e, then)))
+        self._add(fut, lambda f: self._verified(f, e, then))
 
     def _check_digests(self, e: Entry, s: Session, digests: list) -> tuple[bool, str]:
         mine, layers = context_digests(self._pool, s.layout, s.gen_rank, e.blocks, e.num_tokens,
@@ -166,6 +169,10 @@ class SenderJobs:
             intact, why = False, f"integrity: could not hash the context copy ({ex})"
         e.deadline = time.monotonic() + self._config.lease_s
         then(intact, why)
+
+    def _add(self, fut: Future, callback: Callable[[Future], None]) -> None:
+        self._jobs.append((fut, callback))
+        fut.add_done_callback(lambda _f: self._wake())  # (runs at once, here, if the job is already done)
 
     def run_callbacks(self) -> None:
         """I/O thread: run the callback of every job that finished."""
