@@ -12,7 +12,8 @@ GPU memory ("direct") and staged through pinned host memory, packed layer group 
 prefill ("staged-host": transceiver.staging_memory host, a 1 GiB arena each side). Then ITL and
 requests/s at a fixed concurrency: disaggregated (through the router, overlap on) vs aggregated (requests
 spread over both GPUs' workers, each running them whole). `--quick`: the same on CPU with a tiny model, the
-tcp agent and short prompts (seconds; for `make test`).
+tcp agent and short prompts (seconds; for `make test`); phase C there only when named (`--phases C`: host
+pools, so it checks the rows' plumbing and exact tokens, not the GPU-over-TCP cost).
 
 Per row: {prompt_tokens, agent, path, streaming, prefill_ms, ttft_agg_ms, ttft_disagg_ms, exposed_ms,
 exposed_pct}. prefill_ms is the context worker's own (submit -> prefill done); exposed_ms = the generation
@@ -312,7 +313,7 @@ def run(a) -> dict[str, Any]:
                 _save(a, res)
         finally:
             dep.stop()
-    if not quick and "C" in a.phases:
+    if "C" in a.phases:
         print("[bench serve] phase C: NIXL with UCX over TCP, direct and staged through host memory", flush=True)
         # the context worker has a host arena for the staged row's reader; the direct reader asks for no staging
         dep = Deployment(_config(model, _server(1, g1, "nixl", HOST_STAGING), [_server(1, g0, "nixl")], quick,
@@ -381,11 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agents", default=None, help="phase A: agent/path,... (default cuda_ipc/direct,nixl/direct,"
                     "nixl/staged; quick: tcp/direct); the first runs in the deployment, the others in extra "
                     "generation workers")
-    ap.add_argument("--phases", default="ABC", help="A: TP1->TP1 + load, B: hetero TP, C: NIXL over TCP")
+    ap.add_argument("--phases", default=None, help="A: TP1->TP1 + load, B: hetero TP, C: NIXL over TCP (default "
+                    "ABC; quick: AB, C only when named)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="default: the --json path with .png")
     a = ap.parse_args(argv)
     a.prompts = a.prompts or ("64,512" if a.quick else "1024,4096,8192")
+    a.phases = a.phases or ("AB" if a.quick else "ABC")
     a.agents = a.agents or ("tcp/direct" if a.quick else "cuda_ipc/direct,nixl/direct,nixl/staged")
     a.hetero_tokens = a.hetero_tokens or (512 if a.quick else 8192)
     a.requests = a.requests or (4 if a.quick else 16)
