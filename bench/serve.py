@@ -8,10 +8,13 @@ there, more than an 80 GB GPU holds beside the weights and pools). Phase A (matc
 (cuda_ipc, nixl direct, nixl staged), each behind two routers (overlap off / on). Phase B (hetero, 8k):
 context TP1 -> generation TP2 and context TP2 -> generation TP1, one side sharing a GPU so KV crosses NVLink.
 Phase C (8k): NIXL with UCX forced to TCP (UCX_TLS=tcp,..., 1 MiB segments on every worker: docs/nixl-tcp.md),
-standing for another host, streaming every layer (`--tcp-stream-layers`). Then ITL and
+standing for another host, streaming every layer (`--tcp-stream-layers`): reads straight from GPU memory
+("direct") and staged through pinned host memory, packed layer group by layer group during the prefill
+("staged-host": transceiver.staging_memory host, a 1 GiB arena each side). Then ITL and
 requests/s at a fixed concurrency: disaggregated (through the router, overlap on) vs aggregated (requests
 spread over both GPUs' workers, each running them whole). `--quick`: the same on CPU with a tiny model, the
-tcp agent and short prompts (seconds; for `make test`).
+tcp agent and short prompts (seconds; for `make test`); phase C there only when named (`--phases C`: host
+pools, so it checks the rows' plumbing and exact tokens, not the GPU-over-TCP cost).
 
 Per row: {prompt_tokens, agent, path, streaming, prefill_ms, ttft_agg_ms, ttft_disagg_ms, exposed_ms,
 exposed_pct}. prefill_ms is the context worker's own (submit -> prefill done); exposed_ms = the generation
@@ -47,6 +50,7 @@ PATIENT = {"transfer_timeout_s": 120, "peer_timeout_s": 300, "lease_s": 60, "hea
 STAGING = {"staging_arena_bytes": 1 << 30}
 UCX_TCP = {"UCX_TLS": "tcp,cuda_copy,self", "UCX_NET_DEVICES": "lo",  # docs/nixl-tcp.md: alike on every worker
            "UCX_TCP_TX_SEG_SIZE": "1M", "UCX_TCP_RX_SEG_SIZE": "1M", "UCX_TCP_SNDBUF": "8M", "UCX_TCP_RCVBUF": "8M"}
+HOST_STAGING = {"staging_arena_bytes": (1 << 30) + (64 << 20), "staging_memory": "host"}  # phase C, issue 24
 
 
 class _Skip(Exception):
@@ -226,6 +230,7 @@ def measure(dep: Deployment, gen: int, n: int, repeat: int, vocab: int, agent: s
                      "exposed_pct": round(100 * ex / prefill, 3) if prefill else None,
                      "transfer_ms": _med([kb["transfer"]["ms"]["total"] for kb in kbs]),
                      "kv_bytes": kbs[0]["transfer"]["bytes"], "agents_used": kbs[0]["transfer"]["agents"],
+                     "fragments": kbs[0]["transfer"].get("fragments"),  # staged: one per packed layer range
                      "exact": all(r["tokens"] == want for r in runs)})
         print(table(rows[-1:], list(rows[-1])), flush=True)
     return rows
@@ -310,19 +315,24 @@ def run(a) -> dict[str, Any]:
                 _save(a, res)
         finally:
             dep.stop()
-    if not quick and "C" in a.phases:
-        print("[bench serve] phase C: NIXL with UCX over TCP", flush=True)
-        st = a.tcp_stream_layers  # the exposed time is the last layer group's read: finer groups on a slow link
-        dep = Deployment(_config(model, _server(1, g1, "nixl", stream=st), [_server(1, g0, "nixl", stream=st)], quick,
-                                 blocks, tpb), env=UCX_TCP)
+    if "C" in a.phases:
+        print("[bench serve] phase C: NIXL with UCX over TCP, direct and staged through host memory", flush=True)
+        # the context worker has a host arena for the staged row's reader; the direct reader asks for no staging.
+        # Over a slow link the last layer group's read is what stays exposed: finer groups (--tcp-stream-layers)
+        st = a.tcp_stream_layers
+        dep = Deployment(_config(model, _server(1, g1, "nixl", HOST_STAGING, stream=st),
+                                 [_server(1, g0, "nixl", stream=st)], quick, blocks, tpb),
+                         [{"instances": 1, **_server(1, g0, "nixl", HOST_STAGING, stream=st)}], env=UCX_TCP)
         try:
-            agg = dep.cluster.cfg.context[0].url
-            for n in hetero_n:
-                res["rows"] += measure(dep, 0, n, a.repeat, vocab, "nixl-tcp", "direct", "tp1->tp1", agg, {})
-                _save(a, res)
-        except RuntimeError as e:
-            print(f"[bench serve] nixl over TCP failed: {e}", flush=True)
-            res.setdefault("errors", []).append({"agent": "nixl-tcp", "error": str(e)[:400]})
+            agg, cache = dep.cluster.cfg.context[0].url, {}
+            for gi, path in enumerate(("direct", "staged-host")):
+                for n in hetero_n:
+                    try:
+                        res["rows"] += measure(dep, gi, n, a.repeat, vocab, "nixl-tcp", path, "tp1->tp1", agg, cache)
+                        _save(a, res)
+                    except RuntimeError as e:
+                        print(f"[bench serve] nixl over TCP ({path}) failed: {e}", flush=True)
+                        res.setdefault("errors", []).append({"agent": "nixl-tcp", "path": path, "error": str(e)[:400]})
         finally:
             dep.stop()
     return res
@@ -377,13 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agents", default=None, help="phase A: agent/path,... (default cuda_ipc/direct,nixl/direct,"
                     "nixl/staged; quick: tcp/direct); the first runs in the deployment, the others in extra "
                     "generation workers")
-    ap.add_argument("--phases", default="ABC", help="A: TP1->TP1 + load, B: hetero TP, C: NIXL over TCP")
+    ap.add_argument("--phases", default=None, help="A: TP1->TP1 + load, B: hetero TP, C: NIXL over TCP (default "
+                    "ABC; quick: AB, C only when named)")
     ap.add_argument("--tcp-stream-layers", type=int, default=1,
                     help="phase C: layers per streamed group (A and B: 4); over TCP the last group's read is exposed")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="default: the --json path with .png")
     a = ap.parse_args(argv)
     a.prompts = a.prompts or ("64,512" if a.quick else "1024,4096,8192")
+    a.phases = a.phases or ("AB" if a.quick else "ABC")
     a.agents = a.agents or ("tcp/direct" if a.quick else "cuda_ipc/direct,nixl/direct,nixl/staged")
     a.hetero_tokens = a.hetero_tokens or (512 if a.quick else 8192)
     a.requests = a.requests or (4 if a.quick else 16)

@@ -102,8 +102,8 @@ class ServerSpec:
         from ..executor.transceiver_hook import hooked_executor_config  # only where an executor starts
 
         executor = {"enable_block_reuse": True, **self.executor}  # block reuse is on by default in serving
-        if self.role == "context" and "stream_layers" not in self.executor and \
-                not self.transceiver.get("staging_arena_bytes"):  # layer-wise streaming too (docs/overlap.md)
+        if self.role == "context" and "stream_layers" not in self.executor and (not self.transceiver.get(
+                "staging_arena_bytes") or self.transceiver.get("staging_memory") == "host"):  # docs/overlap.md
             executor["stream_layers"] = DEFAULT_STREAM_LAYERS
         return hooked_executor_config(self.role, instance, run_dir, self.transceiver, model=model, tp=self.tp,
                                       pp=self.pp, layers_per_stage=self.layers_per_stage, **executor)

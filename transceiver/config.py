@@ -58,6 +58,12 @@ class TransceiverConfig:
         staging_min_fragments fragments of mean size below staging_threshold_bytes is packed by the context
         rank, read as one descriptor and unpacked by the generation rank (transceiver/staging.py); when either
         arena is full the read goes direct.
+    staging_memory: where the staging arena lives. "device" (default): on the pool's device (VRAM for GPU
+        pools). "host": pinned host memory (numpy for host pools); then EVERY piece is staged when both sides
+        have an arena with room, not only many-small-fragment ones, so the wire never carries device memory
+        (for transports that move host memory far faster than GPU memory, e.g. UCX over TCP). Packing goes
+        layer range by layer range as layers become ready (stream_layers). Agents that cannot register host
+        memory (cuda_ipc) are not used for such a pool. See docs/staging.md.
     verify: after reading, both sides hash what they hold (xxh3-64 per layer, canonical order) and compare;
         a mismatch fails the transfer with IntegrityError. Costs a gather and a hash on both sides.
     curve_secret_key_file / curve_public_key_file / curve_server_public_key_file /
@@ -90,6 +96,7 @@ class TransceiverConfig:
     staging_arena_bytes: int = 0
     staging_threshold_bytes: int = 32 << 10
     staging_min_fragments: int = 64
+    staging_memory: str = "device"
     curve_secret_key_file: str | None = None
     curve_public_key_file: str | None = None
     curve_server_public_key_file: str | None = None
@@ -119,6 +126,8 @@ class TransceiverConfig:
                               f"({self.lease_s}) so a lease is renewed before it runs out")
         if self.staging_arena_bytes < 0 or self.staging_threshold_bytes < 0 or self.staging_min_fragments < 0:
             raise ConfigError("transceiver.staging_* settings must not be negative")
+        if self.staging_memory not in ("device", "host"):
+            raise ConfigError(f"transceiver.staging_memory must be 'device' or 'host', got {self.staging_memory!r}")
         for f in ("insecure", "read_ahead"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"transceiver.{f} must be true or false, got {getattr(self, f)!r}")

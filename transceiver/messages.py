@@ -23,7 +23,8 @@ Conversation (generation rank G pulls a request from context rank C):
                                                                       it was sent: the Fetch is also the
                                                                       reader's Done(ok); C answers DoneAck
     C -> G  Blocks(ctx_request_id, block_ids, num_tokens, layers_ready, lease_s, staging_addr, staging_bytes)
-            (staged: the context rank packed the piece into a slot of its arena; one read moves it)
+            (staged: the context rank packed the piece into a slot of its arena; one read moves it; with
+            layers not all ready, layers_ready counts the layers packed and each LayersReady follows a pack)
     C -> G  LayersReady(ctx_request_id, layers_ready)                 streaming: pushed as layers finish
     G -> C  Heartbeat(ctx_request_ids)                                renews leases while reading
     C -> G  HeartbeatAck(ctx_request_ids, alive)
@@ -53,8 +54,10 @@ from ..errors import (KvBridgeError, LayoutMismatchError, LeaseExpired, Protocol
                       RequestCancelled, RequestNotFound)
 from ..formatter.mapping import MAPPING_VERSION
 
-PROTOCOL_VERSION = 4  # bump when a message changes shape or meaning (2: Fetch carries the request's secret;
-#                        3: read-ahead; 4: a read-ahead Fetch may carry its Done: an older peer would ignore it)
+PROTOCOL_VERSION = 5  # bump when a message changes shape or meaning (2: Fetch carries the request's secret;
+#                        3: read-ahead; 4: a read-ahead Fetch may carry its Done: an older peer would ignore it;
+#                        5: a staged Blocks may come before every layer is packed: layers_ready counts the
+#                        layers packed, LayersReady follows each pack; Welcome.staging_kind)
 MAX_FRAME_BYTES = 16 << 20  # 2M block ids fit; a larger frame is refused before decoding
 MAX_BLOCK_IDS = 1 << 21
 MAX_BATCH = 256  # wire messages one ZeroMQ message may carry (its parts); a longer one is refused whole
@@ -185,6 +188,7 @@ class Welcome(Message):
     host: str = msg(str, default="")
     staging_base: int = msg(int, default=0)  # the context rank's staging arena (0 bytes: no staged path)
     staging_bytes: int = msg(int, default=0)
+    staging_kind: str = msg(str, default="")  # where the arena lives ("DRAM" | "VRAM"; "": the pool's kind)
 
 
 @dataclass(frozen=True, slots=True)

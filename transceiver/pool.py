@@ -62,26 +62,32 @@ class LocalPool:
         if config.staging_arena_bytes:
             from .staging import StagingArena
 
-            self.arena = StagingArena(self.kind, self.device, config.staging_arena_bytes)
+            self.arena = StagingArena(self.kind, self.device, config.staging_arena_bytes, config.staging_memory)
         base = name or f"kvb-{os.getpid()}-{uuid.uuid4().hex[:8]}-r{rank}"
         self.agents: dict[str, TransferAgent] = {}
         self._regs: list[Registration] = []
         why: list[str] = []
         for kind in resolve_agent_kinds(config.agents, self.kind):
+            agent, regs = None, []
             try:
                 agent = create_agent(kind, f"{base}-{kind}", **config.options.get(kind, {}))
-                regs = [agent.register_memory(r) for r in self.regions]
-                if self.arena is not None:
-                    regs.append(agent.register_memory(self.arena.region))
+                for r in self.regions + ([self.arena.region] if self.arena is not None else []):
+                    regs.append(agent.register_memory(r))
             except (AgentError, KvBridgeError, OSError) as e:
                 log.info("agent %s not available for rank %d's %s pool: %s", kind, rank, self.kind.value, e)
                 why.append(f"{kind}: {e}")
+                for reg in regs:  # e.g. cuda_ipc took the VRAM pool but cannot take a host arena
+                    reg.release()
+                if agent is not None:
+                    agent.close()
                 continue
             self.agents[kind] = agent
             self._regs += regs
         if not self.agents:
+            host = " with a host staging arena (transceiver.staging_memory: host)" if self.arena is not None and \
+                self.arena.kind is not self.kind else ""
             raise AgentError(f"no transfer agent of {list(config.agents)} could serve a "
-                             f"{self.kind.value} pool ({'; '.join(why)})")
+                             f"{self.kind.value} pool{host} ({'; '.join(why)})")
 
     @property
     def bases(self) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..agents import DescriptorGrid, DescriptorList, TransferHandle, XferState
+from ..agents import DescriptorGrid, DescriptorList, MemoryKind, TransferHandle, XferState
 from ..formatter.mapping import Piece
 from ..formatter.planner import Fragments, RankPool, plan_grid, plan_piece
 from ..formatter.scratch import PlanScratch
@@ -126,6 +126,10 @@ class Leg:
     slot: int | None = None  # staged path: this rank's arena slot for the piece
     remote_slot: int = -1  # staged path: the context rank's packed slot (-1: read direct)
     slot_bytes: int = 0
+    slot_mem: tuple = (MemoryKind.DRAM, 0)  # staged path: where this rank's arena lives (kind, device)
+    remote_slot_mem: tuple = (MemoryKind.DRAM, 0)  # ...and where the context rank's arena lives
+    ranges: list[range] = field(default_factory=list)  # staged path: the global layers each of `handles` reads
+    unpacks: list[Any] = field(default_factory=list)  # staged path: Futures unpacking ranges[i] (worker thread)
     read_ahead: bool = False  # the block ids came from DisaggParams; the context rank sends no Blocks
     plans: list[np.ndarray] = field(default_factory=list)  # plan arrays its reads use: reused once settled
 
@@ -163,7 +167,11 @@ class Leg:
                     or msg.staging_addr + msg.staging_bytes > welcome.staging_base + welcome.staging_bytes):
                 return (f"context rank {self.ctx_rank} staged {msg.staging_bytes} bytes at {msg.staging_addr:#x}, "
                         f"outside its arena or not the piece's size")
+            kind = welcome.staging_kind or welcome.pool_kind
+            if kind not in ("DRAM", "VRAM"):
+                return f"context rank {self.ctx_rank}: staging arena kind {kind!r} is not DRAM or VRAM"
             self.remote_slot = msg.staging_addr
+            self.remote_slot_mem = (MemoryKind(kind), welcome.pool_device if kind == "VRAM" else 0)
         elif self.slot is not None:
             arena.free(self.slot)
             self.slot, self.slot_bytes = None, 0
@@ -256,22 +264,24 @@ class Pull:
     def post_ready_layers(self, leg: Leg, local: RankPool, agent) -> None:
         """Plan and post reads for the layers of `leg` that became ready since the last call."""
         remote = leg.remote
-        if leg.remote_slot >= 0:  # staged: the whole packed piece is one descriptor
-            if not leg.handles:
-                self._first_post()
-                one = np.ones(1, dtype=np.int64)
-                leg.handles.append(agent.read(
-                    leg.peer_name, DescriptorList(one * leg.slot, one * leg.slot_bytes, local.kind, local.device),
-                    DescriptorList(one * leg.remote_slot, one * leg.slot_bytes, remote.kind, remote.device)))
-                leg.read_upto = leg.piece.layers.stop
-                self.nbytes += leg.slot_bytes
-                self.fragments += 1
-                self.staged = True
-            return
         stage = remote.layout.stage_layers(remote.layout.coords(leg.ctx_rank)[1])
         ready_stop = min(leg.piece.layers.stop, stage.start + leg.layers_ready)
         start = max(leg.read_upto, leg.piece.layers.start)
         if ready_stop <= start:
+            return
+        if leg.remote_slot >= 0:  # staged: the newly packed layers are one byte range of the slot, one descriptor
+            self._first_post()
+            per = leg.slot_bytes // len(leg.piece.layers)  # layer-major slots: every layer the same bytes
+            off, nb = (start - leg.piece.layers.start) * per, (ready_stop - start) * per
+            one = np.ones(1, dtype=np.int64)
+            mine = DescriptorList(one * (leg.slot + off), one * nb, *leg.slot_mem)
+            theirs = DescriptorList(one * (leg.remote_slot + off), one * nb, *leg.remote_slot_mem)
+            leg.handles.append(agent.read(leg.peer_name, mine, theirs))
+            leg.ranges.append(range(start, ready_stop))
+            leg.read_upto = ready_stop
+            self.nbytes += nb
+            self.fragments += 1
+            self.staged = True
             return
         sub = Piece(leg.ctx_rank, range(start, ready_stop), leg.piece.heads)
         t0 = time.monotonic()
@@ -306,14 +316,19 @@ class Pull:
         unpack is still running after `unpack_timeout_s` stays allocated (leaked, never reused). The plan
         arrays of a leg whose reads all settled go back to this thread's PlanScratch; a leg with a read still
         in flight (quarantine over) keeps them away from reuse."""
-        if self.verifying is not None:
-            try:  # an unpack must not outlive its slot
-                self.verifying.exception(timeout=unpack_timeout_s)
-            except Exception:  # noqa: BLE001 - timed out: the slot stays allocated
-                log.error("request %d: unpack still running after %.1f s; keeping its slot", self.request_id,
+        jobs = [f for f in [self.verifying] + [u for leg in self.legs.values() for u in leg.unpacks] if f is not None]
+        deadline = time.monotonic() + unpack_timeout_s
+        for job in jobs:  # an unpack must not outlive its slot
+            if job.cancelled():
+                continue
+            try:
+                job.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - timed out: the slots stay allocated
+                log.error("request %d: unpack still running after %.1f s; keeping its slots", self.request_id,
                           unpack_timeout_s)
                 for leg in self.legs.values():
                     leg.slot = None
+                break
         scratch = _scratch()
         for leg in self.legs.values():
             settled = not leg.pending()  # nothing reads the plan arrays any more: the next plan may reuse them

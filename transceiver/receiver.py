@@ -360,6 +360,8 @@ class Receiver(IOThread):
             if err:
                 self._fail(pull, "TransferFailed", f"read from context rank {leg.ctx_rank} failed: {err}")
                 return True
+        if pull.staged:
+            self._finisher.unpack_ready(pull, self._worker)  # each staged range unpacked once it has landed
         if all(leg.all_posted and not leg.pending() for leg in pull.legs.values()):
             pull.reads_settled()
             if self.before_confirm is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from enum import Enum
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from . import messages as m
 from .fsm import move
 
-__all__ = ["ENTRY_MOVES", "EarlyFetches", "Entry", "EntryState", "SendResult", "Tomb", "renew_leases",
+__all__ = ["ENTRY_MOVES", "EarlyFetches", "Entry", "EntryState", "SendResult", "StagedSlot", "Tomb", "renew_leases",
            "unknown_answer"]
 
 
@@ -85,8 +86,7 @@ class Entry:
     fetched: dict[int, bytes] = field(default_factory=dict)  # gen rank -> ROUTER identity
     done: dict[int, bool] = field(default_factory=dict)  # gen rank -> ok
     published_at: float = field(default_factory=time.monotonic)
-    slots: dict[int, int] = field(default_factory=dict)  # gen rank -> staging slot address (staged path)
-    packing: set[int] = field(default_factory=set)  # gen ranks whose slot is being packed right now
+    slots: dict[int, StagedSlot] = field(default_factory=dict)  # gen rank -> its staging slot (staged path)
     read_from: dict[int, int] = field(default_factory=dict)  # gen rank -> first token it reads (prefix reuse)
     read_ahead_ok: bool = False  # published complete under a secret made here: a read-ahead is vouched for
 
@@ -117,9 +117,25 @@ class Entry:
                     f"published with")
         return ""
 
-    def readers_waiting(self) -> list[bytes]:
-        """ROUTER identities of the readers that fetched and have not reported Done."""
-        return [ident for gen_rank, ident in self.fetched.items() if gen_rank not in self.done]
+    def readers_waiting(self, staged: bool = True) -> list[bytes]:
+        """ROUTER identities of the readers that fetched and have not reported Done (staged=False: only those
+        reading direct, whom a LayersReady of the entry's own layers_ready concerns)."""
+        return [ident for gen_rank, ident in self.fetched.items() if gen_rank not in self.done and
+                (staged or gen_rank not in self.slots)]
+
+
+@dataclass(eq=False)
+class StagedSlot:
+    """One reader's staging slot on this context rank: packed layer range by layer range as layers become
+    ready (sender_work.py); `packed` counts the local layers packed (what that reader was told is readable)."""
+
+    piece: Any  # formatter.mapping.Piece: what the reader reads from this rank
+    addr: int
+    nbytes: int
+    from_token: int
+    packed: int = 0
+    busy: bool = False  # a pack into it runs on the worker: only its callback may free it
+    told: bool = False  # Blocks went out (the reader may be reading packed ranges of it)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,8 @@ class Sender(IOThread):
         arena, agents = pool.arena, {k: a.metadata() for k, a in pool.agents.items()}
         self._welcome = m.Welcome(self.instance, pool.rank, self.layout.to_wire(), agents, pool.bases,
                                   pool.num_blocks, pool.kind.value, pool.device, config.lease_s, local_host_id(),
-                                  arena.base if arena else 0, arena.nbytes if arena else 0).encode()  # the same for all
+                                  arena.base if arena else 0, arena.nbytes if arena else 0,
+                                  arena.kind.value if arena else "").encode()  # the same for all
         self._early = EarlyFetches(_TOMBSTONES)
         self._expire_at = 0.0
         if config.verify:
@@ -99,7 +100,7 @@ class Sender(IOThread):
         self._handlers = {m.Hello: self._on_hello, m.Fetch: self._on_fetch, m.Heartbeat: self._on_heartbeat,
                           m.Done: self._on_done}
         self._open_io(zctx, f"kvb-sender-r{pool.rank}")
-        self._jobs = SenderJobs(pool, config, self._worker, self._send)  # packing and hashing, off the I/O thread
+        self._jobs = SenderJobs(pool, config, self._worker, self._send, self._wake)  # packing, hashing: off the loop
         self._outbox = Outbox(self._send_parts)
         self._readers = ReadWatch(pool.agents.values(), config.lease_s)  # agents progress fast while read
         self._poller = zmq.Poller()
@@ -219,8 +220,9 @@ class Sender(IOThread):
         if e is not None and c.layers_ready > e.layers_ready:
             e.layers_ready = c.layers_ready
             frame = m.LayersReady(c.rid, e.layers_ready).encode()
-            for ident in e.readers_waiting():
+            for ident in e.readers_waiting(staged=False):  # a staged reader hears of layers once they are packed
                 self._send(ident, frame)
+            self._jobs.pack_more(e)
 
     def _on_cancel(self, c: CancelSend) -> None:
         e = self._entries.get(c.rid)
@@ -242,8 +244,7 @@ class Sender(IOThread):
         e.advance(status)
         self._readers.ended(len(e.readers_waiting()))  # readers that never reported Done (expired, cancelled)
         self._entries.pop(e.rid, None)
-        for gen_rank in [g for g in e.slots if g not in e.packing]:  # a slot still being packed: _packed frees it
-            self.pool.arena.free(e.slots.pop(gen_rank))
+        self._jobs.release(e)  # a slot still being packed is freed by its pack's callback
         self._tomb[e.rid] = Tomb(status, e.secret, frozenset(e.fetched.values()))
         while len(self._tomb) > _TOMBSTONES:
             self._tomb.popitem(last=False)
@@ -397,10 +398,8 @@ class Sender(IOThread):
             return
         if msg.read_ahead:
             return  # its reads are posted: no Blocks; its Done is confirmed like any reader's
-        local = self._local_layers
-        if msg.staged and self.pool.arena is not None and e.layers_ready >= local and \
-                self._jobs.stage(ident, e, s, msg.from_token):
-            return  # Blocks goes out once the pack is done (SenderJobs)
+        if msg.staged and self.pool.arena is not None and self._jobs.stage(ident, e, s, msg.from_token):
+            return  # Blocks goes out once the layers ready so far are packed (SenderJobs)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
 
 
@@ -436,8 +435,7 @@ class Sender(IOThread):
                      why: str, counted: bool = True) -> None:
         self._readers.ended(1 if counted and gen_rank not in e.done else 0)
         e.done[gen_rank] = ok
-        if gen_rank in e.slots:
-            self.pool.arena.free(e.slots.pop(gen_rank))
+        self._jobs.release(e, gen_rank)
         self._send(ident, m.DoneAck(e.rid, True, why, intact).encode())
         if not ok:
             log.info("request %d: generation rank %d failed its read: %s", e.rid, gen_rank, error)

@@ -7,42 +7,66 @@ heads, tokens, head_dim], independent of either pool's layout), the generation r
 descriptor into a slot of its own arena and unpacks it into its blocks. Both local copies are vectorised
 (agents/staging.py gather/scatter: one index over rows, torch on GPUs, numpy on hosts).
 
+A host arena (transceiver.staging_memory: host) is pinned host memory beside a GPU pool: every piece is staged
+so the wire carries host memory only, and the copies go through a bounded device buffer (`through_temp`).
+Layers are outermost in the canonical order, so a layer range of a piece is one byte range of its slot
+(`layer_range`): a streamed request is packed, read and unpacked range by range (docs/staging.md).
+
 Owns the arena (a registered scratch region per rank, handed out in slots) and the pack/unpack calls. Never
 touches sockets; slots are freed by whoever allocated them, on every path (done, failure, expiry, close).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
 import torch  # imported with the arena, on the constructing thread: a first import from a worker can deadlock
 
 from ..agents import MemoryKind, MemoryRegion
-from ..agents.staging import gather, scatter, span_view
+from ..agents.staging import chunks, gather, scatter, span_view
 from ..formatter.mapping import Piece
 from ..formatter.planner import RankPool, plan_stats
 from ..formatter.staging import plan_pack, plan_unpack, staging_nbytes, staging_pool
 
-__all__ = ["StagingArena", "pack", "unpack", "worth_staging"]
+__all__ = ["StagingArena", "layer_range", "pack", "through_temp", "unpack", "worth_staging"]
 
 _ALIGN = 256
 
 
 class StagingArena:
-    """A contiguous scratch buffer on the pool's device, handed out in slots (first fit, 256-byte aligned)."""
+    """A contiguous scratch buffer handed out in slots (first fit, 256-byte aligned).
 
-    def __init__(self, kind: MemoryKind, device: int, nbytes: int) -> None:
-        if kind is MemoryKind.VRAM:
+    Args:
+        kind, device: where the pool lives (the copies into and out of slots run there).
+        nbytes: the arena's size.
+        memory: "device": on the pool's device; "host": pinned host memory for a VRAM pool (numpy for a DRAM
+            pool), so reads between ranks move host memory only. `kind`/`device` are the arena's own.
+    """
+
+    def __init__(self, kind: MemoryKind, device: int, nbytes: int, memory: str = "device") -> None:
+        if memory == "host" and kind is MemoryKind.VRAM:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        elif kind is MemoryKind.VRAM:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
         else:
             self.buffer = np.empty(nbytes, dtype=np.uint8)
         self.region = MemoryRegion.of(self.buffer)
-        self.kind, self.device = kind, device
+        self.kind, self.device = self.region.kind, self.region.device
         self.base, self.nbytes = self.region.addr, nbytes
         self._free = [(0, nbytes)]  # (offset, size), sorted by offset
         self._used: dict[int, int] = {}
         self._lock = threading.Lock()
+
+    def view(self, addr: int, nbytes: int):
+        """A uint8 tensor over `nbytes` of the arena at `addr` (a slice of the buffer: pinned stays pinned)."""
+        off = addr - self.base
+        if not self.contains(addr, nbytes):
+            raise ValueError(f"{nbytes} bytes at {addr:#x} are outside the staging arena")
+        if isinstance(self.buffer, np.ndarray):
+            return torch.from_numpy(self.buffer[off:off + nbytes])
+        return self.buffer[off:off + nbytes]
 
     def alloc(self, nbytes: int) -> int | None:
         """Address of a slot of `nbytes`, or None when the arena has no room (the caller goes direct)."""
@@ -87,9 +111,66 @@ def worth_staging(piece: Piece, remote: RankPool, local: RankPool, num_tokens: i
     return count >= max(2, min_fragments) and staging_nbytes(local.layout, piece, num_tokens) / count < threshold_bytes
 
 
-def _sync(kind: MemoryKind, device: int) -> None:
-    if kind is MemoryKind.VRAM:
-        torch.cuda.synchronize(device)
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _side_stream(kind: MemoryKind, device: int):
+    """Run a pack's or unpack's device work on a stream of its own (one per device), synchronised on the way
+    out, failure included. Apart from the engine's streams, a pack during a prefill waits neither for the
+    prefill's queued kernels nor they for it; the KV it reads is final (an executor marks layers ready, or
+    publishes, only once their kernels completed: executor/streaming.py, executor/worker.py)."""
+    if kind is not MemoryKind.VRAM:
+        yield
+        return
+    stream = _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device=device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
+
+
+CHUNK_BYTES = 64 << 20  # device memory a copy between a VRAM pool and a host arena borrows at once
+
+
+def through_temp(kind: MemoryKind, device: int, addrs: np.ndarray, lengths: np.ndarray, slot, to_slot: bool,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Copy between ranges of a pool (on `kind`/`device`) and a slot elsewhere (a host arena), through one
+    temporary buffer of at most `chunk_bytes` on the pool's device: a vectorised gather there, then one copy
+    to the slot per chunk (or the reverse). Done on return (each copy to or from the slot waits for its chunk).
+
+    Args:
+        kind, device: where the ranges live.
+        addrs, lengths: int64 arrays, in the slot's order (their concatenation tiles the slot).
+        slot: a contiguous 1-D uint8 tensor of sum(lengths) bytes.
+        to_slot: gather into the slot (pack) or scatter out of it (unpack).
+    """
+    total = int(lengths.sum())
+    if total == 0:
+        return
+    with _side_stream(kind, device):
+        temp = torch.empty(min(total, chunk_bytes), dtype=torch.uint8,
+                           device=f"cuda:{device}" if kind is MemoryKind.VRAM else "cpu")
+        off = 0
+        for a, n, nb in chunks(addrs, lengths, chunk_bytes):
+            if to_slot:
+                gather(kind, device, a, n, temp)
+                slot[off:off + nb].copy_(temp[:nb])  # same stream after the gather; blocking: temp is free after
+            else:
+                temp[:nb].copy_(slot[off:off + nb])  # queued after the previous chunk's scatter on the same stream
+                scatter(kind, device, a, n, temp[:nb])
+            off += nb
+
+
+def _copy(pool: RankPool, arena: StagingArena, addrs: np.ndarray, lengths: np.ndarray, addr: int, nbytes: int,
+          to_slot: bool) -> None:
+    if arena.kind is pool.kind:  # the arena on the pool's device: one vectorised copy straight into the slot
+        with _side_stream(pool.kind, pool.device):
+            slot = span_view(arena.kind, arena.device, addr, nbytes)
+            (gather if to_slot else scatter)(pool.kind, pool.device, addrs, lengths, slot)
+    else:
+        through_temp(pool.kind, pool.device, addrs, lengths, arena.view(addr, nbytes), to_slot)
 
 
 def pack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: StagingArena, addr: int,
@@ -100,8 +181,7 @@ def pack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: StagingAr
     stg = staging_pool(pool.layout, piece, addr, num_tokens, arena.kind, arena.device, first_token)
     f = plan_pack(piece, pool, stg, blocks, num_tokens, first_token)
     order = np.argsort(f.dst, kind="stable")  # staging-side order tiles the slot contiguously
-    gather(arena.kind, arena.device, f.src[order], f.length[order], span_view(arena.kind, arena.device, addr, nbytes))
-    _sync(arena.kind, arena.device)
+    _copy(pool, arena, f.src[order], f.length[order], addr, nbytes, True)
     return nbytes
 
 
@@ -113,5 +193,15 @@ def unpack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: Staging
     stg = staging_pool(pool.layout, piece, addr, num_tokens, arena.kind, arena.device, first_token)
     f = plan_unpack(piece, stg, pool, blocks, num_tokens, first_token)
     order = np.argsort(f.src, kind="stable")
-    scatter(arena.kind, arena.device, f.dst[order], f.length[order], span_view(arena.kind, arena.device, addr, nbytes))
-    _sync(arena.kind, arena.device)
+    _copy(pool, arena, f.dst[order], f.length[order], addr, nbytes, False)
+
+
+def layer_range(piece: Piece, layers: range, layout, num_tokens: int, first_token: int = 0) -> tuple[Piece, int, int]:
+    """The part of `piece` in global `layers` as (sub-piece, byte offset in the piece's slot, bytes). The
+    canonical order is layer-major, so any layer range of a piece is one contiguous byte range of its slot."""
+    lo, hi = max(layers.start, piece.layers.start), min(layers.stop, piece.layers.stop)
+    if hi <= lo:
+        raise ValueError(f"layers {layers} hold nothing of {piece!r}")
+    sub = Piece(piece.ctx_rank, range(lo, hi), piece.heads)
+    per = staging_nbytes(layout, Piece(piece.ctx_rank, range(lo, lo + 1), piece.heads), num_tokens, first_token)
+    return sub, (lo - piece.layers.start) * per, (hi - lo) * per

@@ -96,6 +96,18 @@ def test_bench_serve_quick(tmp_path):
     assert res["load"]["disaggregated"]["req_per_s"] > 0
 
 
+def test_bench_serve_quick_phase_c_rows_direct_and_staged_through_host_memory(tmp_path):
+    """Phase C's two rows (NIXL with UCX forced to TCP: direct, and staged through host memory, streamed) on
+    CPU: the plumbing the GPU run relies on, exact tokens; the staged row's reads are its packed layer ranges."""
+    res = _bench(tmp_path, "serve", "--quick", "--prompts", "64", "--hetero-tokens", "256", "--phases", "C",
+                 "--repeat", "1")
+    assert not res.get("errors"), res.get("errors")
+    assert {(r["agent"], r["path"]) for r in res["rows"]} == {("nixl-tcp", "direct"), ("nixl-tcp", "staged-host")}
+    assert res["rows"] and all(r["exact"] for r in res["rows"])
+    staged = [r for r in res["rows"] if r["path"] == "staged-host"]
+    assert all(1 <= r["fragments"] <= 2 for r in staged), staged  # 8 layers marked ready 4 at a time
+
+
 def test_control_trace_quick():
     """docs/control-plane.md's `python -m kvbridge.bench.control_trace`: it wraps the transceiver's private
     methods by name, so a renamed hop would silently drop out of its table; the main hops must be there."""

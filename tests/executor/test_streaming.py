@@ -23,13 +23,14 @@ from .stream_probe import wait_file, write_time
 PROMPT = list(range(30, 67))  # 37 tokens
 LONGER = [9, 8, 7, 6, 5, 4, 3]
 XCFG = {"agents": ["nixl"], "transfer_timeout_s": 30, "stream_layers": True, "lease_s": 3.0}
+HOST = {**XCFG, "staging_arena_bytes": 4 << 20, "staging_memory": "host"}  # staged through host memory, streamed
 PROBE = "tests.executor.stream_probe:make"
 
 
-def _exec(tmp_path, role, tag, probe_args: dict, **kw) -> Executor:
+def _exec(tmp_path, role, tag, probe_args: dict, xcfg: dict = XCFG, **kw) -> Executor:
     run_dir = tmp_path / tag
     run_dir.mkdir()
-    cfg = hooked_executor_config(role, f"{tag}-instance", run_dir, XCFG, model="seeded:tiny3", timeout_s=90,
+    cfg = hooked_executor_config(role, f"{tag}-instance", run_dir, xcfg, model="seeded:tiny3", timeout_s=90,
                                  kv_digests=True, num_blocks=32, **kw)
     cfg.rank_hook = PROBE
     cfg.rank_hook_args.update(probe_dir=str(tmp_path), **probe_args)
@@ -43,13 +44,14 @@ def _times(tmp_path, prefix: str) -> list[float]:
 
 @pytest.mark.parametrize("ctx_split", [{"tp": 2, "tokens_per_block": 4}, {"pp": 2, "tokens_per_block": 8}],
                          ids=["ctx_tp2_to_gen_tp1", "ctx_pp2_to_gen_tp1"])
-def test_streamed_prefill_is_read_while_it_runs_and_decodes_the_aggregated_tokens(tmp_path, ctx_split):
+@pytest.mark.parametrize("xcfg", [XCFG, HOST], ids=["direct", "host_staged"])
+def test_streamed_prefill_is_read_while_it_runs_and_decodes_the_aggregated_tokens(tmp_path, ctx_split, xcfg):
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=32, tokens_per_block=8)) as agg:
         want = agg.generate([PROMPT], max_tokens=10)[0]
     gen_rid = 7
-    with _exec(tmp_path, "context", "ctx", {"stall_until": str(tmp_path / f"first_read-0-{gen_rid}")},
+    with _exec(tmp_path, "context", "ctx", {"stall_until": str(tmp_path / f"first_read-0-{gen_rid}")}, xcfg,
                stream_layers=1, **ctx_split) as ctx, \
-            _exec(tmp_path, "generation", "gen", {}, tokens_per_block=12) as gen:
+            _exec(tmp_path, "generation", "gen", {}, xcfg, tokens_per_block=12) as gen:
         world = ctx.cfg.tp * ctx.cfg.pp
         endpoints = context_endpoints(str(tmp_path / "ctx"), world)
         ctx_rid = ctx.submit(PROMPT, max_tokens=1, mode="context_only")
@@ -64,6 +66,8 @@ def test_streamed_prefill_is_read_while_it_runs_and_decodes_the_aggregated_token
         assert got.tokens == want
         check_positional(ctx.kv_digest(ctx_rid), gen.kv_digest(gen_rid), "streamed prompt")
         assert not [f for f in os.listdir(tmp_path) if f.startswith("stall_timed_out")]
+        if xcfg is HOST:  # staged: one read per context rank per packed layer range (direct: hundreds)
+            assert world <= got.transfer.as_json()["fragments"] <= world * 4 // ctx.cfg.pp
         first_read = _times(tmp_path, f"first_read-0-{gen_rid}")
         prefill_end = _times(tmp_path, "prefill_end-")
         assert len(first_read) == 1 and len(prefill_end) == world

@@ -88,6 +88,7 @@ P1 = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
 
 STAGED = {**XCFG, "staging_arena_bytes": 4 << 20, "staging_min_fragments": 8}
 VERIFY = {**XCFG, "verify": True}  # digests of exactly the range read, compared on the context side
+HOST = {**STAGED, "staging_memory": "host"}  # every piece staged through host memory
 
 
 def _exec(tmp_path, role, tag, xcfg, **kw) -> Executor:
@@ -108,7 +109,7 @@ def _disagg(ctx, gen, endpoints, prompt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("xcfg", [XCFG, STAGED, VERIFY], ids=["direct", "staged", "verify"])
+@pytest.mark.parametrize("xcfg", [XCFG, STAGED, VERIFY, HOST], ids=["direct", "staged", "verify", "host_staged"])
 def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens(tmp_path, xcfg):
     with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=48, tokens_per_block=8)) as agg:
         want1 = agg.generate([P1], max_tokens=10)[0]
@@ -128,7 +129,7 @@ def test_ctx_tp2_to_gen_tp1_with_other_block_sizes_pulls_only_the_missing_tokens
         assert c2.reused_tokens == 20
         stats = c2.transfer.as_json()
         assert stats["bytes"] == per_token * (len(p2) - 20)
-        if xcfg is STAGED:  # one packed read per context rank
+        if xcfg in (STAGED, HOST):  # one packed read per context rank
             assert stats["fragments"] == 2 and c1.transfer.as_json()["fragments"] == 2
         assert ctx.free_blocks(timeout=30) == [48, 48]
         assert gen.free_blocks() == [48]
