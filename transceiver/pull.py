@@ -254,7 +254,7 @@ class Pull:
                 self.fragments += 1
                 self.staged = True
             return
-        stage = remote.layout.stage_layers(remote.layout.coords(leg.ctx_rank)[1])
+        stage = remote.stage_of(leg.ctx_rank)
         ready_stop = min(leg.piece.layers.stop, stage.start + leg.layers_ready)
         start = max(leg.read_upto, leg.piece.layers.start)
         if ready_stop <= start:
