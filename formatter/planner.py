@@ -322,6 +322,22 @@ def _emit(todo: list, out: np.ndarray, pos: int, lengths: bool = True) -> int:
     return pos
 
 
+def _emit_few(todo: list) -> Fragments:
+    """`_emit` of a plan of a few fragments, in the same order (outer offset, then segment), as new arrays."""
+    src: list[int] = []
+    dst: list[int] = []
+    length: list[int] = []
+    for off_s, off_d, ss, sd, runs in todo:
+        ss_l, sd_l = ss.tolist(), sd.tolist()
+        run_l = [runs] * len(ss_l) if isinstance(runs, int) else runs.tolist()
+        for a, b in zip(off_s.tolist(), off_d.tolist()):
+            src += [a + x for x in ss_l]
+            dst += [b + y for y in sd_l]
+            length += run_l
+    out = np.array((src, dst, length), dtype=np.int64).reshape(3, len(src))
+    return Fragments(out[0], out[1], out[2])
+
+
 def _count(todo: list) -> int:
     return sum(t[0].size * t[2].size for t in todo)
 
@@ -344,6 +360,8 @@ def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_block
     n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
     todo = _prepare(piece, ctx, gen, cb, gb, n, int(first_token))
     count = _count(todo)
+    if count <= _FEW:  # a few fragments: Python ints, one array made at the end (numpy's per-call cost dominates)
+        return _emit_few(todo)
     if scratch is None or count <= _FEW_FRAGMENTS:
         out = np.empty((3, count), dtype=np.int64)
         _emit(todo, out, 0)

@@ -423,8 +423,8 @@ class Receiver(IOThread):
                 peer.legs.discard((pull.request_id, leg.ctx_rank))
         agents = tuple(sorted({leg.agent_kind for leg in pull.legs.values() if leg.agent_kind}))
         result = pull.result(agents)
+        self._report(result)  # the owner first, the metrics after
         metrics.on_received(result)
-        self._report(result)
 
     def _peer_gone(self, leg: tuple[int, int], why: str) -> None:
         pull = self._pulls.get(leg[0])

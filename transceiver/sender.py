@@ -124,7 +124,10 @@ class Sender(IOThread):
         local = self._local_layers
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
         need = -(-int(num_tokens) // self.layout.shape.tokens_per_block)
-        if blocks.size < need or (blocks.size and (blocks.min() < 0 or blocks.max() >= self.pool.num_blocks)):
+        ids = blocks.tolist() if blocks.size <= 16 else None  # a short list: Python's min/max beat numpy's
+        if blocks.size < need or (blocks.size and (
+                (min(ids) < 0 or max(ids) >= self.pool.num_blocks) if ids is not None
+                else (blocks.min() < 0 or blocks.max() >= self.pool.num_blocks))):
             raise KvBridgeError(f"request {ctx_request_id}: {blocks.size} block ids (need {need}) within a pool "
                                 f"of {self.pool.num_blocks}")
         with self._count_lock:
