@@ -108,7 +108,8 @@ class DescriptorList:
 
     @property
     def nbytes(self) -> int:
-        return int(self.lengths.sum())
+        n = self.lengths
+        return sum(n.tolist()) if n.size <= _SMALL else int(n.sum())
 
     def as_nixl(self) -> np.ndarray | list[tuple[int, int, int]]:
         """What NIXL's descriptor lists take: (addr, len, device) tuples for a short list (cheaper to build and
