@@ -97,9 +97,8 @@ class RankPool:
 
 
 # Requests of at most this many blocks take the small-request paths below: block-id checks on Python ints, their
-# token segments cached, new plan arrays instead of a PlanScratch's (nothing to page-fault in so few bytes).
+# token segments cached, plans of at most this many fragments made from Python ints (new arrays, no PlanScratch).
 _FEW = 16
-_FEW_FRAGMENTS = 512
 _TEMPLATES: OrderedDict = OrderedDict()  # plan templates (below) and short requests' token segments
 _SEGMENTS: OrderedDict = OrderedDict()
 _TEMPLATES_MAX = 4096
@@ -362,7 +361,7 @@ def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_block
     count = _count(todo)
     if count <= _FEW:  # a few fragments: Python ints, one array made at the end (numpy's per-call cost dominates)
         return _emit_few(todo)
-    if scratch is None or count <= _FEW_FRAGMENTS:
+    if scratch is None:
         out = np.empty((3, count), dtype=np.int64)
         _emit(todo, out, 0)
         return Fragments(out[0], out[1], out[2])
