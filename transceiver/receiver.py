@@ -128,16 +128,12 @@ class Receiver(IOThread):
             time.sleep(_READ_POLL_S)
         self._drain_commands()
         for s, peer in socks.items():
-            if s in ready:
-                for _ in range(256):
-                    if peer.sock is not s:  # reset by the frame before ("no session"): the socket is closed
-                        break
-                    try:
-                        parts = s.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+            if s in ready and peer.sock is s:
+                for parts in self._received(s):
                     peer.last_heard = time.monotonic()
                     self._on_parts(peer, s, parts)
+                    if peer.sock is not s:  # reset by this frame ("no session"): the socket is closed
+                        break
         self._advance(time.monotonic())
         self._peers.flush()  # what this turn sent: one message per context rank
 
