@@ -5,16 +5,17 @@
 #   run(command="bash .dev-ctl8/tests/gpu/device_control8.sh", carry=[".whl", ".dev-ctl8"], kind="nvidia-h100-x2")
 # Both trees run the new tree's bench/control.py (it only adds the CPU-per-request columns), so their rows
 # compare column for column. Knobs: ROUNDS (default "1 2 3"), GENS (default 1,8), RECORD_GENS (1,8,64; empty:
-# no run of record), TRACE (1: per-hop trace of both trees, 300 requests each).
+# no run of record), TRACE (default 1; empty: no per-hop trace of both trees), WORK (scratch folder).
 set -u
 export UCX_LOG_LEVEL=error NIXL_LOG_LEVEL=WARN PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+W=${WORK:-/tmp/kvb-ctl8} && rm -rf $W && mkdir -p $W/base/kvbridge $W/new
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $W/site .whl/*.whl || exit 3
 NEWSRC=$(realpath "${NEW:-.dev-ctl8}")
 [ -d "$NEWSRC/kvbridge" ] && NEWSRC="$NEWSRC/kvbridge"
-rm -rf /tmp/base /tmp/new && mkdir -p /tmp/base/kvbridge /tmp/new && ln -sfn "$NEWSRC" /tmp/new/kvbridge
-cp -r $(ls -A | grep -v -x -e .whl -e .whl-serving -e .git -e .venv -e .venv-vllm -e .dev-ctl8) /tmp/base/kvbridge/
-cp "$NEWSRC/bench/control.py" /tmp/base/kvbridge/bench/control.py
-pp() { echo "/tmp/site:/tmp/$1"; }
+ln -sfn "$NEWSRC" $W/new/kvbridge
+cp -r $(ls -A | grep -v -x -e .whl -e .whl-serving -e .git -e .venv -e .venv-vllm -e .dev-ctl8) $W/base/kvbridge/
+cp "$NEWSRC/bench/control.py" $W/base/kvbridge/bench/control.py
+pp() { echo "$W/site:$W/$1"; }
 (nproc; uptime; nvidia-smi -L; git log --oneline -1 2>/dev/null) | tee $OUT/env.txt
 for round in ${ROUNDS:-1 2 3}; do
   for side in base new; do
@@ -23,7 +24,7 @@ for round in ${ROUNDS:-1 2 3}; do
       --window 64 --json $OUT/control_${side}_$round.json 2>&1 | tail -4
   done
 done
-if [ -n "${TRACE:-1}" ]; then
+if [ -n "${TRACE-1}" ]; then
   for side in base new; do
     echo "== $side control trace"
     PYTHONPATH=$(pp $side) timeout 90 python3 -m kvbridge.bench.control_trace --requests 300 2>&1 | tail -16 \
