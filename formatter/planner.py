@@ -38,6 +38,7 @@ from ..agents import MemoryKind
 from ..errors import PlanError
 from .layout import KVLayout, PoolAddressing
 from .fragments import Fragments, GridPlan, coalesce
+from .plan_few import MAX_FRAGMENTS, emit_few, few_ids, plan_few
 from .mapping import Piece
 from .scratch import PlanScratch
 
@@ -97,7 +98,7 @@ class RankPool:
 
 
 # Requests of at most this many blocks take the small-request paths below: block-id checks on Python ints, their
-# token segments cached, plans of at most this many fragments made from Python ints (new arrays, no PlanScratch).
+# token segments cached, and their plans made from Python ints where they can be (plan_few.py).
 _FEW = 16
 _TEMPLATES: OrderedDict = OrderedDict()  # plan templates (below) and short requests' token segments
 _SEGMENTS: OrderedDict = OrderedDict()
@@ -321,22 +322,6 @@ def _emit(todo: list, out: np.ndarray, pos: int, lengths: bool = True) -> int:
     return pos
 
 
-def _emit_few(todo: list) -> Fragments:
-    """`_emit` of a plan of a few fragments, in the same order (outer offset, then segment), as new arrays."""
-    src: list[int] = []
-    dst: list[int] = []
-    length: list[int] = []
-    for off_s, off_d, ss, sd, runs in todo:
-        ss_l, sd_l = ss.tolist(), sd.tolist()
-        run_l = [runs] * len(ss_l) if isinstance(runs, int) else runs.tolist()
-        for a, b in zip(off_s.tolist(), off_d.tolist()):
-            src += [a + x for x in ss_l]
-            dst += [b + y for y in sd_l]
-            length += run_l
-    out = np.array((src, dst, length), dtype=np.int64).reshape(3, len(src))
-    return Fragments(out[0], out[1], out[2])
-
-
 def _count(todo: list) -> int:
     return sum(t[0].size * t[2].size for t in todo)
 
@@ -356,11 +341,19 @@ def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_block
     Returns:
         Fragments (src in ctx's pool, dst in gen's), adjacent runs already merged.
     """
+    n, first, t = int(num_tokens), int(first_token), ctx.tpb
+    if t == gen.tpb and 0 <= first < n <= _FEW * t and not first % t:  # short: plan_few.py, if it can
+        cb, gb = few_ids(ctx_blocks, -(-n // t), ctx.num_blocks), few_ids(gen_blocks, -(-n // t), gen.num_blocks)
+        if cb is not None and gb is not None:
+            got = plan_few(_template(piece, ctx, gen), cb, gb, n, first, t, ctx.addressing.block_stride,
+                           gen.addressing.block_stride)
+            if got is not None:
+                return got
     n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
-    todo = _prepare(piece, ctx, gen, cb, gb, n, int(first_token))
+    todo = _prepare(piece, ctx, gen, cb, gb, n, first)
     count = _count(todo)
-    if count <= _FEW:  # a few fragments: Python ints, one array made at the end (numpy's per-call cost dominates)
-        return _emit_few(todo)
+    if count <= MAX_FRAGMENTS:  # a few fragments: Python ints, one array made at the end
+        return emit_few(todo)
     if scratch is None:
         out = np.empty((3, count), dtype=np.int64)
         _emit(todo, out, 0)

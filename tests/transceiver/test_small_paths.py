@@ -12,6 +12,7 @@ from kvbridge.errors import AgentError, PlanError, ProtocolError, RegistrationEr
 from kvbridge.formatter import planner as P
 from kvbridge.formatter.layout import KVLayout, KVShape
 from kvbridge.formatter.mapping import Piece
+from kvbridge.formatter.plan_few import MAX_FRAGMENTS
 from kvbridge.formatter.scratch import PlanScratch
 from kvbridge.transceiver import DisaggParams
 from kvbridge.transceiver.send_state import Entry
@@ -84,15 +85,54 @@ def _pools(ctx_tpb: int = 0):
 ])
 def test_few_fragment_plans_equal_the_numpy_path(piece, ctx_blocks, gen_blocks, n, first, ctx_tpb):
     ctx, gen = _pools(ctx_tpb)
-    cb, gb = np.array(ctx_blocks), np.array(gen_blocks)
+    got = _same_as_numpy(piece, ctx, gen, np.array(ctx_blocks), np.array(gen_blocks), n, first)
+    assert 0 < len(got) <= MAX_FRAGMENTS
+
+
+def _same_as_numpy(piece, ctx, gen, cb, gb, n, first):
+    """plan_piece's answer, checked against the general path's arrays (`_prepare`, then `_emit`)."""
     got = P.plan_piece(piece, ctx, gen, cb, gb, n, first, PlanScratch())
     _, c, g = P._validate(ctx, gen, cb, gb, n, first)
     todo = P._prepare(piece, ctx, gen, c, g, n, first)
     want = np.empty((3, P._count(todo)), dtype=np.int64)
     P._emit(todo, want, 0)
-    assert 0 < len(got) <= P._FEW
     assert np.array_equal(got.src, want[0]) and np.array_equal(got.dst, want[1])
     assert np.array_equal(got.length, want[2]) and got.nbytes == int(want[2].sum())
+    return got
+
+
+def test_short_request_plans_equal_the_numpy_path_at_random():
+    """Whole blocks (merged where adjacent on both sides), partial pieces, partial last blocks, later first
+    tokens, ids as any integer dtype: plan_few.py's answer is the general path's, fragment for fragment."""
+    rng = np.random.default_rng(24)
+    ctx, gen = _pools()
+    pieces = [Piece(0, range(0, 3), range(0, 4)), Piece(0, range(1, 2), range(0, 4)), Piece(0, range(0, 3), range(1, 3))]
+    merged = 0
+    for _ in range(400):
+        nb = int(rng.integers(1, 17))
+        n = int(rng.integers((nb - 1) * 16 + 1, nb * 16 + 1))
+        first = 16 * int(rng.integers(0, nb))
+        start = int(rng.integers(0, 64 - nb))
+        cb = np.arange(start, start + nb) if rng.random() < 0.5 else rng.permutation(64)[:nb]
+        gb = np.arange(nb) + int(rng.integers(0, 64 - nb)) if rng.random() < 0.5 else rng.permutation(64)[:nb]
+        dt = rng.choice([np.int64, np.int32, np.uint16])
+        piece = pieces[int(rng.integers(0, len(pieces)))]
+        got = _same_as_numpy(piece, ctx, gen, cb.astype(dt), gb.astype(dt), n, first)
+        merged += len(got) < (nb - first // 16) * 1 and piece is pieces[0]
+    assert merged  # some cases merged adjacent blocks into longer runs
+
+
+def test_short_request_errors_are_the_general_paths():
+    ctx, gen = _pools()
+    piece = Piece(0, range(0, 3), range(0, 4))
+    with pytest.raises(PlanError, match="context block id 64 is outside its pool of 64 blocks"):
+        P.plan_piece(piece, ctx, gen, np.array([3, 64]), np.array([1, 2]), 20, 0, PlanScratch())
+    with pytest.raises(PlanError, match="generation gave 1 block ids; 2 are needed"):
+        P.plan_piece(piece, ctx, gen, np.array([3, 4]), np.array([1]), 20, 0, PlanScratch())
+    with pytest.raises(PlanError, match="1-D integer array"):
+        P.plan_piece(piece, ctx, gen, np.array([3.0]), np.array([1]), 16, 0, PlanScratch())
+    with pytest.raises(PlanError, match="first token 16 to copy is outside"):
+        P.plan_piece(piece, ctx, gen, np.array([3]), np.array([1]), 16, 16, PlanScratch())
 
 
 @pytest.mark.parametrize("need", [1, SMALL, LARGE])
