@@ -12,8 +12,9 @@ the I/O thread (`--owner poll`: it polls every 20 us instead). Two figures per G
 - latency: one request at a time, publish -> complete on the context rank, p50/p90/p99 in microseconds;
 - throughput: `--window` requests in flight across the G ranks, completed requests per second.
 
-Every request must end `complete` on the context rank and `ok` on its generation rank, and the context
-rank must end with nothing pinned; the bench exits 1 otherwise.
+Every request must end `complete` on the context rank and `ok` on its generation rank (every one of them
+reported there), and the context rank must end with nothing pinned; the bench exits 1 otherwise. Each row also
+gives the CPU time per request of both sides' processes in the throughput phase (every thread).
 
     kvbridge bench control [--gens 1,8,64] [--requests 3000] [--window 64] [--agent nixl] [--no-read-ahead]
                            [--owner wait|poll] [--read-poll-us US] [--nixl-progress-us US] [--json PATH]
@@ -94,6 +95,13 @@ def _gen_main(conn, agent: str, tweaks: dict | None = None) -> None:
                 rid, params, slot = msg
                 gen.request_and_receive_async(_Req(rid, np.array([slot]), TOKENS, params))
             ok += reap(gen.check_gen_transfer_status())
+        ok += reap(gen.check_gen_transfer_status())
+        stop = time.monotonic() + 30  # pulls whose DoneAck is on its way (the context rank finished first)
+        while gen.receiver.in_flight and time.monotonic() < stop:
+            try:
+                ok += reap(gen.check_gen_transfer_status(1, 0.05))
+            except DeadlineExceeded:
+                pass
         ok += reap(gen.check_gen_transfer_status())
         conn.send({"ok": ok, "failed": failed[:10], "failed_count": len(failed)})
 
@@ -212,7 +220,7 @@ def bench_gens(gens: int, args) -> dict:
             gen_cpu = rank.gen_cpu_s - gen0
     finally:
         end = rank.close()
-    ok = (end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0
+    ok = (end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0 and end["gen_ok"] == rank.next_rid - 1
           and set(rank.status) == {"complete"})
     return {"gen_ranks": gens, "agent": args.agent, "read_ahead": not args.no_read_ahead, "owner": args.owner,
             "read_poll_us": args.read_poll_us, "nixl_progress_us": args.nixl_progress_us,
