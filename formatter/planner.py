@@ -239,8 +239,6 @@ class _Template:
         return got
 
 
-
-
 def _template(piece: Piece, ctx: RankPool, gen: RankPool) -> _Template:
     # pools hash by identity and the key keeps them alive, so ids are never reused; eviction is first-in
     # first-out (a hit costs one dict lookup, no lock); an evicted template is rebuilt on its next use
