@@ -12,8 +12,9 @@ the I/O thread (`--owner poll`: it polls every 20 us instead). Two figures per G
 - latency: one request at a time, publish -> complete on the context rank, p50/p90/p99 in microseconds;
 - throughput: `--window` requests in flight across the G ranks, completed requests per second.
 
-Every request must end `complete` on the context rank and `ok` on its generation rank, and the context
-rank must end with nothing pinned; the bench exits 1 otherwise.
+Every request must end `complete` on the context rank and `ok` on its generation rank (every one of them
+reported there), and the context rank must end with nothing pinned; the bench exits 1 otherwise. Each row also
+gives the CPU time per request of both sides' processes in the throughput phase (every thread).
 
     kvbridge bench control [--gens 1,8,64] [--requests 3000] [--window 64] [--agent nixl] [--no-read-ahead]
                            [--owner wait|poll] [--read-poll-us US] [--nixl-progress-us US] [--json PATH]
@@ -85,14 +86,22 @@ def _gen_main(conn, agent: str, tweaks: dict | None = None) -> None:
                 msg = conn.recv()
                 if msg is None:
                     break
-                if msg == "stats":  # medians of the pulls' own timings since the last "stats"
+                if msg == "stats":  # medians of the pulls' own timings since the last "stats", and CPU used
                     ok += reap(gen.check_gen_transfer_status(0))
-                    conn.send({k: float(np.median(v)) for k, v in timings.items()})
+                    conn.send({**{k: float(np.median(v)) for k, v in timings.items()},
+                               "process_cpu_s": time.process_time()})
                     timings.clear()
                     continue
                 rid, params, slot = msg
                 gen.request_and_receive_async(_Req(rid, np.array([slot]), TOKENS, params))
             ok += reap(gen.check_gen_transfer_status())
+        ok += reap(gen.check_gen_transfer_status())
+        stop = time.monotonic() + 30  # pulls whose DoneAck is on its way (the context rank finished first)
+        while gen.receiver.in_flight and time.monotonic() < stop:
+            try:
+                ok += reap(gen.check_gen_transfer_status(1, 0.05))
+            except DeadlineExceeded:
+                pass
         ok += reap(gen.check_gen_transfer_status())
         conn.send({"ok": ok, "failed": failed[:10], "failed_count": len(failed)})
 
@@ -174,7 +183,8 @@ class _ContextRank:
         for c in self.conns:
             c.send("stats")
         got = [c.recv() if c.poll(30) else {} for c in self.conns]
-        return {k: round(v, 4) for k, v in got[0].items()}
+        self.gen_cpu_s = sum(g.get("process_cpu_s", 0.0) for g in got)  # every generation process's CPU so far
+        return {k: round(v, 4) for k, v in got[0].items() if k != "process_cpu_s"}
 
     def close(self) -> dict:
         reports = []
@@ -203,10 +213,14 @@ def bench_gens(gens: int, args) -> dict:
             rank.gen_timings()
             lat, _ = rank.measure(args.requests, 1, 600, bar.update)
             stages = rank.gen_timings()
+            gen0, ctx0 = rank.gen_cpu_s, time.process_time()
             lat_w, seconds = rank.measure(args.requests, args.window, 600, bar.update)
+            ctx_cpu = time.process_time() - ctx0
+            rank.gen_timings()
+            gen_cpu = rank.gen_cpu_s - gen0
     finally:
         end = rank.close()
-    ok = (end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0
+    ok = (end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0 and end["gen_ok"] == rank.next_rid - 1
           and set(rank.status) == {"complete"})
     return {"gen_ranks": gens, "agent": args.agent, "read_ahead": not args.no_read_ahead, "owner": args.owner,
             "read_poll_us": args.read_poll_us, "nixl_progress_us": args.nixl_progress_us,
@@ -214,7 +228,9 @@ def bench_gens(gens: int, args) -> dict:
             "p50_us": float(np.percentile(lat, 50)), "p90_us": float(np.percentile(lat, 90)),
             "p99_us": float(np.percentile(lat, 99)),
             "p50_us_loaded": float(np.percentile(lat_w, 50)), "p99_us_loaded": float(np.percentile(lat_w, 99)),
-            "req_per_s": args.requests / seconds, "gen_stages_p50_ms": stages, "ctx_status": rank.status, **end, "verified": ok}
+            "req_per_s": args.requests / seconds, "gen_stages_p50_ms": stages,
+            # CPU time per request under load (every thread: owner, I/O, ZeroMQ, NIXL), both sides' processes
+            "gen_cpu_us_per_req": gen_cpu / args.requests * 1e6, "ctx_cpu_us_per_req": ctx_cpu / args.requests * 1e6, "ctx_status": rank.status, **end, "verified": ok}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -258,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     print(f"# control plane on loopback, one-block requests, agent {args.agent}; {machine()}", flush=True)
     rows = [bench_gens(int(g), args) for g in args.gens.split(",")]
-    cols = ["gen_ranks", "p50_us", "p90_us", "p99_us", "p50_us_loaded", "req_per_s", "gen_failed",
+    cols = ["gen_ranks", "p50_us", "p90_us", "p99_us", "p50_us_loaded", "req_per_s", "gen_cpu_us_per_req",
+            "ctx_cpu_us_per_req", "gen_failed",
             "ctx_pinned_at_end", "verified"]
     print(table(rows, cols))
     write_json(args.json, rows)

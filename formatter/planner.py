@@ -38,6 +38,7 @@ from ..agents import MemoryKind
 from ..errors import PlanError
 from .layout import KVLayout, PoolAddressing
 from .fragments import Fragments, GridPlan, coalesce
+from .plan_few import MAX_FRAGMENTS, emit_few, few_ids, plan_few
 from .mapping import Piece
 from .scratch import PlanScratch
 
@@ -80,6 +81,14 @@ class RankPool:
         """Tokens per block of this pool."""
         return self.tokens_per_block or self.layout.shape.tokens_per_block
 
+    def stage_of(self, rank: int) -> range:
+        """The global layers of `rank`'s pipeline stage in this pool's layout (kept per rank: asked per read)."""
+        stages = self.__dict__.setdefault("_stages", {})  # frozen: the dict itself is the only thing that changes
+        got = stages.get(rank)
+        if got is None:
+            got = stages[rank] = self.layout.stage_layers(self.layout.coords(rank)[1])
+        return got
+
     def held(self) -> tuple[range, range]:
         """(global layers, global kv heads) this pool holds."""
         if self.extent is not None:
@@ -88,14 +97,27 @@ class RankPool:
         return self.layout.stage_layers(pp_rank), self.layout.head_range(tp_rank)
 
 
+# Requests of at most this many blocks take the small-request paths below: block-id checks on Python ints, their
+# token segments cached, and their plans made from Python ints where they can be (plan_few.py).
+_FEW = 16
+_TEMPLATES: OrderedDict = OrderedDict()  # plan templates (below) and short requests' token segments
+_SEGMENTS: OrderedDict = OrderedDict()
+_TEMPLATES_MAX = 4096
+_TEMPLATES_LOCK = threading.Lock()
+
+
 def _check_blocks(blocks, need: int, num_blocks: int, side: str) -> np.ndarray:
     b = np.asarray(blocks)
-    if b.ndim != 1 or (b.size and not np.issubdtype(b.dtype, np.integer)):
+    if b.ndim != 1 or (b.size and b.dtype.kind not in "iu"):
         raise PlanError(f"{side} block ids must be a 1-D integer array")
     b = b.astype(np.int64, copy=False)
     if b.size < need:
         raise PlanError(f"{side} gave {b.size} block ids; {need} are needed for the request's tokens")
     b = b[:need]
+    if need <= _FEW:  # a short request: the same range test on Python ints (numpy's min/max cost more here)
+        ids = b.tolist()
+        if not need or (min(ids) >= 0 and max(ids) < num_blocks):
+            return b
     if need and (b.min() < 0 or b.max() >= num_blocks):
         bad = int(b[(b < 0) | (b >= num_blocks)][0])
         raise PlanError(f"{side} block id {bad} is outside its pool of {num_blocks} blocks")
@@ -103,7 +125,23 @@ def _check_blocks(blocks, need: int, num_blocks: int, side: str) -> np.ndarray:
 
 
 def _segment_groups(n: int, tc: int, tg: int, first: int = 0) -> list[tuple[int, np.ndarray]]:
-    """Token segments of [first, n) cut at multiples of tc and of tg, grouped by length: [(len, starts)]."""
+    """Token segments of [first, n) cut at multiples of tc and of tg, grouped by length: [(len, starts)].
+    Short requests' answers are kept (read-only arrays): a request of a few blocks asks the same question."""
+    key = (n, tc, tg, first)
+    got = _SEGMENTS.get(key)
+    if got is None:
+        got = _segment_groups_new(n, tc, tg, first)
+        if n <= _FEW * max(tc, tg):
+            for _, starts in got:
+                starts.flags.writeable = False
+            with _TEMPLATES_LOCK:
+                _SEGMENTS[key] = got
+                while len(_SEGMENTS) > _TEMPLATES_MAX:
+                    _SEGMENTS.popitem(last=False)
+    return got
+
+
+def _segment_groups_new(n: int, tc: int, tg: int, first: int) -> list[tuple[int, np.ndarray]]:
     if tc == tg and first % tc == 0:
         full, rem = divmod(n, tc)
         out = [(tc, np.arange(first, full * tc, tc, dtype=np.int64))] if full * tc > first else []
@@ -201,11 +239,6 @@ class _Template:
         return got
 
 
-_TEMPLATES: OrderedDict = OrderedDict()
-_TEMPLATES_MAX = 4096
-_TEMPLATES_LOCK = threading.Lock()
-
-
 def _template(piece: Piece, ctx: RankPool, gen: RankPool) -> _Template:
     # pools hash by identity and the key keeps them alive, so ids are never reused; eviction is first-in
     # first-out (a hit costs one dict lookup, no lock); an evicted template is rebuilt on its next use
@@ -224,6 +257,7 @@ def clear_plan_cache() -> None:
     """Forget every cached plan template (e.g. when a peer's pools are dropped)."""
     with _TEMPLATES_LOCK:
         _TEMPLATES.clear()
+        _SEGMENTS.clear()
 
 
 def _validate(ctx: RankPool, gen: RankPool, ctx_blocks, gen_blocks, num_tokens,
@@ -305,9 +339,19 @@ def plan_piece(piece: Piece, ctx: RankPool, gen: RankPool, ctx_blocks, gen_block
     Returns:
         Fragments (src in ctx's pool, dst in gen's), adjacent runs already merged.
     """
+    n, first, t = int(num_tokens), int(first_token), ctx.tpb
+    if t == gen.tpb and 0 <= first < n <= _FEW * t and not first % t:  # short: plan_few.py, if it can
+        cb, gb = few_ids(ctx_blocks, -(-n // t), ctx.num_blocks), few_ids(gen_blocks, -(-n // t), gen.num_blocks)
+        if cb is not None and gb is not None:
+            got = plan_few(_template(piece, ctx, gen), cb, gb, n, first, t, ctx.addressing.block_stride,
+                           gen.addressing.block_stride)
+            if got is not None:
+                return got
     n, cb, gb = _validate(ctx, gen, ctx_blocks, gen_blocks, num_tokens, first_token)
-    todo = _prepare(piece, ctx, gen, cb, gb, n, int(first_token))
+    todo = _prepare(piece, ctx, gen, cb, gb, n, first)
     count = _count(todo)
+    if count <= MAX_FRAGMENTS:  # a few fragments: Python ints, one array made at the end
+        return emit_few(todo)
     if scratch is None:
         out = np.empty((3, count), dtype=np.int64)
         _emit(todo, out, 0)

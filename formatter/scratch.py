@@ -47,6 +47,8 @@ class PlanScratch:
     def give(self, arr: np.ndarray) -> None:
         """Hand back what `rows` gave (or any view of it): it may be handed out again. Anything else, or a
         buffer given back already, is ignored."""
+        if not self._lent:  # nothing lent (plans of a few fragments use none): nothing to take back
+            return
         buf = arr
         while buf.base is not None:
             buf = buf.base

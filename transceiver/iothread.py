@@ -56,6 +56,7 @@ class IOThread:
         self._wake_lock = threading.Lock()  # no wake may write to the fd once _stop_io closed it
         self._wake_open = True
         self._idle = False  # the I/O thread is (about to be) asleep in its poll: commands must wake it
+        self._woken = False  # the last poll saw the wake fd readable: `_drain_commands` clears it
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: collections.deque = collections.deque()
         self._finished_cv = threading.Condition()  # signalled with every result: the owner may wait on it
@@ -122,21 +123,38 @@ class IOThread:
             if not self._cmds.empty():  # queued while we were busy (no wake was sent): take it now
                 timeout_ms = 0
         try:
-            return dict(poller.poll(timeout_ms))
+            ready = dict(poller.poll(timeout_ms))
         finally:
             self._idle = False
+        if self._wake_rx in ready:
+            self._woken = True
+        return ready
+
+    @staticmethod
+    def _received(sock: zmq.Socket, limit: int = 256):
+        """I/O thread: the messages waiting on `sock` (at most `limit`), received without blocking. Once one is
+        handled it asks the socket's EVENTS whether another waits, so a drained socket costs no recv that
+        raises zmq.Again (an exception per loop turn). A caller that closes `sock` stops iterating first."""
+        for _ in range(limit):
+            try:
+                yield sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
 
     def _drain_commands(self) -> None:
-        try:
-            os.read(self._wake_rx, 4096)  # clear the wake (one read empties an eventfd)
-        except BlockingIOError:
-            pass
-        while True:
+        """Run every queued command; clear the wake first if the last poll saw it (a read of the eventfd when it
+        was not written would only raise BlockingIOError: one system call and one exception per loop turn)."""
+        if self._woken:
+            self._woken = False
             try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            self._do_command(cmd)
+                os.read(self._wake_rx, 4096)  # clear the wake (one read empties an eventfd)
+            except BlockingIOError:
+                pass
+        cmds = self._cmds
+        while not cmds.empty():  # only this thread takes from the queue: not empty means get_nowait succeeds
+            self._do_command(cmds.get_nowait())
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -7,7 +7,7 @@ never opens a connection and never prints the secret (it stays out of repr).
 
 from __future__ import annotations
 
-import json
+import marshal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,15 +98,17 @@ class DisaggParams:
 
 # Every request of a context executor carries the same layout: it is parsed, validated and hashed once.
 _CACHE_MAX = 256
-_layouts: dict[str, KVLayout] = {}  # canonical JSON of a wire layout -> the layout KVLayout.from_wire made of it
+_layouts: dict[bytes, KVLayout] = {}  # marshal bytes of a wire layout -> the layout KVLayout.from_wire made of it
 _fingerprints: dict[KVLayout, str] = {}
 
 
 def _layout(w: Any) -> KVLayout:
-    """KVLayout.from_wire(w), remembered by w's canonical JSON (types kept apart: true is not 1)."""
+    """KVLayout.from_wire(w), remembered by w's marshal bytes: exact types (true is not 1, 1.0 is not 1, no
+    subclass passes for its base) and key order kept apart, ~5x cheaper than canonical JSON; a wire layout
+    with the same keys in another order is parsed once more, never confused."""
     try:
-        key = json.dumps(w, sort_keys=True)
-    except (TypeError, ValueError):  # not plain JSON: from_wire names what is wrong
+        key = marshal.dumps(w, 2)  # version 2: no back-references, so the bytes depend on the value alone
+    except ValueError:  # not plain data: from_wire names what is wrong
         return KVLayout.from_wire(w)
     hit = _layouts.get(key)
     if hit is None:

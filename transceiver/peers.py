@@ -41,6 +41,7 @@ class CtxPeers:
         self._poller: zmq.Poller | None = None
         self._outbox = Outbox(self._send_parts)  # frames of this loop turn, by endpoint: `flush` sends them
         self._polled: tuple = ()
+        self._socks: dict[zmq.Socket, CtxPeer] | None = None  # open sockets -> peers; None: one opened or closed
 
     def __iter__(self) -> Iterator[CtxPeer]:
         return iter(self._by_endpoint.values())
@@ -48,11 +49,13 @@ class CtxPeers:
     def poller(self, wake: int) -> tuple[zmq.Poller, dict[zmq.Socket, CtxPeer]]:
         """A poller of `wake` (the I/O thread's wake fd) and every open peer socket (rebuilt only when a socket
         opened or closed), and the peers by socket."""
-        socks = {p.sock: p for p in self._by_endpoint.values() if p.sock is not None}
-        if self._poller is None or tuple(socks) != self._polled:
-            self._poller, self._polled = zmq.Poller(), tuple(socks)
-            for s in (wake, *socks):
-                self._poller.register(s, zmq.POLLIN)
+        socks = self._socks
+        if socks is None or self._poller is None:
+            socks = self._socks = {p.sock: p for p in self._by_endpoint.values() if p.sock is not None}
+            if self._poller is None or tuple(socks) != self._polled:
+                self._poller, self._polled = zmq.Poller(), tuple(socks)
+                for s in (wake, *socks):
+                    self._poller.register(s, zmq.POLLIN)
         return self._poller, socks
 
     def get(self, endpoint: str) -> CtxPeer | None:
@@ -67,6 +70,7 @@ class CtxPeers:
             if peer.sock is None:
                 ident = f"{self._prefix}:{uuid.uuid4().hex[:6]}".encode()
                 peer.sock = make_dealer(self._zctx, self._config, endpoint, ident)
+                self._socks = None
             self.send(peer, self._hello)
             peer.hello_sent(now)
         return peer
@@ -96,6 +100,7 @@ class CtxPeers:
         if peer.sock is not None:
             peer.sock.close(0)
         peer.forget()
+        self._socks = None
 
     def watch(self, now: float, gone: Callable[[tuple[int, int], str], None]) -> None:
         """Peers with traffic in flight silent for peer_timeout_s: `gone(leg, why)` for each of their legs

@@ -264,7 +264,7 @@ class Pull:
     def post_ready_layers(self, leg: Leg, local: RankPool, agent) -> None:
         """Plan and post reads for the layers of `leg` that became ready since the last call."""
         remote = leg.remote
-        stage = remote.layout.stage_layers(remote.layout.coords(leg.ctx_rank)[1])
+        stage = remote.stage_of(leg.ctx_rank)
         ready_stop = min(leg.piece.layers.stop, stage.start + leg.layers_ready)
         start = max(leg.read_upto, leg.piece.layers.start)
         if ready_stop <= start:

@@ -133,16 +133,12 @@ class Receiver(IOThread):
                 time.sleep(_READ_POLL_S)
         self._drain_commands()
         for s, peer in socks.items():
-            if s in ready:
-                for _ in range(256):
-                    if peer.sock is not s:  # reset by the frame before ("no session"): the socket is closed
-                        break
-                    try:
-                        parts = s.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+            if s in ready and peer.sock is s:
+                for parts in self._received(s):
                     peer.last_heard = time.monotonic()
                     self._on_parts(peer, s, parts)
+                    if peer.sock is not s:  # reset by this frame ("no session"): the socket is closed
+                        break
         self._advance(time.monotonic())
         self._peers.flush()  # what this turn sent: one message per context rank
 
@@ -430,8 +426,8 @@ class Receiver(IOThread):
                 peer.legs.discard((pull.request_id, leg.ctx_rank))
         agents = tuple(sorted({leg.agent_kind for leg in pull.legs.values() if leg.agent_kind}))
         result = pull.result(agents)
+        self._report(result)  # the owner first, the metrics after
         metrics.on_received(result)
-        self._report(result)
 
     def _peer_gone(self, leg: tuple[int, int], why: str) -> None:
         pull = self._pulls.get(leg[0])

@@ -112,7 +112,7 @@ class Entry:
         if staged:
             return "a read-ahead cannot be staged"
         ids = np.asarray(block_ids, dtype=np.int64)  # (a Fetch without ids carries an empty tuple)
-        if ids.shape != self.blocks.shape or not (ids == self.blocks).all():
+        if ids.shape != self.blocks.shape or ids.tobytes() != self.blocks.tobytes():  # int64 both: equal bytes
             return (f"the {ids.size} block ids in its DisaggParams are not the {self.blocks.size} it was "
                     f"published with")
         return ""

@@ -125,7 +125,9 @@ class Sender(IOThread):
         local = self._local_layers
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
         need = -(-int(num_tokens) // self.layout.shape.tokens_per_block)
-        if blocks.size < need or (blocks.size and (blocks.min() < 0 or blocks.max() >= self.pool.num_blocks)):
+        few = blocks.tolist() if blocks.size <= 16 else None  # a short list: Python's min/max beat numpy's
+        lo, hi = (min(few), max(few)) if few else (blocks.min(), blocks.max()) if blocks.size else (0, 0)
+        if blocks.size < need or lo < 0 or hi >= self.pool.num_blocks:
             raise KvBridgeError(f"request {ctx_request_id}: {blocks.size} block ids (need {need}) within a pool "
                                 f"of {self.pool.num_blocks}")
         with self._count_lock:
@@ -178,11 +180,7 @@ class Sender(IOThread):
         ready = self._wait(self._poller, min(0.05, self.config.heartbeat_s / 4) * 1000)
         self._drain_commands()
         if self._router in ready:
-            for _ in range(256):
-                try:
-                    frames = self._router.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for frames in self._received(self._router):
                 self._on_frames(frames)
         if self._handshakes and self._handshakes.socket in ready:
             self._handshakes.drain()
@@ -401,7 +399,6 @@ class Sender(IOThread):
         if msg.staged and self.pool.arena is not None and self._jobs.stage(ident, e, s, msg.from_token):
             return  # Blocks goes out once the layers ready so far are packed (SenderJobs)
         self._send(ident, m.Blocks(e.rid, e.blocks, e.num_tokens, e.layers_ready, self.config.lease_s).encode())
-
 
     def _on_heartbeat(self, ident: bytes, msg: m.Heartbeat) -> None:
         try:
