@@ -27,11 +27,14 @@ def _descs(n: int, base: int = 0x10000, size: int = 4096) -> DescriptorList:
 @pytest.mark.parametrize("n", [SMALL, LARGE])
 def test_descriptor_list_refuses_non_positive_ranges(n):
     addrs, lengths = 0x10000 + np.arange(n, dtype=np.int64) * 64, np.full(n, 64, dtype=np.int64)
-    DescriptorList(addrs, lengths)
-    for bad_addrs, bad_lengths in ((addrs, np.where(np.arange(n) == n - 1, 0, lengths)),
-                                   (np.where(np.arange(n) == 1, -5, addrs), lengths)):
+    DescriptorList(addrs, lengths).validate()
+    for bad_addrs, bad_lengths, bad in ((addrs, np.where(np.arange(n) == n - 1, 0, lengths), n - 1),
+                                        (np.where(np.arange(n) == 1, -5, addrs), lengths, 1)):
+        d = DescriptorList(bad_addrs, bad_lengths)  # ranges are checked on first use (docs/read-host-work.md)
+        with pytest.raises(AgentError, match=f"positive addresses and lengths: descriptor {bad} "):
+            d.validate()
         with pytest.raises(AgentError, match="positive addresses and lengths"):
-            DescriptorList(bad_addrs, bad_lengths)
+            d.addrs
 
 
 @pytest.mark.parametrize("n", [0, 1, SMALL, 16, 17, LARGE])
