@@ -20,6 +20,19 @@ __all__ = ["MemoryKind", "XferState", "MemoryRegion", "DescriptorList", "RegionT
 _SMALL = 16
 
 
+def int_sum(a: np.ndarray) -> int:
+    """a.sum() as a Python int: Python's sum for at most _SMALL entries (numpy's fixed cost per call is larger)."""
+    return sum(a.tolist()) if a.size <= _SMALL else int(a.sum())
+
+
+def int_extremes(a: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a non-empty integer array as Python ints: Python's for at most _SMALL entries."""
+    if a.size <= _SMALL:
+        xs = a.tolist()
+        return min(xs), max(xs)
+    return int(a.min()), int(a.max())
+
+
 class MemoryKind(str, enum.Enum):
     """Where a region lives: host memory or the memory of one CUDA device."""
 
@@ -125,7 +138,8 @@ class DescriptorList:
         """Check every range once (AgentError naming the first with an address or length <= 0); returns self."""
         if not self._checked:
             a, n = self._addrs, self._lengths
-            if (min(n.tolist()) <= 0 or min(a.tolist()) <= 0) if n.size <= _SMALL else (n.min() <= 0 or a.min() <= 0):
+            small = n.size <= _SMALL  # a few: Python's min beats numpy's call
+            if (min(n.tolist()) <= 0 or min(a.tolist()) <= 0) if small else (n.min() <= 0 or a.min() <= 0):
                 bad = int(np.argmax((n <= 0) | (a <= 0)))
                 raise AgentError(f"descriptors need positive addresses and lengths: descriptor "
                                  f"{self._base + bad} is {int(n[bad])} bytes at {int(a[bad])}")
@@ -150,8 +164,7 @@ class DescriptorList:
 
     @property
     def nbytes(self) -> int:
-        n = self.lengths
-        return sum(n.tolist()) if n.size <= _SMALL else int(n.sum())
+        return int_sum(self.lengths)
 
     def as_nixl(self) -> np.ndarray | list[tuple[int, int, int]]:
         """What NIXL's descriptor lists take: (addr, len, device) tuples for a short list (cheaper to build and

@@ -260,7 +260,7 @@ class NixlAgent(TransferAgent):
                 raise PeerError(
                     f"{who} sends UCX TCP segments of {tx} bytes (UCX_TCP_TX_SEG_SIZE) but the other side receives "
                     f"{rx} (UCX_TCP_RX_SEG_SIZE): UCX would abort the sender on the first transfer over TCP; set "
-                    f"both alike on every worker (docs/agents.md, NIXL over TCP)")
+                    f"both alike on every worker (docs/nixl-tcp.md)")
 
     def _disconnect(self, peer: str) -> None:
         try:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..agents.memory import int_sum
+
 __all__ = ["Fragments", "GridPlan", "coalesce"]
 
 
@@ -24,8 +26,7 @@ class Fragments:
 
     @property
     def nbytes(self) -> int:
-        n = self.length
-        return sum(n.tolist()) if n.size <= 16 else int(n.sum())  # a few: Python's sum beats numpy's call
+        return int_sum(self.length)
 
     @property
     def mean_bytes(self) -> float:

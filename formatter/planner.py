@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..agents import MemoryKind
+from ..agents.memory import int_extremes
 from ..errors import PlanError
 from .layout import KVLayout, PoolAddressing
 from .fragments import Fragments, GridPlan, coalesce
@@ -97,8 +98,8 @@ class RankPool:
         return self.layout.stage_layers(pp_rank), self.layout.head_range(tp_rank)
 
 
-# Requests of at most this many blocks take the small-request paths below: block-id checks on Python ints, their
-# token segments cached, and their plans made from Python ints where they can be (plan_few.py).
+# Requests of at most this many blocks take the small-request paths below: their token segments cached, and
+# their plans made from Python ints where they can be (plan_few.py).
 _FEW = 16
 _TEMPLATES: OrderedDict = OrderedDict()  # plan templates (below) and short requests' token segments
 _SEGMENTS: OrderedDict = OrderedDict()
@@ -114,11 +115,8 @@ def _check_blocks(blocks, need: int, num_blocks: int, side: str) -> np.ndarray:
     if b.size < need:
         raise PlanError(f"{side} gave {b.size} block ids; {need} are needed for the request's tokens")
     b = b[:need]
-    if need <= _FEW:  # a short request: the same range test on Python ints (numpy's min/max cost more here)
-        ids = b.tolist()
-        if not need or (min(ids) >= 0 and max(ids) < num_blocks):
-            return b
-    if need and (b.min() < 0 or b.max() >= num_blocks):
+    lo, hi = int_extremes(b) if need else (0, 0)  # Python ints for a short request
+    if lo < 0 or hi >= num_blocks:
         bad = int(b[(b < 0) | (b >= num_blocks)][0])
         raise PlanError(f"{side} block id {bad} is outside its pool of {num_blocks} blocks")
     return b

@@ -28,6 +28,7 @@ import uuid
 import numpy as np
 import zmq
 
+from ..agents.memory import int_extremes
 from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError
 from ..formatter.mapping import mapping_for
 from . import messages as m
@@ -125,8 +126,7 @@ class Sender(IOThread):
         local = self._local_layers
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
         need = -(-int(num_tokens) // self.layout.shape.tokens_per_block)
-        few = blocks.tolist() if blocks.size <= 16 else None  # a short list: Python's min/max beat numpy's
-        lo, hi = (min(few), max(few)) if few else (blocks.min(), blocks.max()) if blocks.size else (0, 0)
+        lo, hi = int_extremes(blocks) if blocks.size else (0, 0)
         if blocks.size < need or lo < 0 or hi >= self.pool.num_blocks:
             raise KvBridgeError(f"request {ctx_request_id}: {blocks.size} block ids (need {need}) within a pool "
                                 f"of {self.pool.num_blocks}")
