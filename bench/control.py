@@ -230,7 +230,8 @@ def bench_gens(gens: int, args) -> dict:
             "p50_us_loaded": float(np.percentile(lat_w, 50)), "p99_us_loaded": float(np.percentile(lat_w, 99)),
             "req_per_s": args.requests / seconds, "gen_stages_p50_ms": stages,
             # CPU time per request under load (every thread: owner, I/O, ZeroMQ, NIXL), both sides' processes
-            "gen_cpu_us_per_req": gen_cpu / args.requests * 1e6, "ctx_cpu_us_per_req": ctx_cpu / args.requests * 1e6, "ctx_status": rank.status, **end, "verified": ok}
+            "gen_cpu_us_per_req": gen_cpu / args.requests * 1e6, "ctx_cpu_us_per_req": ctx_cpu / args.requests * 1e6,
+            "ctx_status": rank.status, **end, "verified": ok}
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -128,7 +128,8 @@ def run(rounds: int) -> list[dict]:
         cases = [("pipe", "block", lambda: _pipe_rtt(rounds + warm))]
         for spin in (False, True):
             mode = "spin" if spin else "block"
-            cases += [("zmq_ipc", mode, lambda s=spin: _zmq_rtt(f"ipc://{os.path.join(d, 'f.sock')}", s, rounds + warm)),
+            ipc = f"ipc://{os.path.join(d, 'f.sock')}"
+            cases += [("zmq_ipc", mode, lambda s=spin: _zmq_rtt(ipc, s, rounds + warm)),
                       ("zmq_tcp", mode, lambda s=spin: _zmq_rtt("tcp://127.0.0.1:0", s, rounds + warm))]
         for hop, mode, fn in cases:
             us = fn()[warm:] * 1e6
