@@ -30,8 +30,8 @@ from .layout import KVLayout, PoolAddressing
 from .mapping import Piece
 from .planner import Fragments, RankPool, plan_piece
 
-__all__ = ["DEFAULT_THRESHOLD_BYTES", "MIN_STAGED_FRAGMENTS", "staging_nbytes", "staging_pool", "plan_pack",
-           "plan_unpack", "staged_read", "choose_path"]
+__all__ = ["DEFAULT_THRESHOLD_BYTES", "MIN_STAGED_FRAGMENTS", "staging_nbytes", "layer_range", "staging_pool",
+           "plan_pack", "plan_unpack", "staged_read", "choose_path"]
 
 # Direct reads are worth it while one descriptor's bytes take longer on the wire than its fixed cost:
 # a descriptor costs ~0.5 us of CPU to submit to the copy engine (cuMemcpyBatchAsync, vLLM PR #48434) and
@@ -64,6 +64,18 @@ def staging_nbytes(layout: KVLayout, piece: Piece, num_tokens: int, first_token:
     s = layout.shape
     n = int(num_tokens) - int(first_token)
     return len(piece.layers) * s.kv_factor * len(piece.heads) * n * s.head_dim * s.itemsize
+
+
+def layer_range(piece: Piece, layers: range, layout: KVLayout, num_tokens: int,
+                first_token: int = 0) -> tuple[Piece, int, int]:
+    """The part of `piece` in global `layers` as (sub-piece, byte offset in the piece's slot, bytes). The
+    canonical order is layer-major, so any layer range of a piece is one contiguous byte range of its slot."""
+    lo, hi = max(layers.start, piece.layers.start), min(layers.stop, piece.layers.stop)
+    if hi <= lo:
+        raise ValueError(f"layers {layers} hold nothing of {piece!r}")
+    sub = Piece(piece.ctx_rank, range(lo, hi), piece.heads)
+    per = staging_nbytes(layout, Piece(piece.ctx_rank, range(lo, lo + 1), piece.heads), num_tokens, first_token)
+    return sub, (lo - piece.layers.start) * per, (hi - lo) * per
 
 
 def staging_pool(layout: KVLayout, piece: Piece, base: int, num_tokens: int,

@@ -28,6 +28,7 @@ from ..agents import DescriptorGrid, DescriptorList, MemoryKind, TransferHandle,
 from ..formatter.mapping import Piece
 from ..formatter.planner import Fragments, RankPool, plan_grid, plan_piece
 from ..formatter.scratch import PlanScratch
+from ..formatter.staging import layer_range
 from . import messages as m
 from .fsm import move
 
@@ -271,8 +272,8 @@ class Pull:
             return
         if leg.remote_slot >= 0:  # staged: the newly packed layers are one byte range of the slot, one descriptor
             self._first_post()
-            per = leg.slot_bytes // len(leg.piece.layers)  # layer-major slots: every layer the same bytes
-            off, nb = (start - leg.piece.layers.start) * per, (ready_stop - start) * per
+            _sub, off, nb = layer_range(leg.piece, range(start, ready_stop), local.layout, self.num_tokens,
+                                        self.from_token)  # layer-major slots: the unpack's offsets too
             one = np.ones(1, dtype=np.int64)
             mine = DescriptorList(one * (leg.slot + off), one * nb, *leg.slot_mem)
             theirs = DescriptorList(one * (leg.remote_slot + off), one * nb, *leg.remote_slot_mem)

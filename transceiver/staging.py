@@ -28,7 +28,7 @@ from ..agents import MemoryKind, MemoryRegion
 from ..agents.staging import chunks, gather, scatter, span_view
 from ..formatter.mapping import Piece
 from ..formatter.planner import RankPool, plan_stats
-from ..formatter.staging import plan_pack, plan_unpack, staging_nbytes, staging_pool
+from ..formatter.staging import layer_range, plan_pack, plan_unpack, staging_nbytes, staging_pool
 
 __all__ = ["StagingArena", "layer_range", "pack", "through_temp", "unpack", "worth_staging"]
 
@@ -195,13 +195,3 @@ def unpack(piece: Piece, pool: RankPool, blocks, num_tokens: int, arena: Staging
     order = np.argsort(f.src, kind="stable")
     _copy(pool, arena, f.dst[order], f.length[order], addr, nbytes, False)
 
-
-def layer_range(piece: Piece, layers: range, layout, num_tokens: int, first_token: int = 0) -> tuple[Piece, int, int]:
-    """The part of `piece` in global `layers` as (sub-piece, byte offset in the piece's slot, bytes). The
-    canonical order is layer-major, so any layer range of a piece is one contiguous byte range of its slot."""
-    lo, hi = max(layers.start, piece.layers.start), min(layers.stop, piece.layers.stop)
-    if hi <= lo:
-        raise ValueError(f"layers {layers} hold nothing of {piece!r}")
-    sub = Piece(piece.ctx_rank, range(lo, hi), piece.heads)
-    per = staging_nbytes(layout, Piece(piece.ctx_rank, range(lo, lo + 1), piece.heads), num_tokens, first_token)
-    return sub, (lo - piece.layers.start) * per, (hi - lo) * per
