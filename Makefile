@@ -59,7 +59,7 @@ demo: $(STAMP)
 	$(VPY) -m kvbridge.cli demo
 
 test: $(STAMP) $(VLLM_STAMP)
-	$(VPY) -m pytest -q -ra
+	$(VPY) -m pytest -q -ra --durations=25
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -5,7 +5,7 @@ Owns the peer state machine, changed only by `CtxPeer.advance` (table below, rul
     NEW --Hello sent--> HELLO --Welcome accepted--> READY
     HELLO --Hello sent again (unanswered for a second)--> HELLO
     HELLO | READY --refused (an Error for no request, a Welcome we cannot use)--> FAILED --Hello again--> HELLO
-    any --reset (silence, "no session")--> NEW
+    any --reset (silence, "no session", a connection lost and not back)--> NEW
 
 Pure state, owned and changed only by the Receiver's I/O thread (receiver.py); nothing here sends, receives
 or closes a socket (the receiver closes `sock` before `forget()`).
@@ -50,6 +50,8 @@ PEER_MOVES: dict[PeerState, frozenset[PeerState]] = {
 class CtxPeer:
     endpoint: str
     sock: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None  # `sock`'s connect / disconnect events (peers.py reads them)
+    lost_at: float = 0.0  # when `sock` lost its connection, 0 while connected (or never connected)
     state: PeerState = PeerState.NEW
     error: tuple[str, str] = ("", "")  # (KvBridgeError subclass name, message) of the last refusal
     welcome: m.Welcome | None = None
@@ -90,5 +92,6 @@ class CtxPeer:
         """Back to NEW without socket or session (the caller closed `sock`). The agent keeps knowing the
         peer: reads to it may still be in flight; a new Welcome re-connects it."""
         self.advance(PeerState.NEW)
-        self.sock, self.welcome, self.remote = None, None, None
+        self.sock, self.monitor, self.welcome, self.remote = None, None, None, None
+        self.lost_at = 0.0
         self.peer_name = self.agent_kind = ""

@@ -1,8 +1,8 @@
 """A generation rank's context peers: one DEALER socket and one session per context rank endpoint.
 
 Owns the peers' sockets: opening one (with a Hello) when a pull needs the endpoint, sending without
-blocking (a loop turn's frames to one peer as one message: outbox.py), closing one on reset, the silence watch and the heartbeats. Owned by the Receiver's I/O thread only
-(no locking). Never touches a pull: what to fail when a peer falls silent, and which requests a heartbeat
+blocking (a loop turn's frames to one peer as one message: outbox.py), closing one on reset, the silence
+and connection watch and the heartbeats. Owned by the Receiver's I/O thread only (no locking). Never touches a pull: what to fail when a peer falls silent, and which requests a heartbeat
 renews, the Receiver says (callables).
 """
 
@@ -13,6 +13,7 @@ import uuid
 from typing import Callable, Iterator
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import messages as m
 from .config import TransceiverConfig
@@ -23,6 +24,9 @@ from .sockets import make_dealer
 log = logging.getLogger("kvbridge.transceiver.receiver")
 
 __all__ = ["CtxPeers"]
+
+_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_MONITOR_S = 0.1  # how often the sockets' connection events are read (off the per-message path)
 
 
 class CtxPeers:
@@ -42,6 +46,7 @@ class CtxPeers:
         self._outbox = Outbox(self._send_parts)  # frames of this loop turn, by endpoint: `flush` sends them
         self._polled: tuple = ()
         self._socks: dict[zmq.Socket, CtxPeer] | None = None  # open sockets -> peers; None: one opened or closed
+        self._monitor_at = 0.0  # when the connection events are read next
 
     def __iter__(self) -> Iterator[CtxPeer]:
         return iter(self._by_endpoint.values())
@@ -70,6 +75,7 @@ class CtxPeers:
             if peer.sock is None:
                 ident = f"{self._prefix}:{uuid.uuid4().hex[:6]}".encode()
                 peer.sock = make_dealer(self._zctx, self._config, endpoint, ident)
+                peer.monitor = peer.sock.get_monitor_socket(_EVENTS)
                 self._socks = None
             self.send(peer, self._hello)
             peer.hello_sent(now)
@@ -97,17 +103,28 @@ class CtxPeers:
     def reset(self, peer: CtxPeer) -> None:
         """Drop a peer's socket and session (queued stale frames go with it); the next use re-handshakes."""
         self._outbox.drop(peer.endpoint)
-        if peer.sock is not None:
-            peer.sock.close(0)
+        _close(peer)
         peer.forget()
         self._socks = None
 
     def watch(self, now: float, gone: Callable[[tuple[int, int], str], None]) -> None:
-        """Peers with traffic in flight silent for peer_timeout_s: `gone(leg, why)` for each of their legs
-        ((request_id, ctx_rank)), then reset."""
+        """Peers with traffic in flight silent for peer_timeout_s, or whose connection dropped and has not come
+        back within handshake_timeout_s (a context process that exited: its kernel closed the connection and
+        refuses new ones): `gone(leg, why)` for each of their legs ((request_id, ctx_rank)), then reset."""
+        if now >= self._monitor_at:
+            self._monitor_at = now + _MONITOR_S
+            self._read_events(now)
         for peer in self._by_endpoint.values():
-            if peer.legs and now - peer.last_heard > self._config.peer_timeout_s:
+            if not peer.legs:
+                continue
+            why = ""
+            if now - peer.last_heard > self._config.peer_timeout_s:
                 why = f"context rank at {peer.endpoint} silent for {now - peer.last_heard:.1f} s"
+            elif peer.lost_at and now - peer.lost_at > self._config.handshake_timeout_s:
+                why = (f"context rank at {peer.endpoint}: its connection dropped {now - peer.lost_at:.1f} s ago "
+                       f"and did not come back within handshake_timeout_s ({self._config.handshake_timeout_s:g} "
+                       "s): its process exited, or the network between us is down")
+            if why:
                 for leg in list(peer.legs):
                     gone(leg, why)
                 peer.legs.clear()
@@ -128,7 +145,29 @@ class CtxPeers:
                 peer.last_sent = now
                 self.send(peer, m.Heartbeat(ids).encode())
 
+    def _read_events(self, now: float) -> None:
+        """Each open socket's connection events since the last look: a disconnect marks the peer lost (since
+        the first one), a connect clears it (ZeroMQ reconnects by itself; the session survives a blip)."""
+        for peer in self._by_endpoint.values():
+            while peer.monitor is not None:
+                try:
+                    event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)["event"]
+                except zmq.Again:
+                    break
+                if event == zmq.EVENT_DISCONNECTED:
+                    peer.lost_at = peer.lost_at or now
+                elif event == zmq.EVENT_CONNECTED:
+                    peer.lost_at = 0.0
+
     def close(self) -> None:
         for peer in self._by_endpoint.values():
-            if peer.sock is not None:
-                peer.sock.close(0)
+            _close(peer)
+
+
+def _close(peer: CtxPeer) -> None:
+    """Close a peer's socket and its event monitor (the caller then forgets them)."""
+    if peer.sock is not None:
+        if peer.monitor is not None:
+            peer.sock.disable_monitor()
+            peer.monitor.close(0)
+        peer.sock.close(0)

@@ -192,8 +192,9 @@ def test_killed_context_rank_is_detected_within_the_deadline(cluster):
     ans = c.gen[0].call("collect", {"timeout": 5})
     took = time.monotonic() - t0
     r = ans["results"][0]
-    assert not r["ok"] and r["error_type"] == "PeerGone" and "silent" in r["error"]
-    assert took < FAST["peer_timeout_s"] + FAST["drain_timeout_s"] + 0.5
+    # its kernel closed the connection: seen within handshake_timeout_s (not the longer silence bound)
+    assert not r["ok"] and r["error_type"] == "PeerGone" and "connection dropped" in r["error"], r
+    assert took < FAST["handshake_timeout_s"] + FAST["drain_timeout_s"] + 0.8
     # a restarted context rank serves the next request to the same generation rank
     from .ranks import RankProc
 
@@ -204,6 +205,49 @@ def test_killed_context_rank_is_detected_within_the_deadline(cluster):
                                             "request_key": c.key.hex})
     c.instance += "-2"
     _next_request_succeeds(c, 14, 4, 4)
+
+
+def test_a_pull_to_a_context_rank_that_died_while_idle_fails_by_name_long_before_its_deadline():
+    """The session was up and idle when the context process died; a pull sent later on it must not wait for
+    its 60 s deadline or the 300 s silence bound: the lost connection names the peer within seconds."""
+    c = Cluster(2)
+    try:
+        c.setup(LAYOUT, LAYOUT, NB, NB, {**FAST, "peer_timeout_s": 300.0, "lease_s": 30.0, "heartbeat_s": 1.0,
+                                         "transfer_timeout_s": 60.0, "handshake_timeout_s": 2.0})
+        _next_request_succeeds(c, 21, 0, 0)  # the session is READY
+        c.publish([(22, [2, 3], 20, 22)])
+        params = c.params(22)
+        c.ctx[0].proc.kill()
+        c.ctx[0].proc.join(10)
+        t0 = time.monotonic()
+        (ans,) = c.pull([[22, params, [2, 3], 20, 22]], timeout=30)
+        took = time.monotonic() - t0
+        r = ans["results"][0]
+        assert not r["ok"] and r["error_type"] == "PeerGone" and "connection dropped" in r["error"], r
+        assert c.endpoints[0] in r["error"] and took < 2.0 + 1.5, took
+    finally:
+        c.close()
+
+
+def test_a_frozen_context_rank_whose_connection_stays_up_fails_as_silent(cluster):
+    """SIGSTOP: the connection stays up but nothing answers; the silence bound (peer_timeout_s) names it."""
+    import os
+    import signal
+
+    c = cluster
+    c.ctx[0].call("publish_streaming", [(23, [0, 1], 20, 23)])
+    c.gen[0].call("submit", {"pulls": [_pull(23, c)]})
+    _wait_fetched(c)
+    os.kill(c.ctx[0].proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        ans = c.gen[0].call("collect", {"timeout": 6})
+        took = time.monotonic() - t0
+    finally:
+        os.kill(c.ctx[0].proc.pid, signal.SIGCONT)
+    r = ans["results"][0]
+    assert not r["ok"] and r["error_type"] == "PeerGone" and "silent for" in r["error"], r
+    assert took < FAST["peer_timeout_s"] + FAST["drain_timeout_s"] + 0.8
 
 
 def test_killed_generation_rank_releases_the_context_blocks(cluster):
