@@ -47,7 +47,8 @@ class TransceiverConfig:
     lease_s: how long a context request stays pinned after the last sign of life from its readers.
     heartbeat_s: how often a reader renews its leases (must be well under lease_s).
     peer_timeout_s: silence from a context peer (with requests in flight) after which they fail.
-    handshake_timeout_s: Hello -> Welcome bound.
+    handshake_timeout_s: Hello -> Welcome bound; also how long a context peer's dropped connection may stay
+        down (with requests in flight) before they fail as PeerGone.
     publish_wait_s: how long a context rank keeps a Fetch that came before its request's publish (an early
         decode whose prefill is still queued) before answering that it has no such request; None: the
         handshake_timeout_s.
