@@ -262,27 +262,36 @@ def _spec(model: str, connector: str | None, tp: int, block: int, cpus: str, a, 
 
 
 def _start(servers: list[VllmServer], a) -> None:
-    """Start the servers one at a time (the one with more ranks first), each healthy before the next.
+    """Start the servers together (the one with more ranks first), then wait for each to be healthy: a start
+    is mostly one core's imports, so two at once take the time of one on two cores.
 
     A port can be taken between _port()'s check and the server's bind (this range lies inside the kernel's
     ephemeral one, where any outgoing connection may take it): such a start is retried on other ports.
     """
-    for s in sorted(servers, key=lambda s: -s.spec.tensor_parallel_size):
-        for attempt in range(5):
-            at = _size(s.log_path)
+    pending = sorted(servers, key=lambda s: -s.spec.tensor_parallel_size)
+    for attempt in range(5):
+        marks = [_size(s.log_path) for s in pending]
+        for s in pending:
+            s.start()
+        retry = []
+        for s, at in zip(pending, marks):
             try:
-                s.start().wait_healthy(a.startup_timeout)
-                break
+                s.wait_healthy(a.startup_timeout)
             except VllmStartError:
                 with open(s.log_path, "rb") as f:
                     f.seek(at)
                     taken = b"Address already in use" in f.read()
                 if attempt == 4 or not taken:
                     raise
-                s.stop()
-                side = _port() if s.spec.side_channel_port is not None else None
-                s.spec = dataclasses.replace(s.spec, port=_port(), side_channel_port=side)
-                print(f"  a port was taken during start-up; again on {s.spec.port}", flush=True)
+                retry.append(s)
+        for s in retry:
+            s.stop()
+            side = _port() if s.spec.side_channel_port is not None else None
+            s.spec = dataclasses.replace(s.spec, port=_port(), side_channel_port=side)
+            print(f"  a port was taken during start-up; again on {s.spec.port}", flush=True)
+        pending = retry
+        if not pending:
+            return
 
 
 def reference(model: str, cells: list[Cell], a) -> dict[str, tuple[list[int], list[float]]]:

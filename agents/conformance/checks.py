@@ -62,9 +62,10 @@ class Pair:
 
     @classmethod
     def open(cls, spec: str, local_device: str = "cpu", peer_device: str = "cpu", *, timeout: float = 30.0,
-             nbytes: int = NBYTES) -> "Pair":
+             nbytes: int = NBYTES, start_timeout: float | None = None) -> "Pair":
         warm_up()
-        peer = Peer(spec, nbytes, peer_device, seed=PEER_SEED, start_timeout=max(2 * timeout, 30.0))
+        start = max(2 * timeout, 30.0) if start_timeout is None else start_timeout
+        peer = Peer(spec, nbytes, peer_device, seed=PEER_SEED, start_timeout=start)
         try:
             agent = resolve(spec)(f"local-{os.getpid()}-{abs(hash(spec)) % 10000}")
         except BaseException:

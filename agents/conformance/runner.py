@@ -80,7 +80,7 @@ def _run_one(check: Check, pair: Pair, watchdog: float) -> tuple[CheckResult, bo
 
 
 def run_suite(spec: str, memory: Memory = Memory.DRAM, *, timeout: float = 30.0,
-              only: Sequence[str] | None = None,
+              only: Sequence[str] | None = None, start_timeout: float | None = None,
               report: Callable[[CheckResult], None] = lambda r: None) -> tuple[list[CheckResult], bool]:
     """Run the checks (all, or those named in `only`) against `spec`; (results in order, whether one hung).
 
@@ -89,6 +89,8 @@ def run_suite(spec: str, memory: Memory = Memory.DRAM, *, timeout: float = 30.0,
         memory: where both buffers live.
         timeout: seconds any one transfer may take (the deadline every wait in the checks uses).
         only: check names to run; ValueError naming unknown ones.
+        start_timeout: seconds the peer process may take to start and send its metadata (default: twice
+            `timeout`, at least 30).
         report: called with each result as soon as it is known.
     """
     names = {c.name for c in CHECKS}
@@ -99,7 +101,7 @@ def run_suite(spec: str, memory: Memory = Memory.DRAM, *, timeout: float = 30.0,
     local_dev, peer_dev = devices(memory)
     t0 = time.monotonic()
     try:
-        pair = Pair.open(spec, local_dev, peer_dev, timeout=timeout)
+        pair = Pair.open(spec, local_dev, peer_dev, timeout=timeout, start_timeout=start_timeout)
     except Exception as e:  # noqa: BLE001 - a class that cannot even be set up fails every check
         # Said once (a peer's traceback or stack can be long); the checks are not run.
         took = time.monotonic() - t0
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory", choices=[m.value for m in Memory], default="dram",
                     help="where the buffers live (vram: cuda:0 locally, cuda:1 for the peer if there is one)")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds any one transfer may take (default 30)")
+    ap.add_argument("--start-timeout", type=float, default=None,
+                    help="seconds the peer process may take to start (default: twice --timeout, at least 30)")
     ap.add_argument("--only", default="", help="comma-separated check names to run (default: all)")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     args = ap.parse_args(argv)
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'check':<{width}}  {'result':<7}  {'time':>9}  detail")
     try:
         results, hung = run_suite(args.agent, Memory(args.memory), timeout=args.timeout, only=only,
+                                  start_timeout=args.start_timeout,
                                   report=lambda r: print(_row(r, width), flush=True))
     except ValueError as e:
         print(f"kvbridge check-agent: {e}", file=sys.stderr)

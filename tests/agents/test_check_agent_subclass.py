@@ -43,7 +43,7 @@ def test_a_peer_that_raises_is_reported_once_with_its_traceback():
 
 @pytest.mark.slow
 def test_a_peer_that_hangs_is_reported_once_with_where_it_hangs():
-    code, rows, out = check_agent(f"{AGENTS}:HangsInPeerAgent", "--timeout", "5")
+    code, rows, out = check_agent(f"{AGENTS}:HangsInPeerAgent", "--timeout", "5", "--start-timeout", "10")
     assert code == 1, out
     assert rows["setup"] == "FAIL" and set(rows.values()) == {"FAIL", "NOT RUN"}, out
     assert out.count("peer process hangs") == 1, out

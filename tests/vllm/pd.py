@@ -46,8 +46,11 @@ class Cell:
 
 
 class Servers:
-    def __init__(self, tmp: str) -> None:
-        self.tmp, self.model = tmp, str(tiny_llama())
+    """Servers by name (`define`, then `use`); `transceiver`: the connector's transceiver options (default:
+    kv_transfer_config's patient waits)."""
+
+    def __init__(self, tmp: str, transceiver: dict | None = None) -> None:
+        self.tmp, self.model, self.transceiver = tmp, str(tiny_llama()), transceiver
         self.cells: dict[str, Cell] = {}
         self.running: dict[str, VllmServer] = {}
 
@@ -68,7 +71,8 @@ class Servers:
             c = self.cells[n]
             os.makedirs(self.digest_dir(n), exist_ok=True)
             extra = () if c.prefix_cache else ("--no-enable-prefix-caching",)
-            spec = VllmServerSpec(self.model, free_port(), kv_transfer_config=kv_transfer_config(self.digest_dir(n)),
+            kv = kv_transfer_config(self.digest_dir(n), self.transceiver)
+            spec = VllmServerSpec(self.model, free_port(), kv_transfer_config=kv,
                                   block_size=c.block, tensor_parallel_size=c.tp, cpus=c.cpus, max_num_seqs=4,
                                   extra_args=extra)
             self.running[n] = VllmServer(spec, os.path.join(self.tmp, f"{n}-{spec.port}.log")).start()

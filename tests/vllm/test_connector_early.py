@@ -28,7 +28,10 @@ KV_KEYS = 4 * 2 * 2  # tiny Llama: 4 layers x 2 kv heads x (K, V), per 32-token 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    s = Servers(str(tmp_path_factory.mktemp("vllm-early")))
+    # shorter waits than pd.py's: the test of a decode naming another prompt waits out both (a prefill of
+    # the tiny model publishes within a second of the decode's Fetch)
+    s = Servers(str(tmp_path_factory.mktemp("vllm-early")),
+                {"handshake_timeout_s": 20.0, "pickup_timeout_s": 12.0, "publish_wait_s": 8.0})
     s.define("p1", Cell(tp=1, block=32, cpus="0"))
     s.define("d1", Cell(tp=1, block=32, cpus="1"))
     yield s
