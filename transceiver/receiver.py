@@ -428,6 +428,7 @@ class Receiver(IOThread):
         result = pull.result(agents)
         self._report(result)  # the owner first, the metrics after
         metrics.on_received(result)
+        self._staging.hint(result)
 
     def _peer_gone(self, leg: tuple[int, int], why: str) -> None:
         pull = self._pulls.get(leg[0])
