@@ -2,8 +2,9 @@
 
 Owns the peers' sockets: opening one (with a Hello) when a pull needs the endpoint, sending without
 blocking (a loop turn's frames to one peer as one message: outbox.py), closing one on reset, the silence
-and connection watch and the heartbeats. Owned by the Receiver's I/O thread only (no locking). Never touches a pull: what to fail when a peer falls silent, and which requests a heartbeat
-renews, the Receiver says (callables).
+and connection watch and the heartbeats. Owned by the Receiver's I/O thread only (no locking). Never
+touches a pull: what to fail when a peer falls silent or its connection is lost, and which requests a
+heartbeat renews, the Receiver says (callables).
 """
 
 from __future__ import annotations

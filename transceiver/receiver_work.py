@@ -5,9 +5,10 @@ Receiver holds (no mixin), each given the pool and settings it needs and reading
 heartbeating meanwhile), each layer range as soon as its read is done (streamed staging), and hashes them for
 verification. `StagingPolicy.want_staged` asks for the staged path only when both sides have an arena, the
 piece's direct plan is many small fragments (or the arena is host memory: transceiver.staging_memory), and this
-rank's arena has room (it takes the slot); `StagingPolicy.hint` says once per rank how to stage when a large
-pull was read directly over NIXL in many small fragments. A partial pull (prefix reuse) stages only the tokens it lacks: both
-sides pack / unpack tokens [from_token, n). Never frees blocks; the receiver frees the slots.
+rank's arena has room (it takes the slot); `StagingPolicy.hint` says once per rank how to stage when a
+large pull was read directly over NIXL in many small fragments. A partial pull (prefix reuse) stages only
+the tokens it lacks: both sides pack / unpack tokens [from_token, n). Never frees blocks; the receiver frees
+the slots.
 """
 
 from __future__ import annotations
@@ -99,11 +100,11 @@ class StagingPolicy:
                 or result.nbytes < HINT_MIN_BYTES or result.nbytes >= n * (cfg.staging_threshold_bytes or 32 << 10):
             return
         self._hinted = True
-        log.warning("request %d: %d fragments of %d bytes on average were read directly over NIXL, whose cost per "
-                    "descriptor bounds such a read (~4.6 us each: 3.2-3.8 GB/s for 16 KiB fragments between two "
-                    "H100s). A staging arena on both sides, with room for such a piece (transceiver.staging_arena_bytes, "
-                    "docs/staging.md), packs them into one descriptor per piece (said once)", result.request_id, n,
-                    result.nbytes // n)
+        log.warning("request %d: %d fragments of %d bytes on average were read directly over NIXL, whose "
+                    "cost per descriptor bounds such a read (~4.6 us each: 3.2-3.8 GB/s for 16 KiB fragments "
+                    "between two H100s). A staging arena on both sides, with room for such a piece "
+                    "(transceiver.staging_arena_bytes, docs/staging.md), packs them into one descriptor per "
+                    "piece (said once)", result.request_id, n, result.nbytes // n)
 
     def want_staged(self, pull: Pull, leg: Leg, peer: CtxPeer) -> bool:
         """Ask for the staged path when both sides have an arena, the piece's direct plan is many small

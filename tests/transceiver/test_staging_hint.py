@@ -8,7 +8,6 @@ import logging
 
 import numpy as np
 import pytest
-
 from kvbridge.formatter.layout import KVLayout, KVShape
 from kvbridge.formatter.verify import pool_image
 from kvbridge.transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
