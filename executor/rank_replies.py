@@ -109,6 +109,8 @@ class RankReplies:
                     return got
                 if self._st.fatal:
                     raise ExecutorError(f"while waiting for {what}: {self._st.fatal}")
+                if self._closing:  # no reply comes any more: a waiter must not sit out its timeout
+                    raise ExecutorError(f"while waiting for {what}: the executor was closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ExecutorError(f"timed out after {timeout:.0f}s waiting for {what}")

@@ -4,6 +4,7 @@ test checks the error text, how long it took to detect, and that every pool ends
     bad disagg_params         the generation request aborts with the field named; the executor keeps serving
     token-count mismatch      the pull fails naming both counts; the context request is released
     a rank process dying      every later call raises naming the rank and its exit; detected within a bound
+    closed while waited on    the waiter gets "the executor was closed" at once, not at its timeout
 """
 
 from __future__ import annotations
@@ -108,3 +109,30 @@ def test_a_rank_process_dying_mid_run_fails_every_call_naming_the_rank(tmp_path)
     for pid in pids:  # close() reaps what is left: no rank outlives its executor
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_wait_on_an_executor_closed_by_another_thread_ends_at_once_naming_the_close():
+    """close() from one thread while another waits (here: for the end of a long request): the waiter gets
+    ExecutorError "the executor was closed" within a second, not at its 60 s timeout (the soak's restart)."""
+    import threading
+
+    with Executor.start(ExecutorConfig(model="seeded:tiny3", num_blocks=260, tokens_per_block=16,
+                                       timeout_s=60)) as ex:
+        rid = ex.submit(PROMPT, max_tokens=4000, stop_ids=(), stream=True)
+        assert ex.wait_tokens(rid, 0, timeout=60)[0]  # running
+        got: list = []
+
+        def waiter():
+            try:
+                ex.wait(rid, timeout=60)
+            except ExecutorError as e:
+                got.append((str(e), time.monotonic()))
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.2)
+        t_close = time.monotonic()
+        ex.close()
+        t.join(30)
+        assert got and "the executor was closed" in got[0][0], got
+        assert got[0][1] - t_close < 2.0, "the waiter sat out its timeout"
