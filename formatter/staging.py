@@ -31,7 +31,7 @@ from .mapping import Piece
 from .planner import Fragments, RankPool, plan_piece
 
 __all__ = ["DEFAULT_THRESHOLD_BYTES", "MIN_STAGED_FRAGMENTS", "staging_nbytes", "layer_range", "staging_pool",
-           "plan_pack", "plan_unpack", "staged_read", "choose_path"]
+           "plan_pack", "plan_unpack", "staged_read", "choose_path", "many_small"]
 
 # Direct reads are worth it while one descriptor's bytes take longer on the wire than its fixed cost:
 # a descriptor costs ~0.5 us of CPU to submit to the copy engine (cuMemcpyBatchAsync, vLLM PR #48434) and
@@ -141,6 +141,11 @@ def choose_path(fragments: Fragments, threshold_bytes: int = DEFAULT_THRESHOLD_B
     Returns:
         "staged" or "direct".
     """
-    if len(fragments) < max(min_fragments, 2):
-        return "direct"
-    return "staged" if fragments.mean_bytes < threshold_bytes else "direct"
+    return "staged" if many_small(len(fragments), fragments.nbytes, threshold_bytes, min_fragments) else "direct"
+
+
+def many_small(count: int, nbytes: int, threshold_bytes: int, min_fragments: int) -> bool:
+    """The staged path's one rule: at least `min_fragments` (and 2) fragments whose mean size is below
+    `threshold_bytes` (0: none is). `choose_path`, the transceiver's per-piece choice and its hint after a
+    direct read all ask this."""
+    return count >= max(min_fragments, 2) and nbytes < count * threshold_bytes

@@ -94,10 +94,11 @@ class StagingPolicy:
     def hint(self, result: ReceiveResult) -> None:
         """Once per rank: a pull of at least HINT_MIN_BYTES read over NIXL in many small fragments (the staged
         path's own criterion) was bound by NIXL's cost per descriptor, not by the link: say how to stage."""
-        cfg = self._config
-        n = result.fragments
-        if self._hinted or not result.ok or n < max(cfg.staging_min_fragments, 1) or "nixl" not in result.agents \
-                or result.nbytes < HINT_MIN_BYTES or result.nbytes >= n * (cfg.staging_threshold_bytes or 32 << 10):
+        cfg, n = self._config, result.fragments
+        if self._hinted or not result.ok or "nixl" not in result.agents or result.nbytes < HINT_MIN_BYTES:
+            return
+        from ..formatter.staging import many_small
+        if not many_small(n, result.nbytes, cfg.staging_threshold_bytes, cfg.staging_min_fragments):
             return
         self._hinted = True
         log.warning("request %d: %d fragments of %d bytes on average were read directly over NIXL, whose "

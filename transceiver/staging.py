@@ -28,7 +28,7 @@ from ..agents import MemoryKind, MemoryRegion
 from ..agents.staging import chunks, gather, scatter, span_view
 from ..formatter.mapping import Piece
 from ..formatter.planner import RankPool, plan_stats
-from ..formatter.staging import layer_range, plan_pack, plan_unpack, staging_nbytes, staging_pool
+from ..formatter.staging import layer_range, many_small, plan_pack, plan_unpack, staging_nbytes, staging_pool
 
 __all__ = ["StagingArena", "layer_range", "pack", "through_temp", "unpack", "worth_staging"]
 
@@ -107,8 +107,8 @@ class StagingArena:
 def worth_staging(piece: Piece, remote: RankPool, local: RankPool, num_tokens: int, threshold_bytes: int,
                   min_fragments: int) -> bool:
     """True when the direct plan would be at least `min_fragments` fragments of mean size < threshold."""
-    count = plan_stats(piece, remote, local, num_tokens)
-    return count >= max(2, min_fragments) and staging_nbytes(local.layout, piece, num_tokens) / count < threshold_bytes
+    return many_small(plan_stats(piece, remote, local, num_tokens), staging_nbytes(local.layout, piece, num_tokens),
+                      threshold_bytes, min_fragments)
 
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}

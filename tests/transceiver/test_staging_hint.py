@@ -45,6 +45,22 @@ def test_no_hint_where_descriptors_do_not_bound_the_read(caplog, result):
     assert _hints(caplog) == []
 
 
+@pytest.mark.parametrize("threshold,min_fragments", [(32 << 10, 64), (8 << 10, 64), (0, 64), (32 << 10, 70000)])
+def test_the_hint_follows_the_staged_paths_own_rule_and_settings(caplog, threshold, min_fragments):
+    """One rule (formatter.staging.many_small) for the per-piece choice and the hint: a threshold of 0 (the
+    staged path off for device memory) or a setting the fragments do not meet keeps the hint silent."""
+    from kvbridge.formatter.fragments import Fragments
+    from kvbridge.formatter.staging import choose_path
+
+    caplog.set_level(logging.WARNING, LOGGER)
+    cfg = TransceiverConfig(staging_threshold_bytes=threshold, staging_min_fragments=min_fragments)
+    StagingPolicy(None, cfg).hint(ReceiveResult(3, True, nbytes=1 << 30, fragments=65536, agents=("nixl",)))
+    z = np.zeros(65536, dtype=np.int64)
+    staged = choose_path(Fragments(z, z, z + (16 << 10)), threshold, min_fragments) == "staged"
+    assert staged == (threshold == 32 << 10 and min_fragments == 64)
+    assert len(_hints(caplog)) == int(staged)
+
+
 class _Req:
     def __init__(self, **kw):
         self.__dict__.update(kw)
