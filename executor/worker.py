@@ -23,6 +23,7 @@ import torch
 from .. import codec
 from ..errors import ExecutorError
 from ..formatter.layout import ParallelSplit
+from ..gcheap import freeze_startup_heap
 from .comm import Comm
 from .config import kv_layout_for
 from . import pipe_messages as pm
@@ -288,6 +289,7 @@ def rank_main(rank: int, blob: bytes, rx, tx) -> None:
         inbox = Inbox(pipes)
         inbox.start()
         run = _Runner(cfg, rank, pipes, inbox)
+        freeze_startup_heap()  # model and transceiver loaded: later collections skip them (gcheap.py)
         pipes.send(pm.RankReady(rank, run.mcfg.to_dict(), run.layout.to_wire(), os.getpid()))
         if rank == 0:
             leader_loop(run, pipes, inbox, cfg)

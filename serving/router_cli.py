@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
 
     die_with_parent()
     from ..errors import KvBridgeError
+    from ..gcheap import freeze_startup_heap
     from .config import load_config
 
     try:
@@ -61,6 +62,7 @@ def main(argv: list[str]) -> int:
     where = cfg.cluster and (f"http://{cfg.router.host}:{port}" if cfg.cluster.scheme == "http" else cfg.cluster.uri)
     members = (f"workers join through {where} (cluster {cfg.cluster.name})" if cfg.cluster else
                f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")
+    freeze_startup_heap()  # app and server built: later collections skip them (gcheap.py)
     print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): {members}", flush=True)
     try:
         server.run(sockets=[sock])

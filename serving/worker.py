@@ -126,6 +126,7 @@ def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
 
     from ..executor.runtime import Executor
     from ..executor.transceiver_hook import context_endpoints
+    from ..gcheap import freeze_startup_heap
     from .backend import Backend
     from .kv_worker import advertised, kv_events_settings
     from .text import TextCodec
@@ -154,6 +155,7 @@ def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
 
             server = ClusterServer(ucfg, registrar_for(cfg, spec, st, spec.name), st, cfg.cluster.drain_s)
 
+        freeze_startup_heap()  # executor, app and server built: later collections skip them (gcheap.py)
         print(f"[{spec.name}] {spec.role} worker ready at {spec.url}: {cfg.model} TP{spec.tp}xPP{spec.pp} "
               f"on {ex.cfg.device}, pid {os.getpid()}, started in {time.monotonic() - t0:.1f}s"
               + (f"; transceiver {', '.join(eps)}" if eps else ""), flush=True)
