@@ -17,6 +17,7 @@ import logging
 from concurrent.futures import Executor
 
 from ..agents import XferState
+from ..formatter.staging import many_small
 from .config import TransceiverConfig
 from .ctx_peer import CtxPeer
 from .pool import LocalPool
@@ -97,7 +98,6 @@ class StagingPolicy:
         cfg, n = self._config, result.fragments
         if self._hinted or not result.ok or "nixl" not in result.agents or result.nbytes < HINT_MIN_BYTES:
             return
-        from ..formatter.staging import many_small
         if not many_small(n, result.nbytes, cfg.staging_threshold_bytes, cfg.staging_min_fragments):
             return
         self._hinted = True
