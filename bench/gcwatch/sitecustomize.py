@@ -7,7 +7,9 @@ so one command watches a whole deployment:
     PYTHONPATH=$PWD/bench/gcwatch KVB_GCWATCH=/tmp/gc.txt .venv/bin/kvbridge demo
 
 (from the repo root; KVBRIDGE_GC_FREEZE=0 beside it shows the same without kvbridge's heap freeze, gcheap.py).
-Explicit gc.collect() calls are listed too. Not part of kvbridge: nothing imports it.
+Explicit gc.collect() calls are listed too. A process stopped by a signal runs no exit hook (vLLM's engine and
+workers): KVB_GCWATCH_EVERY_S=<s> also rewrites `<file>.<pid>` with its collections so far every <s> seconds.
+Not part of kvbridge: nothing imports it.
 """
 
 import os
@@ -29,14 +31,26 @@ if os.environ.get("KVB_GCWATCH"):
             took = (time.perf_counter() - _start[0]) * 1e3
             _full.append(f"{_start[0] - _T0:.1f}s:{took:.0f}ms:{len(gc.get_objects())}")
 
+    def _line() -> str:
+        who = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:90] if sys.argv else "?"
+        return f"pid {os.getpid()} {who!r} frozen={gc.get_freeze_count()}"
+
+    def _every(period: float) -> None:
+        while True:
+            time.sleep(period)
+            with open(f"{os.environ['KVB_GCWATCH']}.{os.getpid()}", "w") as f:
+                f.write(f"{_line()} full={_full}\n")
+
     def _report():
         t = time.perf_counter()
         gc.collect()  # one more, timed: what a full collection costs this process as it is now
         last = (time.perf_counter() - t) * 1e3
         with open(os.environ["KVB_GCWATCH"], "a") as f:
-            who = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:90] if sys.argv else "?"
-            f.write(f"pid {os.getpid()} {who!r} frozen={gc.get_freeze_count()} "
-                    f"full_at_exit_ms={last:.1f} full={_full[:-1] if _full else _full}\n")
+            f.write(f"{_line()} full_at_exit_ms={last:.1f} full={_full[:-1]}\n")  # less the timed one
 
     gc.callbacks.append(_on_gc)
     atexit.register(_report)
+    if float(os.environ.get("KVB_GCWATCH_EVERY_S") or 0) > 0:
+        import threading
+
+        threading.Thread(target=_every, args=(float(os.environ["KVB_GCWATCH_EVERY_S"]),), daemon=True).start()

@@ -22,3 +22,16 @@ def test_a_watched_process_reports_its_full_collections_and_frozen_heap(tmp_path
     assert f"pid {r.args and ''}" or True
     assert "frozen=" in line and "full_at_exit_ms=" in line and "full=['" in line, line
     assert int(line.split("frozen=")[1].split()[0]) > 0, line
+
+
+def test_with_a_period_a_process_rewrites_its_collections_while_it_runs(tmp_path):
+    out = tmp_path / "gc.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "bench", "gcwatch"),
+                                                         os.environ.get("PYTHONPATH", "")]),
+           "KVB_GCWATCH": str(out), "KVB_GCWATCH_EVERY_S": "0.1"}
+    code = "import gc, os, time; gc.collect(); time.sleep(0.6); print(os.getpid())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    periodic = tmp_path / f"gc.txt.{r.stdout.strip()}"
+    assert periodic.exists(), sorted(p.name for p in tmp_path.iterdir())
+    assert "frozen=0" in periodic.read_text() and "full=['" in periodic.read_text()
