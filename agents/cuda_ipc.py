@@ -23,135 +23,23 @@ kernel: the handle stays PENDING until the kernel ends, then reports FAILED ("ca
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 
 import numpy as np
 
 from ..errors import AgentError, PeerError, RegistrationError
 from . import cuda_driver as drv
-from .base import (DescriptorGrid, DescriptorList, MemoryKind, MemoryRegion, TransferAgent,
-                   TransferHandle, XferState)
-from .handles import ChunkedTransfer, chunk_bounds
-from .cuda_engine import NOT_READY, Engine, Slot
+from .base import DescriptorGrid, DescriptorList, MemoryKind, MemoryRegion, TransferAgent, TransferHandle
+from .handles import chunk_bounds
+from .cuda_engine import Engine, Slot
+from .cuda_handles import CudaIpcChunked, CudaIpcTransfer, _await_end  # noqa: F401 - re-exported
 from .cuda_peers import MAX_REGIONS, FastRegionTable, _parse_regions, _Peer  # noqa: F401 - re-exported
 from .cuda_kernels import CopyKernel, CopyTuning
 from .envelope import field, open_envelope, seal
 
 log = logging.getLogger(__name__)
 
-_FAST_NVLINK = 400e9  # bytes/s no intra-node copy beats: `wait` sleeps through most of the expected time
-# `wait` wakes this long before the earliest possible end: time.sleep overshoots by the timer slack (50-80 us
-# on the GPU hosts, also for sleep(0)), so it must wake early and then poll without sleeping.
-_WAKE_EARLY = 250e-6
 _GROW_BELOW = 16384  # post_grow=None: parts grow where the first fragments average fewer bytes than this
-_SPIN_S = 2e-3  # ... for at most this long (then the base class's polling, which sleeps between polls)
-
-
-def _await_end(h: TransferHandle, deadline: float) -> None:
-    """Sleep through most of the time `h`'s copy must take at best, then poll its state without sleeping
-    (os.sched_yield lets other threads run) until it is no longer PENDING, `_SPIN_S` passes, or the deadline."""
-    now = time.monotonic()
-    ahead = h.nbytes / _FAST_NVLINK - (now - h.posted_at) - _WAKE_EARLY
-    if ahead > 0:
-        time.sleep(min(ahead, max(0.0, deadline - now)))
-    stop = min(deadline, time.monotonic() + _SPIN_S)
-    while h.state() is XferState.PENDING and time.monotonic() < stop:
-        os.sched_yield()
-
-
-class CudaIpcTransfer(TransferHandle):
-    """One posted copy kernel; `state()` queries its CUDA event (never blocks)."""
-
-    peak_bps = _FAST_NVLINK
-
-    def __init__(self, engine: Engine | None, slot: Slot | None, ndesc: int, nbytes: int) -> None:
-        super().__init__(ndesc, nbytes)
-        self._engine, self._slot = engine, slot
-        self._final: XferState | None = XferState.DONE if slot is None else None
-        self._cancelled = False
-        self.gpu_seconds: float | None = None  # set when DONE if the agent was made with timing=True
-        self._mu = threading.Lock()
-
-    def state(self) -> XferState:
-        if self._final is not None:
-            return self._final
-        with self._mu:
-            return self._poll()
-
-    def _poll(self) -> XferState:
-        if self._final is not None or self._slot is None:
-            return self._final or XferState.FAILED
-        err = self._slot.query()
-        if err == NOT_READY:
-            return XferState.PENDING
-        if err == 0 and not self._cancelled:
-            self._final = XferState.DONE
-            if self._slot.start is not None:
-                self.gpu_seconds = self._slot.elapsed()
-        else:
-            self._final = XferState.FAILED
-            self.error = ("cancelled" if err == 0
-                          else f"the copy kernel failed: {drv.error_name(drv.load()[0], err)}")
-        slot, self._slot = self._slot, None
-        self._engine.recycle(slot, done=True)
-        return self._final
-
-    def wait(self, timeout: float, poll_interval: float = 0.0) -> None:
-        """Block until DONE; TransferFailed if it failed, TransferTimeout once `timeout` seconds pass.
-
-        Sleeps through most of the time the copy must take at best (bytes / 400 GB/s), then polls the event
-        without sleeping near the end (`_await_end`), then like the base class. Never waits past the deadline.
-        """
-        deadline = time.monotonic() + max(0.0, float(timeout))
-        if self._final is None and poll_interval == 0.0:
-            _await_end(self, deadline)
-        super().wait(max(0.0, deadline - time.monotonic()), poll_interval)
-
-    def _cancel(self) -> None:
-        self._cancelled = True  # a launched kernel cannot be stopped: FAILED once it has ended
-
-    def _do_release(self) -> None:
-        with self._mu:
-            slot, self._slot = self._slot, None
-        if slot is not None:
-            if self._final is None:
-                self._final = XferState.FAILED
-                self.error = "released before it finished"
-            self._engine.recycle(slot, done=slot.query() != NOT_READY)
-
-
-class CudaIpcChunked(ChunkedTransfer):
-    """A READ or WRITE posted as pipelined kernels on one stream: they end in order, so `state()` polls the
-    first part not yet seen DONE and stops at a PENDING one (one event query per poll, not one per part), and
-    `wait` sleeps and polls like CudaIpcTransfer's for the bytes of all parts. A FAILED part, or all parts
-    DONE, is settled by ChunkedTransfer's rules (cancel the rest, FAILED once none can still move data)."""
-
-    peak_bps = _FAST_NVLINK
-
-    def __init__(self, parts: list[TransferHandle]) -> None:
-        super().__init__(parts)
-        self.posted_at = parts[0].posted_at
-        self._seen = 0  # parts[:_seen] were DONE (final): a lower bound, so a racing poll is harmless
-
-    def state(self) -> XferState:
-        i, parts = self._seen, self._parts
-        while i < len(parts):
-            st = parts[i].state()
-            if st is XferState.PENDING:
-                self._seen = max(self._seen, i)
-                return XferState.PENDING
-            if st is not XferState.DONE:
-                break
-            i += 1
-        return super().state()
-
-    def wait(self, timeout: float, poll_interval: float = 0.0) -> None:
-        deadline = time.monotonic() + max(0.0, float(timeout))
-        if poll_interval == 0.0:
-            _await_end(self, deadline)
-        super().wait(max(0.0, deadline - time.monotonic()), poll_interval)
 
 
 class CudaIpcAgent(TransferAgent):
@@ -172,6 +60,11 @@ class CudaIpcAgent(TransferAgent):
             fragments average under 16 KiB (`_GROW_BELOW`), else False.
         grid_kernel: a grid READ uploads its outer and inner arrays and the grid kernel forms the addresses
             (None: the class default, True); False: every address staged on the host, as before.
+        launch_on: which GPU runs the copy kernel: "local" (default: the GPU of this side's memory) or "peer"
+            (the GPU of the peer's memory: a READ loads there and stores across the link). Two readers that
+            share one GPU and read from another set one of them to "peer": their kernels then run on two GPUs
+            at once instead of taking turns on the shared one (`docs/limits.md`). Costs a CUDA context and the
+            kernel on the peer's GPU in this process.
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -195,8 +88,12 @@ class CudaIpcAgent(TransferAgent):
 
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
                  kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None,
-                 side_upload: bool = True, post_grow: bool | None = None, grid_kernel: bool | None = None) -> None:
+                 side_upload: bool = True, post_grow: bool | None = None, grid_kernel: bool | None = None,
+                 launch_on: str = "local") -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
+        if launch_on not in ("local", "peer"):
+            raise AgentError(f"launch_on must be 'local' or 'peer', got {launch_on!r}")
+        self._launch_on = launch_on
         if post_chunk is not None:
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
                 raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
@@ -274,7 +171,10 @@ class CudaIpcAgent(TransferAgent):
         peer = _Peer(name, _parse_regions(name, payload.get("regions")), proc == drv.PROCESS_TOKEN)
         try:  # open the handles and build the kernel now, not on the first transfer
             for dev in sorted({r.device for r in self.registered_regions()}):
-                peer.ensure(self._engine(dev).dev)
+                if self._launch_on == "local":
+                    peer.ensure(self._engine(dev).dev)
+                for remote in sorted({r[2] for r in peer.regions}) if self._launch_on == "peer" else ():
+                    peer.ensure(self._kernel_engine(peer, dev, remote).dev)
         except Exception:
             peer.close()
             raise
@@ -318,6 +218,14 @@ class CudaIpcAgent(TransferAgent):
                 e = self._engines[device] = Engine(drv.Device.get(device), self._timing, self._side_upload)
             return e
 
+    def _kernel_engine(self, p: _Peer, local_device: int, remote_device: int) -> Engine:
+        """The engine whose GPU runs a transfer's kernel (`launch_on`); on the peer's GPU, with access to ours."""
+        if self._launch_on == "local":
+            return self._engine(local_device)
+        engine = self._engine(p.ordinal_of(remote_device))
+        engine.dev.enable_peer_access(drv.Device.get(local_device))
+        return engine
+
     grid_native = True  # grids are bounds-checked from their extremes and written straight into staging
     grid_kernel: bool = True  # grid READs upload outer + inner (k + r words a side); the grid kernel adds them
     checks_ranges = True  # each part's ranges are checked in the passes its staging makes anyway (`_post`)
@@ -334,7 +242,7 @@ class CudaIpcAgent(TransferAgent):
             local.validate()  # names the descriptor
         p.table.check(remote, f"{op} remote side (peer {peer!r})", (lmin, lmax))
         remote_addrs = remote.raw()[0]
-        engine = self._engine(local.device)
+        engine = self._kernel_engine(p, local.device, remote.device)
         starts, deltas = p.mapping(engine.dev, remote.device)
         flen = lmax if lmin == lmax else 0  # equal lengths: no prefix sum, no search
         words = 2 * n if flen else 3 * n + 1
@@ -368,7 +276,7 @@ class CudaIpcAgent(TransferAgent):
             return CudaIpcTransfer(None, None, 0, 0)
         p = self._peer(op, peer)
         lo, hi = remote.bounds()
-        engine = self._engine(local.device)
+        engine = self._kernel_engine(p, local.device, remote.device)
         starts, deltas = p.mapping(engine.dev, remote.device)
         inside = p.table.contains_span(remote.kind, remote.device, lo, hi + remote.length)
         if op != "READ" or not inside or (starts.size > 1 and deltas.any()):  # the list path, range by range

@@ -32,6 +32,7 @@ class _Peer:
             self.table.add(i, MemoryRegion(addr, length, MemoryKind.VRAM, device))
         self._maps: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}  # local dev -> peer dev -> map
         self._opened: list[tuple[bytes, drv.Device]] = []
+        self._ordinals: dict[int, int] = {}  # the peer's device number -> this process's ordinal of that GPU
         self._lock = threading.Lock()
 
     def ensure(self, local: drv.Device) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -41,6 +42,18 @@ class _Peer:
             if per_dev is None:
                 per_dev = self._maps[local.ordinal] = self._open(local)
             return per_dev
+
+    def ordinal_of(self, device: int) -> int:
+        """This process's ordinal of the GPU the peer calls `device` (by the PCI bus id it advertised)."""
+        hit = self._ordinals.get(device)
+        if hit is None:
+            pci = next((r[3] for r in self.regions if r[2] == device), None)
+            hit = None if pci is None else drv.ordinal_by_pci(pci)
+            if hit is None:
+                raise PeerError(f"peer {self.name!r} has no memory this process can see on its device {device} "
+                                f"(PCI bus id {pci or 'not advertised'}; check CUDA_VISIBLE_DEVICES)")
+            self._ordinals[device] = hit
+        return hit
 
     def mapping(self, local: drv.Device, peer_device: int) -> tuple[np.ndarray, np.ndarray]:
         """(sorted region starts, delta to add for this process's address) for regions on `peer_device`."""

@@ -59,6 +59,7 @@ class Launch:
 
     def __init__(self, name: bytes, grid: int, args: tuple[int, ...], table: np.ndarray, at: float) -> None:
         self.name, self.grid, self.args, self.table, self.at = name, grid, args, table, at
+        self.device: int | None = None  # the device of the context current at the launch
 
     @property
     def n(self) -> int:
@@ -96,6 +97,8 @@ class Stub:
         self.record_tables = True
         self.calls: collections.Counter = collections.Counter()
         self.launches: list[Launch] = []
+        self.peer_access: list[tuple[int, int]] = []  # (device whose context enabled it, the peer device)
+        self._ctx: list[_Handle] = []  # the current-context stack (cuCtxPush/PopCurrent)
         self._allocs: dict[int, tuple[int, int, object]] = {}  # base -> (size, device, keep-alive)
         self._next_range = _RANGE_BASE
         self.driver = self._driver_module()
@@ -171,14 +174,16 @@ class Stub:
 
         @counted
         def cuCtxPushCurrent(ctx):
+            stub._ctx.append(ctx)
             return (ok,)
 
         @counted
         def cuCtxPopCurrent():
-            return ok, None
+            return ok, (stub._ctx.pop() if stub._ctx else None)
 
         @counted
         def cuCtxEnablePeerAccess(ctx, flags):
+            stub.peer_access.append((stub.current_device(), int(ctx.device)))
             return (ok,)
 
         @counted
@@ -291,6 +296,10 @@ class Stub:
         ns.CUipcMem_flags = types.SimpleNamespace(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS=1)
         return ns
 
+    def current_device(self) -> int | None:
+        """The device of the current context (None: no context current)."""
+        return int(self._ctx[-1].device) if self._ctx else None
+
     def _launch(self, name: bytes, grid: int, params: int) -> None:
         at = time.perf_counter()
         if not (self.record_tables or self.run_kernels):  # timing: the launch's time only
@@ -312,6 +321,7 @@ class Stub:
         if self.record_tables or self.run_kernels:
             table = np.frombuffer((ctypes.c_int64 * words).from_address(table_ptr), dtype=np.int64).copy()
         launch = Launch(name, grid, args, table, at)
+        launch.device = self.current_device()
         self.launches.append(launch)
         if self.run_kernels:
             for s, d, ln in zip(*(a.tolist() for a in launch.fragments())):

@@ -10,6 +10,11 @@ summary takes the best of the later ones. Verification mode is on: both sides ha
 after the reads and compare, so a row is `ok` only if every byte arrived (the hashing is not in `read_ms`).
 
     python -m kvbridge.bench.direct_gpu [--agent cuda_ipc] [--requests 4] [--option post_chunk=8192] [--json P]
+        [--gen-option 1:launch_on=peer]   # an agent option for one generation rank only
+
+Each rank process freezes its start-up heap once ready, as kvbridge's serving processes do (`gcheap`): the two
+generation ranks of TP1 -> TP2 run the same code in step, and an unfrozen heap gave both a full collection in the
+same request (one 188 GB/s row of 2026-11-26).
 
 Needs 2 GPUs with peer access (torch with CUDA).
 """
@@ -45,6 +50,7 @@ def _fill(pool, salt: int):
 def _rank(conn, role: str, tp: int, rank: int, device: int, instance: str, cfg: dict) -> None:
     import torch
 
+    from kvbridge.gcheap import freeze_startup_heap
     from kvbridge.transceiver import CacheTransceiver, TransceiverConfig
 
     where = "cpu" if device < 0 else f"cuda:{device}"  # device -1: host memory (a smoke run without GPUs)
@@ -57,6 +63,7 @@ def _rank(conn, role: str, tp: int, rank: int, device: int, instance: str, cfg: 
         torch.cuda.synchronize()
     make = CacheTransceiver.context if role == "context" else CacheTransceiver.generation
     tr = make(pool, layout, rank, NB, TransceiverConfig(**cfg), instance=instance)
+    freeze_startup_heap()
     conn.send(tr.endpoint if role == "context" else "ready")
 
     class Req:
@@ -116,12 +123,24 @@ class _Proc:
             self.p.kill()
 
 
-def run_split(ctx_tp: int, gen_tp: int, cfg: dict, requests: int, cpu: bool = False) -> list[dict]:
+def _rank_cfg(cfg: dict, agent: str, extra: dict) -> dict:
+    """`cfg` with `extra` merged into `agent`'s options (a copy)."""
+    if not extra:
+        return cfg
+    options = {k: dict(v) for k, v in cfg.get("options", {}).items()}
+    options[agent] = {**options.get(agent, {}), **extra}
+    return {**cfg, "options": options}
+
+
+def run_split(ctx_tp: int, gen_tp: int, cfg: dict, requests: int, cpu: bool = False,
+              gen_options: dict[int, dict] | None = None) -> list[dict]:
     from kvbridge.transceiver import DisaggParams
 
     inst = f"direct-ctx-{time.monotonic_ns()}"
+    per_gen = gen_options or {}
     ctx = [_Proc("context", ctx_tp, r, -1 if cpu else 1, inst, cfg) for r in range(ctx_tp)]
-    gen = [_Proc("generation", gen_tp, r, -1 if cpu else 0, "direct-gen", cfg) for r in range(gen_tp)]
+    gen = [_Proc("generation", gen_tp, r, -1 if cpu else 0, "direct-gen",
+                 _rank_cfg(cfg, cfg["agents"][0], per_gen.get(r, {}))) for r in range(gen_tp)]
     rows = []
     try:
         endpoints = tuple(p.ready().hello for p in ctx)
@@ -167,26 +186,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--splits", default="2:1,1:2", help="ctx_tp:gen_tp pairs")
     ap.add_argument("--option", action="append", default=[], help="agent option key=value (repeatable)")
+    ap.add_argument("--gen-option", action="append", default=[],
+                    help="RANK:key=value, an agent option for that generation rank only (repeatable)")
     ap.add_argument("--cpu", action="store_true", help="pools in host memory (a smoke run of the harness)")
     ap.add_argument("--json", help="append the rows here (JSON lines)")
     args = ap.parse_args(argv)
     cfg = {"agents": (args.agent,), "transfer_timeout_s": 120, "lease_s": 60, "heartbeat_s": 1, "verify": True}
     if args.option:
         cfg["options"] = {args.agent: dict(_option(o) for o in args.option)}
+    gen_options: dict[int, dict] = {}
+    for text in args.gen_option:
+        rank, _, kv = text.partition(":")
+        if not rank.isdigit() or "=" not in kv:
+            ap.error(f"--gen-option wants RANK:key=value, got {text!r}")
+        gen_options.setdefault(int(rank), {}).update([_option(kv)])
     rows = []
     for split in args.splits.split(","):
         c, g = (int(x) for x in split.split(":"))
-        rows += run_split(c, g, cfg, args.requests, args.cpu)
+        rows += run_split(c, g, cfg, args.requests, args.cpu, {r: o for r, o in gen_options.items() if r < g})
     for c, g in {(r["ctx_tp"], r["gen_tp"]) for r in rows}:
         later = [r for r in rows if (r["ctx_tp"], r["gen_tp"]) == (c, g) and r["request"] > 1 and r["ok"]]
         if later:
             best = min(later, key=lambda r: r["read_ms"])
-            print(f"ctx TP{c} -> gen TP{g} {args.agent} {args.option}: best read {best['read_ms']} ms = "
+            print(f"ctx TP{c} -> gen TP{g} {args.agent} {args.option} {args.gen_option}: best read {best['read_ms']} ms = "
                   f"{best['gbps']} GB/s; all: {[r['gbps'] for r in later]}", flush=True)
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in rows:
-                f.write(json.dumps({**r, "options": args.option}) + "\n")
+                f.write(json.dumps({**r, "options": args.option, "gen_options": args.gen_option}) + "\n")
     return 0 if rows and all(r["ok"] for r in rows) else 1
 
 

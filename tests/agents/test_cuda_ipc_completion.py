@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvbridge.agents import XferState, cuda_ipc
-from kvbridge.agents.cuda_ipc import CudaIpcChunked, _await_end
+from kvbridge.agents import XferState
+from kvbridge.agents import cuda_handles as cuda_ipc  # the handles' module (cuda_ipc re-exports them)
+from kvbridge.agents.cuda_handles import CudaIpcChunked, _await_end
 from kvbridge.agents.handles import TransferHandle
 from kvbridge.errors import TransferTimeout
 

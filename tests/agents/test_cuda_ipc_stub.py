@@ -230,3 +230,36 @@ def test_a_grid_lists_its_ranges_row_major_and_knows_its_extremes():
     np.testing.assert_array_equal(g.to_list().addrs, [1005, 1000, 1007, 105, 100, 107])
     assert g.bounds() == (100, 1007) and len(g) == 6 and g.nbytes == 24
     np.testing.assert_array_equal(g.rows(1, 2).to_list().addrs, [105, 100, 107])
+
+
+@pytest.mark.parametrize("launch_on, kernel_device", [("local", 0), ("peer", 1)])
+def test_launch_on_picks_the_gpu_that_runs_the_kernel_and_every_byte_still_lands(launch_on, kernel_device):
+    from kvbridge.bench import cuda_stub
+
+    with cuda_stub.installed() as stub:
+        stub.run_kernels = True
+        r = Rig(stub, post_chunk=64, launch_on=launch_on)
+        try:
+            rng = np.random.default_rng(5)
+            d, s = _scattered(rng, 300, 2048)
+            lens = rng.integers(1, 2049, 300)
+            parts = r.read(*r.lists(d, s, lens))
+            np.testing.assert_array_equal(r.dst, r.expected(d, s, lens))
+            assert len(parts) > 1 and {x.device for x in stub.launches} == {kernel_device}
+            so, do = rng.permutation(8) * (SIZE // 8), rng.permutation(8) * (SIZE // 8)
+            si, di = rng.permutation(32)[:20] * 1024, rng.permutation(32)[:20] * 1024
+            r.read(*r.grids(do, di, so, si, 1024), grid=True)
+            dd, ss = (do[:, None] + di[None, :]).ravel(), (so[:, None] + si[None, :]).ravel()
+            np.testing.assert_array_equal(r.dst, r.expected(dd, ss, np.full(dd.size, 1024)))
+            assert {x.device for x in stub.launches} == {kernel_device}
+            assert (1, 0) in stub.peer_access or launch_on == "local"  # device 1's kernel may store into ours
+        finally:
+            r.close()
+
+
+def test_launch_on_accepts_only_local_or_peer():
+    from kvbridge.bench import cuda_stub
+
+    with cuda_stub.installed():
+        with pytest.raises(AgentError, match="launch_on must be 'local' or 'peer', got 'remote'"):
+            create_agent("cuda_ipc", "bad-launch", launch_on="remote")

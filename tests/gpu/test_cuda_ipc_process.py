@@ -107,3 +107,43 @@ def test_peer_advertising_more_than_its_allocation_is_refused(offset_peer):
         with pytest.raises(PeerError, match="allocation of only"):
             agent.connect(forged)
         reg.release()
+
+
+@pytest.mark.parametrize("launch_on", ["peer", "local"])
+def test_launch_on_peer_runs_the_kernel_on_the_peers_gpu_and_reads_and_writes_byte_exact(offset_peer, launch_on):
+    """launch_on="peer": the kernel runs on cuda:1 (the peer's memory, opened there) and stores into cuda:0."""
+    import torch
+
+    from kvbridge.agents import create_agent
+
+    meta, addr = offset_peer
+    n = NBYTES // 4096
+    rng = np.random.default_rng(3)
+    src, dst = rng.permutation(n) * 4096, rng.permutation(n) * 4096
+    local_t = gpu_pattern(NBYTES, "cuda:0", seed=1)
+    with create_agent("cuda_ipc", f"launch-{launch_on}", launch_on=launch_on, post_chunk=512) as agent:
+        reg = agent.register_memory(MemoryRegion.of(local_t))
+        peer = agent.connect(meta)
+        h = agent.read(peer, DescriptorList(local_t.data_ptr() + dst, np.full(n, 4096), MemoryKind.VRAM, 0),
+                       DescriptorList(addr + src, np.full(n, 4096), MemoryKind.VRAM, 1))
+        h.wait(30.0)
+        h.release()
+        assert sorted(agent._engines) == ([0] if launch_on == "local" else [1])
+        remote = gpu_pattern(NBYTES, "cuda:0", seed=9)
+        inv = torch.empty(n, dtype=torch.int64)
+        inv[torch.from_numpy(dst) // 4096] = torch.from_numpy(src) // 4096
+        want = remote[: n * 4096].view(n, 4096)[inv.to("cuda:0")].view(-1)
+        assert torch.equal(local_t[: n * 4096], want)
+        assert torch.equal(local_t[n * 4096:], gpu_pattern(NBYTES, "cuda:0", seed=1)[n * 4096:])  # untouched
+        # a WRITE lands on the peer's GPU (read back to see it), then the block's bytes are put back
+        mark = gpu_pattern(4096, "cuda:0", seed=11)
+        probe, keep = (torch.zeros(4096, dtype=torch.uint8, device="cuda:0") for _ in range(2))
+        reg2 = [agent.register_memory(MemoryRegion.of(t)) for t in (mark, probe, keep)]
+        for op, t in (("read", keep), ("write", mark), ("read", probe), ("write", keep)):
+            h = getattr(agent, op)(peer, DescriptorList([t.data_ptr()], [4096], MemoryKind.VRAM, 0),
+                                   DescriptorList([addr + 4096 * 7], [4096], MemoryKind.VRAM, 1))
+            h.wait(30.0)
+            h.release()
+        assert torch.equal(probe, mark) and torch.equal(keep, remote[4096 * 7:4096 * 8])
+        for r in reg2 + [reg]:
+            r.release()
