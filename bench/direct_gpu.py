@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         later = [r for r in rows if (r["ctx_tp"], r["gen_tp"]) == (c, g) and r["request"] > 1 and r["ok"]]
         if later:
             best = min(later, key=lambda r: r["read_ms"])
-            print(f"ctx TP{c} -> gen TP{g} {args.agent} {args.option} {args.gen_option}: best read {best['read_ms']} ms = "
-                  f"{best['gbps']} GB/s; all: {[r['gbps'] for r in later]}", flush=True)
+            print(f"ctx TP{c} -> gen TP{g} {args.agent} {args.option} {args.gen_option}: best read "
+                  f"{best['read_ms']} ms = {best['gbps']} GB/s; all: {[r['gbps'] for r in later]}", flush=True)
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in rows:

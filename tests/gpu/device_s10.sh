@@ -7,14 +7,9 @@
 #           then pytest tests/gpu tests/multigpu tests/agents/test_connection_nccl.py (73 tests, ~400 s on 2x H100)
 #   PART=2: pytest tests/executor/test_cuda.py tests/serving/test_cuda.py tests/connector (42 tests, ~160 s)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export KVBRIDGE_CACHE_DIR=/tmp/kvbc NIXL_LOG_LEVEL=WARN UCX_LOG_LEVEL=error TORCH_NCCL_ASYNC_ERROR_HANDLING=2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl .whl-serving/*.whl || exit 3
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg/kvbridge && cp -r $(ls -A | grep -v -x -e .whl -e .whl-serving -e .git -e .venv \
-  -e .venv-vllm) /tmp/pkg/kvbridge/
-cd /tmp/pkg/kvbridge && export PYTHONPATH=/tmp/site:/tmp/pkg KVBRIDGE_GPU_RESULTS=$OUT/gpu_rows.jsonl
-{ nvidia-smi -L; nproc; date -u; } > $OUT/env.txt 2>&1
+source tests/gpu/device_prelude.sh
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=2
+export KVBRIDGE_GPU_RESULTS=$OUT/gpu_rows.jsonl
 if [ "${PART:-1}" = 1 ]; then
   echo "== $SECONDS s: direct path"
   timeout ${DIRECT_TIMEOUT:-150} python3 -m kvbridge.bench.direct_gpu --agent cuda_ipc --splits 1:2,2:1 \

@@ -41,8 +41,8 @@ def main() -> None:
                                       "all_ok": all(r["ok"] for r in rows)}
         ax1.plot(range(len(g)), g, "o-", ms=3, lw=0.8, label=f"{label}: median {statistics.median(g):.0f}")
     ax1.axhline(300, color="k", ls="--", lw=0.8)
-    ax1.set(title="ctx TP1 (GPU1) -> gen TP2 (both on GPU0), 1 GiB a request", xlabel="request (later ones, runs in a row)",
-            ylabel="GB/s (slowest rank's read)")
+    ax1.set(title="ctx TP1 (GPU1) -> gen TP2 (both on GPU0), 1 GiB a request",
+            xlabel="request (later ones, runs in a row)", ylabel="GB/s (slowest rank's read)")
     ax1.legend(fontsize=8)
     mix = summary["launch_mix"]
     for k, frag in enumerate(sorted({r["fragment_bytes"] for r in mix})):
