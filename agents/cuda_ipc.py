@@ -9,7 +9,9 @@ peer access. A READ or WRITE then bounds-checks every remote descriptor against 
 regions (RegionTable), translates it to this process's mapping, stages src/dst/prefix-sum arrays in pinned
 memory, uploads them with one H2D copy (on a side stream, so it overlaps the copy before it) and launches ONE
 kernel (`cuda_kernels`) on a dedicated non-blocking stream of the local device (`cuda_engine`), waiting for
-that upload only, followed by a CUDA event that `state()` queries.
+that upload only, followed by a CUDA event that `state()` queries. With `launch_on="peer"` the stream, the kernel
+and the peer's mappings are those of the peer's GPU (opened in this process), given access to the local one.
+Handles: `cuda_handles`.
 
 Never does: a blocking synchronize (every wait polls the event against a deadline), a transfer to or from
 a descriptor it has not bounds-checked, or unmapping peer memory / freeing staging buffers while a kernel
