@@ -23,6 +23,7 @@ gives the CPU time per request of both sides' processes in the throughput phase 
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import sys
@@ -33,6 +34,7 @@ import numpy as np
 
 from ..formatter.verify import pool_image
 from ..errors import DeadlineExceeded
+from ..gcheap import freeze_startup_heap
 from ..transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
 from .common import machine, table, write_json
 from .plot import save_plot
@@ -80,6 +82,7 @@ def _gen_main(conn, agent: str, tweaks: dict | None = None) -> None:
         return sum(r.ok for r in results)
 
     with CacheTransceiver.generation(buf, LAY, 0, GEN_SLOTS, _config(agent, tweaks)) as gen:
+        freeze_startup_heap()  # as a serving process does once ready (`gcheap`)
         conn.send(gen.instance)
         while True:
             if conn.poll(0.01):  # submit at once; reaping results later costs the context rank nothing
@@ -128,6 +131,7 @@ class _ContextRank:
             if not c.poll(120):
                 raise TimeoutError("a generation rank did not start within 120 s")
             c.recv()
+        freeze_startup_heap()  # as a serving process does once ready (`gcheap`); undone at close
         self.next_rid, self.t_pub, self.done = 1, {}, {}
         self.status: dict[str, int] = {}
 
@@ -199,6 +203,7 @@ class _ContextRank:
                 p.kill()
         pinned = self.ctx.sender.pinned
         self.ctx.close()
+        gc.unfreeze()  # the next rank count's context rank freezes its own heap (this one's cycles collectable)
         return {"gen_ok": sum(r["ok"] for r in reports), "gen_failed": sum(r["failed_count"] for r in reports),
                 "errors": [e for r in reports for e in r["failed"]][:10], "ctx_pinned_at_end": pinned}
 
