@@ -172,10 +172,9 @@ class CudaIpcAgent(TransferAgent):
                             "of the same host; use the 'nixl' agent across hosts")
         peer = _Peer(name, _parse_regions(name, payload.get("regions")), proc == drv.PROCESS_TOKEN)
         try:  # open the handles and build the kernel now, not on the first transfer
+            remotes = sorted({r[2] for r in peer.regions}) if self._launch_on == "peer" else [None]
             for dev in sorted({r.device for r in self.registered_regions()}):
-                if self._launch_on == "local":
-                    peer.ensure(self._engine(dev).dev)
-                for remote in sorted({r[2] for r in peer.regions}) if self._launch_on == "peer" else ():
+                for remote in remotes:
                     peer.ensure(self._kernel_engine(peer, dev, remote).dev)
         except Exception:
             peer.close()
@@ -220,8 +219,9 @@ class CudaIpcAgent(TransferAgent):
                 e = self._engines[device] = Engine(drv.Device.get(device), self._timing, self._side_upload)
             return e
 
-    def _kernel_engine(self, p: _Peer, local_device: int, remote_device: int) -> Engine:
-        """The engine whose GPU runs a transfer's kernel (`launch_on`); on the peer's GPU, with access to ours."""
+    def _kernel_engine(self, p: _Peer, local_device: int, remote_device: int | None) -> Engine:
+        """The engine whose GPU runs a transfer's kernel (`launch_on`): the local device's, or the one of the peer's
+        `remote_device`, given access to ours (`remote_device` is unused, and may be None, for "local")."""
         if self._launch_on == "local":
             return self._engine(local_device)
         engine = self._engine(p.ordinal_of(remote_device))

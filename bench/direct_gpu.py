@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for split in args.splits.split(","):
         c, g = (int(x) for x in split.split(":"))
-        rows += run_split(c, g, cfg, args.requests, args.cpu, {r: o for r, o in gen_options.items() if r < g})
+        rows += run_split(c, g, cfg, args.requests, args.cpu, gen_options)  # ranks >= g have none to take it
     for c, g in {(r["ctx_tp"], r["gen_tp"]) for r in rows}:
         later = [r for r in rows if (r["ctx_tp"], r["gen_tp"]) == (c, g) and r["request"] > 1 and r["ok"]]
         if later:
