@@ -47,8 +47,11 @@ def test_early_decode_is_exact_and_reads_during_the_prefill(servers):
     P, D = servers.use("p1", "d1")
     warm = prompt(40, 700)
     describe = describe_of(prefill(P.url, warm))  # what a router learns from any answer of the engine
-    overlapped = 0
-    for i, n in enumerate([16, 300, 700, 700, 700]):
+    overlapped, long_ones = 0, 0
+    for i, n in enumerate([16, 300] + [900] * 8):
+        if n == 900 and (overlapped or long_ones == 8):
+            break
+        long_ones += n == 900
         p = prompt(n, 710 + i)
         want = tokens(completion(D.url, p, 8))
         pre, dec, handle = early_pair(P.url, D.url, p, describe)
@@ -62,8 +65,9 @@ def test_early_decode_is_exact_and_reads_during_the_prefill(servers):
             f"{n}-token prompt: KV differs at {sorted(k for k in ctx if ctx[k] != gen.get(k))[:6]}")
         first = dec.json()["kv_transfer_params"]["kvbridge_transfer"]["first_read_unix_ms"]
         overlapped += 0 < first < _forward_end_ms(servers.digest_dir("p1"), handle)
-    # one host, one clock; a 700-token forward runs for milliseconds after its first layer is marked ready,
-    # so at least one of the three long prompts shows the decode reading inside it (not a speed claim)
+    # one host, one clock; a 900-token forward runs for milliseconds after its first layer is marked ready,
+    # so one of up to eight long prompts shows the decode reading inside it (not a speed claim: on a loaded
+    # 2-core box the decode engine can be scheduled late for a few in a row, so the test tries until one does)
     assert overlapped >= 1, "no early decode read while its prefill ran"
     assert wait_no_blocks_held(P.url) == 0, "the prefill server still holds KV blocks"
     assert wait_no_blocks_held(D.url) == 0, "the decode server still holds KV blocks"
