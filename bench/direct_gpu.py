@@ -123,13 +123,12 @@ class _Proc:
             self.p.kill()
 
 
-def _rank_cfg(cfg: dict, agent: str, extra: dict) -> dict:
-    """`cfg` with `extra` merged into `agent`'s options (a copy)."""
-    if not extra:
+def _gen_cfg(cfg: dict, agent: str, per_rank: dict[int, dict]) -> dict:
+    """The generation side's config: `cfg` with `per_rank` ({rank: {option: value}} for `agent`) as its
+    `rank_options` (a copy; the context side's config keeps none)."""
+    if not per_rank:
         return cfg
-    options = {k: dict(v) for k, v in cfg.get("options", {}).items()}
-    options[agent] = {**options.get(agent, {}), **extra}
-    return {**cfg, "options": options}
+    return {**cfg, "rank_options": {r: {agent: dict(o)} for r, o in per_rank.items()}}
 
 
 def run_split(ctx_tp: int, gen_tp: int, cfg: dict, requests: int, cpu: bool = False,
@@ -137,10 +136,9 @@ def run_split(ctx_tp: int, gen_tp: int, cfg: dict, requests: int, cpu: bool = Fa
     from kvbridge.transceiver import DisaggParams
 
     inst = f"direct-ctx-{time.monotonic_ns()}"
-    per_gen = gen_options or {}
+    gen_cfg = _gen_cfg(cfg, cfg["agents"][0], gen_options or {})
     ctx = [_Proc("context", ctx_tp, r, -1 if cpu else 1, inst, cfg) for r in range(ctx_tp)]
-    gen = [_Proc("generation", gen_tp, r, -1 if cpu else 0, "direct-gen",
-                 _rank_cfg(cfg, cfg["agents"][0], per_gen.get(r, {}))) for r in range(gen_tp)]
+    gen = [_Proc("generation", gen_tp, r, -1 if cpu else 0, "direct-gen", gen_cfg) for r in range(gen_tp)]
     rows = []
     try:
         endpoints = tuple(p.ready().hello for p in ctx)

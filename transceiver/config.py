@@ -77,6 +77,11 @@ class TransceiverConfig:
     read_ahead: a generation rank whose DisaggParams carry the context block ids posts its reads together with
         its Fetch (one round trip fewer; see DisaggParams.ctx_block_ids). Off: such params are pulled the
         classic way (Fetch, Blocks, reads).
+    options: per-agent constructor options, {kind: {name: value}}, for every rank of this config.
+    rank_options: the same for one rank only, {rank: {kind: {name: value}}}, merged over `options` (rank as
+        the layout numbers it: pp_rank * tp + tp_rank). E.g. two generation ranks sharing one GPU, reading
+        from a context rank on another: `rank_options: {1: {cuda_ipc: {launch_on: peer}}}` runs rank 1's copy
+        kernel on the context's GPU, so the two reads stop taking turns on the shared one (docs/direct-path.md).
     """
 
     agents: tuple[str, ...] = ("auto",)
@@ -106,8 +111,11 @@ class TransceiverConfig:
     max_sessions: int = 1024
     read_ahead: bool = True
     options: dict[str, Any] = field(default_factory=dict)  # per-agent constructor options: {kind: {...}}
+    rank_options: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "options", _kind_options(self.options, "transceiver.options"))
+        object.__setattr__(self, "rank_options", _rank_options(self.rank_options))
         if isinstance(self.agents, str):
             object.__setattr__(self, "agents", (self.agents,))
         object.__setattr__(self, "agents", tuple(self.agents))
@@ -137,6 +145,10 @@ class TransceiverConfig:
         if not 0 <= int(self.port) < 65536:
             raise ConfigError(f"transceiver.port {self.port} is not a TCP port")
 
+    def agent_options(self, kind: str, rank: int) -> dict[str, Any]:
+        """Constructor options of agent `kind` for `rank`: `options`, then that rank's `rank_options` over them."""
+        return {**self.options.get(kind, {}), **self.rank_options.get(rank, {}).get(kind, {})}
+
     @property
     def publish_wait(self) -> float:
         """Seconds a Fetch may wait for its request's publish."""
@@ -163,6 +175,35 @@ class TransceiverConfig:
 
     def with_(self, **kw) -> "TransceiverConfig":
         return replace(self, **kw)
+
+
+def _kind_options(v: Any, what: str) -> dict[str, dict[str, Any]]:
+    """{kind: {name: value}} checked (a copy), naming what is wrong."""
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{what} must map agent kinds to their options, got {type(v).__name__}")
+    for kind, opts in v.items():
+        if not isinstance(kind, str) or not isinstance(opts, Mapping):
+            raise ConfigError(f"{what}[{kind!r}] must be an agent kind mapped to its options, got "
+                              f"{type(opts).__name__}")
+        bad = [k for k in opts if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"{what}[{kind!r}] option names must be strings, got {bad}")
+    return {kind: dict(opts) for kind, opts in v.items()}
+
+
+def _rank_options(v: Any) -> dict[int, dict[str, dict[str, Any]]]:
+    """{rank: {kind: {name: value}}}; ranks may come as digit strings (JSON keys)."""
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"transceiver.rank_options must map ranks to agent options, got {type(v).__name__}")
+    out = {}
+    for rank, opts in v.items():
+        r = int(rank) if isinstance(rank, str) and rank.isdigit() else rank
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ConfigError(f"transceiver.rank_options: {rank!r} is not a rank (a non-negative integer)")
+        if r in out:
+            raise ConfigError(f"transceiver.rank_options names rank {r} twice")
+        out[r] = _kind_options(opts, f"transceiver.rank_options[{r}]")
+    return out
 
 
 def local_host_id() -> str:

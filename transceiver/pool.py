@@ -70,7 +70,7 @@ class LocalPool:
         for kind in resolve_agent_kinds(config.agents, self.kind):
             agent, regs = None, []
             try:
-                agent = create_agent(kind, f"{base}-{kind}", **config.options.get(kind, {}))
+                agent = create_agent(kind, f"{base}-{kind}", **config.agent_options(kind, rank))
                 for r in self.regions + ([self.arena.region] if self.arena is not None else []):
                     regs.append(agent.register_memory(r))
             except (AgentError, KvBridgeError, OSError) as e:
