@@ -65,7 +65,8 @@ def _rank(conn, role: str, layout_wire: dict, rank: int, device: int, instance: 
             owner = torch.arange(nbytes, device=pool.device) // layout.block_bytes(rank)
             outside = ~torch.isin(owner, torch.as_tensor(blocks, device=pool.device))
             untouched = bool(torch.equal(pool[outside], before[outside]))
-            conn.send({**r.__dict__, "untouched": untouched})
+            ipc = tr.pool.agents.get("cuda_ipc")  # which GPUs ran this rank's copy kernels (launch_on)
+            conn.send({**r.__dict__, "untouched": untouched, "kernel_gpus": sorted(ipc._engines) if ipc else []})
         elif cmd == "status":
             conn.send(tr.sender.pinned)
         elif cmd == "exit":
@@ -103,9 +104,10 @@ class _Proc:
 
 @pytest.mark.cuda
 @pytest.mark.multigpu
-@pytest.mark.parametrize("agents", [["cuda_ipc"], ["nixl"], ["nixl", "staged"], ["nixl", "host"],
-                                    ["nixl", "host", "streamed"]],
-                         ids=["cuda_ipc", "nixl", "nixl_staged", "nixl_host_staged", "nixl_host_streamed"])
+@pytest.mark.parametrize("agents", [["cuda_ipc"], ["cuda_ipc", "peer1"], ["nixl"], ["nixl", "staged"],
+                                    ["nixl", "host"], ["nixl", "host", "streamed"]],
+                         ids=["cuda_ipc", "cuda_ipc_rank1_on_peer", "nixl", "nixl_staged", "nixl_host_staged",
+                              "nixl_host_streamed"])
 @pytest.mark.parametrize("ctx_tp, gen_tp", [(2, 1), (1, 2)], ids=["ctx_tp2_gpu1_to_gen_tp1_gpu0",
                                                                    "ctx_tp1_gpu1_to_gen_tp2_gpu0"])
 def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
@@ -114,13 +116,15 @@ def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
     ctx_l, gen_l = KVLayout(SHAPE, ParallelSplit(tp=ctx_tp)), KVLayout(SHAPE, ParallelSplit(tp=gen_tp))
     host, streamed = "host" in agents, "streamed" in agents  # host: VRAM pools staged through pinned host memory
     staged = "staged" in agents or host
-    agents = [a for a in agents if a not in ("staged", "host", "streamed")]
+    peer1 = "peer1" in agents  # generation rank 1's kernel on the context's GPU: transceiver.rank_options
+    agents = [a for a in agents if a not in ("staged", "host", "streamed", "peer1")]
     cfg = {"agents": tuple(agents), "verify": True, "transfer_timeout_s": 120, "lease_s": 60, "heartbeat_s": 1,
            "staging_arena_bytes": (1 << 30) + (64 << 20) if staged else 0,
            "staging_memory": "host" if host else "device", "stream_layers": streamed}
+    gen_cfg = {**cfg, "rank_options": {1: {"cuda_ipc": {"launch_on": "peer"}}}} if peer1 else cfg
     inst = f"gpu-ctx-{time.monotonic_ns()}"
     ctx = [_Proc("context", ctx_l.to_wire(), r, 1, inst, cfg) for r in range(ctx_tp)]
-    gen = [_Proc("generation", gen_l.to_wire(), r, 0, "gpu-gen", cfg) for r in range(gen_tp)]
+    gen = [_Proc("generation", gen_l.to_wire(), r, 0, "gpu-gen", gen_cfg) for r in range(gen_tp)]
     try:
         endpoints = tuple(p.hello for p in ctx)
         rng = np.random.default_rng(0)
@@ -142,9 +146,12 @@ def test_gpu_pull_through_the_transceiver_is_byte_exact(ctx_tp, gen_tp, agents):
                 assert r is not None and r["ok"], r
                 assert r["untouched"]
                 assert r["agents"] == tuple(agents) or list(r["agents"]) == agents
+            if agents == ["cuda_ipc"]:  # rank 0 copies on its own GPU; rank 1 on the context's with peer1
+                assert [r["kernel_gpus"] for r in res] == [[0], [1] if peer1 else [0]][:gen_tp], res
             nbytes = sum(r["nbytes"] for r in res)
             read_ms = max(r["timings_ms"]["read"] for r in res)
-            what = " staged-host" + (" streamed" if streamed else "") if host else " staged" if staged else ""
+            what = " staged-host" + (" streamed" if streamed else "") if host else " staged" if staged else \
+                " rank1-peer" if peer1 else ""
             rows.append({"ctx_tp": ctx_tp, "gen_tp": gen_tp, "agent": agents[0] + what,
                          "request": rid, "bytes": nbytes,
                          "fragments": sum(r["fragments"] for r in res), "read_ms": round(read_ms, 3),
