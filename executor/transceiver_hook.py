@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import ExecutorError
 from ..transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
-from ..transceiver.config import ConfigError
+from ..transceiver.config import ConfigError, portable
 from ..transceiver.handles import RequestKey
 from ..transceiver.stats import of as transfer_stats
 from .hooks import RankContext
@@ -60,7 +60,8 @@ def hooked_executor_config(role: str, instance: str, run_dir, transceiver: dict 
     """
     from .runtime import ExecutorConfig  # runtime imports torch and the worker; only where an executor starts
 
-    args = {"role": role, "instance": instance, "transceiver": dict(transceiver or {}), "run_dir": str(run_dir)}
+    # the ranks get their config as msgpack: rank_options' ranks travel as strings
+    args = {"role": role, "instance": instance, "transceiver": portable(transceiver), "run_dir": str(run_dir)}
     if role == "context":
         args["request_key"] = RequestKey.new().hex
     return ExecutorConfig(rank_hook=HOOK, rank_hook_args=args, **executor_kw)

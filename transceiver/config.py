@@ -27,7 +27,7 @@ from typing import Any, Mapping
 from ..errors import KvBridgeError
 
 __all__ = ["Backend", "CacheTransceiverConfig", "ConfigError", "ENV_SWITCHES", "TransceiverConfig", "UPSTREAM_KEYS",
-           "is_upstream", "local_host_id"]
+           "is_upstream", "local_host_id", "portable"]
 
 
 class ConfigError(KvBridgeError):
@@ -204,6 +204,15 @@ def _rank_options(v: Any) -> dict[int, dict[str, dict[str, Any]]]:
             raise ConfigError(f"transceiver.rank_options names rank {r} twice")
         out[r] = _kind_options(opts, f"transceiver.rank_options[{r}]")
     return out
+
+
+def portable(d: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A TransceiverConfig mapping with rank_options' ranks as strings: msgpack (strict map keys, as kvbridge
+    reads every peer's bytes) and JSON take string keys only; `from_dict` reads them back as ranks."""
+    d = dict(d or {})
+    if isinstance(d.get("rank_options"), Mapping):
+        d["rank_options"] = {str(k): v for k, v in d["rank_options"].items()}
+    return d
 
 
 def local_host_id() -> str:

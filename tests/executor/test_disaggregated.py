@@ -17,7 +17,8 @@ from kvbridge.executor.transceiver_hook import context_endpoints, disagg_params,
 from kvbridge.transceiver import DisaggParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(40, 77)), [3, 1, 4, 1, 5, 9, 2, 6]]
-XCFG = {"agents": ["nixl"], "transfer_timeout_s": 30}
+# rank_options with an int rank, as YAML or a Python caller gives it: the ranks get their config as msgpack
+XCFG = {"agents": ["nixl"], "transfer_timeout_s": 30, "rank_options": {2: {"nixl": {"idle_progress_s": 0.004}}}}
 
 
 def _exec(tmp_path, role, tag, **kw) -> Executor:
