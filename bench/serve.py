@@ -352,6 +352,9 @@ def _save(a, res: dict) -> None:
 
 def _png(path: str, res: dict) -> None:
     rows = [r for r in res["rows"] if r["layout"] == "tp1->tp1" and r["agent"] != "nixl-tcp"]
+    if not rows:  # phases B / C only: one bar per row
+        _png_bars(path, res)
+        return
 
     def draw(fig) -> None:
         ax = fig.add_subplot(1, 2, 1)
@@ -373,6 +376,23 @@ def _png(path: str, res: dict) -> None:
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("TTFT ms")
         ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+
+    save_plot(path, draw, f"kvbridge bench serve: {res['model'][:60]}")
+
+
+def _png_bars(path: str, res: dict) -> None:
+    rows = res["rows"]
+
+    def draw(fig) -> None:
+        ax = fig.add_subplot(1, 1, 1)
+        names = [f"{r['layout']} {r['agent']}/{r['path']}\n{'overlap' if r['streaming'] else 'sequential'}, "
+                 f"{r['prompt_tokens']} tok" for r in rows]
+        ax.bar(range(len(rows)), [r["exposed_ms"] for r in rows],
+               color=["tab:green" if r["streaming"] else "tab:grey" for r in rows])
+        ax.axhline(10, color="black", ls="--", lw=1, label="goal with overlap: 10 ms")
+        ax.set_xticks(range(len(rows)), names, fontsize=6, rotation=30, ha="right")
+        ax.set_ylabel("exposed ms (first decode step - prefill end)")
         ax.legend(fontsize=7)
 
     save_plot(path, draw, f"kvbridge bench serve: {res['model'][:60]}")
