@@ -8,8 +8,9 @@
 # STEPS, in this order:
 #   tests   tests/gpu/test_transceiver_gpu.py -k cuda_ipc: TP2 -> TP1 and TP1 -> TP2, with and without rank 1 on
 #           peer, 1 GiB each, verified (tests.log)
-#   direct  ROUNDS rounds (default "1 2") of default and peer alternated: python -m kvbridge.bench.direct_gpu
-#           --splits 1:2 --requests REQUESTS (default 12; rows: direct_<variant>.jsonl)
+#   direct  ROUNDS rounds (default "1 2") of VARIANTS (default "default peer"; also peer66 = peer + max_blocks=66)
+#           alternated: python -m kvbridge.bench.direct_gpu --splits 1:2 --requests REQUESTS (default 12; rows:
+#           direct_<variant>.jsonl)
 #   serve   kvbridge bench serve --phases B --hetero-peer --hetero-tokens 8192 --repeat 3 (serve_peer.json + .png)
 set -uo pipefail
 source tests/gpu/device_prelude.sh
@@ -22,8 +23,11 @@ if [[ $steps == *" tests "* ]]; then
 fi
 if [[ $steps == *" direct "* ]]; then
   for round in ${ROUNDS:-1 2}; do
-    for variant in default peer; do
-      opt=(); [[ $variant == peer ]] && opt=(--gen-option 1:launch_on=peer)
+    for variant in ${VARIANTS:-default peer}; do
+      case $variant in
+        default) opt=() ;; peer) opt=(--gen-option 1:launch_on=peer) ;;
+        peer66) opt=(--gen-option 1:launch_on=peer --gen-option 1:max_blocks=66) ;;
+      esac
       echo "== $SECONDS s: round $round, $variant"
       timeout 150 python3 -m kvbridge.bench.direct_gpu --agent cuda_ipc --splits 1:2 --requests ${REQUESTS:-12} \
         "${opt[@]}" --json $OUT/direct_$variant.jsonl 2>&1 | grep -vE '^\{' | tail -2
