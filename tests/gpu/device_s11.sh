@@ -19,17 +19,7 @@ if [[ $steps == *" mix "* ]]; then
   done
 fi
 if [[ $steps == *" direct "* ]]; then
-  for round in ${ROUNDS:-1 2 3}; do
-    for variant in ${VARIANTS:-default peer}; do
-      case $variant in
-        default) opt=() ;; peer) opt=(--gen-option 1:launch_on=peer) ;;
-        peer66) opt=(--gen-option 1:launch_on=peer --gen-option 1:max_blocks=66) ;;
-      esac
-      echo "== $SECONDS s: round $round, $variant"
-      timeout 150 python3 -m kvbridge.bench.direct_gpu --agent cuda_ipc --splits 1:2 --requests ${REQUESTS:-9} \
-        "${opt[@]}" --json $OUT/direct_$variant.jsonl 2>&1 | grep -vE '^\{' | tail -2
-    done
-  done
+  direct_rounds "1 2 3" 9
 fi
 if [[ $steps == *" 2to1 "* ]]; then
   echo "== $SECONDS s: TP2 -> TP1 with launch_on=peer on the one generation rank (for the record)"

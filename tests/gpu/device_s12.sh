@@ -22,17 +22,7 @@ if [[ $steps == *" tests "* ]]; then
   grep -E '^\{' $OUT/tests.log | tail -8; tail -4 $OUT/tests.log
 fi
 if [[ $steps == *" direct "* ]]; then
-  for round in ${ROUNDS:-1 2}; do
-    for variant in ${VARIANTS:-default peer}; do
-      case $variant in
-        default) opt=() ;; peer) opt=(--gen-option 1:launch_on=peer) ;;
-        peer66) opt=(--gen-option 1:launch_on=peer --gen-option 1:max_blocks=66) ;;
-      esac
-      echo "== $SECONDS s: round $round, $variant"
-      timeout 150 python3 -m kvbridge.bench.direct_gpu --agent cuda_ipc --splits 1:2 --requests ${REQUESTS:-12} \
-        "${opt[@]}" --json $OUT/direct_$variant.jsonl 2>&1 | grep -vE '^\{' | tail -2
-    done
-  done
+  direct_rounds "1 2" 12
 fi
 if [[ $steps == *" serve "* ]]; then
   echo "== $SECONDS s: bench serve phase B with --hetero-peer"
