@@ -197,7 +197,7 @@ def _rank_options(v: Any) -> dict[int, dict[str, dict[str, Any]]]:
         raise ConfigError(f"transceiver.rank_options must map ranks to agent options, got {type(v).__name__}")
     out = {}
     for rank, opts in v.items():
-        r = int(rank) if isinstance(rank, str) and rank.isdigit() else rank
+        r = int(rank) if isinstance(rank, str) and rank.isascii() and rank.isdigit() else rank
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise ConfigError(f"transceiver.rank_options: {rank!r} is not a rank (a non-negative integer)")
         if r in out:

@@ -45,6 +45,7 @@ def test_a_bad_option_for_one_rank_fails_that_rank_only():
 @pytest.mark.parametrize("value, message", [
     ({-1: {}}, r"rank_options: -1 is not a rank"),
     ({"one": {}}, r"rank_options: 'one' is not a rank"),
+    ({"\u00b2": {}}, r"rank_options: '\u00b2' is not a rank"),
     ({True: {}}, r"rank_options: True is not a rank"),
     ({1: {}, "1": {}}, r"rank_options names rank 1 twice"),
     ({0: ["cuda_ipc"]}, r"rank_options\[0\] must map agent kinds to their options, got list"),
