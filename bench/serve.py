@@ -6,9 +6,7 @@ heads, head_dim 128, bf16), the context executor on GPU 1, generation on GPU 0, 
 (`--prompts ...,16384` asks for 16k: the reference engine's unchunked attention needs a 32 GiB score tensor
 there, more than an 80 GB GPU holds beside the weights and pools). Phase A (matching layouts, TP1 -> TP1): one context worker and one generation worker per agent
 (cuda_ipc, nixl direct, nixl staged), each behind two routers (overlap off / on). Phase B (hetero, 8k):
-context TP1 -> generation TP2 and context TP2 -> generation TP1, one side sharing a GPU so KV crosses NVLink
-(`--hetero-peer`: TP1 -> TP2 also with generation rank 1's cuda_ipc kernel on the context's GPU, path
-"direct-rank1-peer": its copy then shares GPU 1 with the prefill it overlaps).
+context TP1 -> generation TP2 and context TP2 -> generation TP1, one side sharing a GPU so KV crosses NVLink.
 Phase C (8k): NIXL with UCX forced to TCP (UCX_TLS=tcp,..., 1 MiB segments on every worker: docs/nixl-tcp.md),
 standing for another host, streaming every layer (`--tcp-stream-layers`): reads straight from GPU memory
 ("direct") and staged through pinned host memory, packed layer group by layer group during the prefill
@@ -53,7 +51,6 @@ STAGING = {"staging_arena_bytes": 1 << 30}
 UCX_TCP = {"UCX_TLS": "tcp,cuda_copy,self", "UCX_NET_DEVICES": "lo",  # docs/nixl-tcp.md: alike on every worker
            "UCX_TCP_TX_SEG_SIZE": "1M", "UCX_TCP_RX_SEG_SIZE": "1M", "UCX_TCP_SNDBUF": "8M", "UCX_TCP_RCVBUF": "8M"}
 HOST_STAGING = {"staging_arena_bytes": (1 << 30) + (64 << 20), "staging_memory": "host"}  # phase C, issue 24
-PEER1 = {"rank_options": {1: {"cuda_ipc": {"launch_on": "peer"}}}}  # phase B with --hetero-peer
 
 
 class _Skip(Exception):
@@ -306,17 +303,15 @@ def run(a) -> dict[str, Any]:
         if dep is not None:
             dep.stop()
     ag0 = agents[0][0]
-    phases = [("tp1->tp2", "direct", _server(1, g1, ag0), _server(2, g0, ag0)),
-              ("tp2->tp1", "direct", _server(2, g0, ag0), _server(1, g0, ag0))]
-    if a.hetero_peer:  # generation rank 1's copy kernel on the context's GPU (transceiver.rank_options)
-        phases.insert(1, ("tp1->tp2", "direct-rank1-peer", _server(1, g1, ag0), _server(2, g0, ag0, PEER1)))
-    for layout, path, ctx, gen in phases if "B" in a.phases else []:
-        print(f"[bench serve] phase B: {layout} {path}", flush=True)
+    phases = [("tp1->tp2", _server(1, g1, ag0), _server(2, g0, ag0)),
+              ("tp2->tp1", _server(2, g0, ag0), _server(1, g0, ag0))]
+    for layout, ctx, gen in phases if "B" in a.phases else []:
+        print(f"[bench serve] phase B: {layout}", flush=True)
         dep = Deployment(_config(model, ctx, [gen], quick, blocks, tpb))
         try:
             agg = dep.cluster.cfg.context[0].url
             for n in hetero_n:
-                res["rows"] += measure(dep, 0, n, a.repeat, vocab, ag0, path, layout, agg, {})
+                res["rows"] += measure(dep, 0, n, a.repeat, vocab, ag0, "direct", layout, agg, {})
                 _save(a, res)
         finally:
             dep.stop()
@@ -366,9 +361,6 @@ def main(argv: list[str] | None = None) -> int:
                     "generation workers")
     ap.add_argument("--phases", default=None, help="A: TP1->TP1 + load, B: hetero TP, C: NIXL over TCP (default "
                     "ABC; quick: AB, C only when named)")
-    ap.add_argument("--hetero-peer", action="store_true",
-                    help="phase B: also context TP1 -> generation TP2 with generation rank 1's cuda_ipc kernel on "
-                    "the context's GPU (rank_options launch_on: peer; the first agent must be cuda_ipc)")
     ap.add_argument("--tcp-stream-layers", type=int, default=1,
                     help="phase C: layers per streamed group (A and B: 4); over TCP the last group's read is exposed")
     ap.add_argument("--json", default=None)
@@ -378,9 +370,6 @@ def main(argv: list[str] | None = None) -> int:
     a.phases = a.phases or ("AB" if a.quick else "ABC")
     a.agents = a.agents or ("tcp/direct" if a.quick else "cuda_ipc/direct,nixl/direct,nixl/staged")
     a.hetero_tokens = a.hetero_tokens or (512 if a.quick else 8192)
-    if a.hetero_peer and not a.agents.startswith("cuda_ipc/"):
-        ap.error(f"--hetero-peer runs generation rank 1's cuda_ipc kernel on the context's GPU: the first of "
-                 f"--agents must be cuda_ipc/..., got {a.agents!r}")
     a.requests = a.requests or (4 if a.quick else 16)
     a.max_tokens = a.max_tokens or (4 if a.quick else 32)
     a.load_tokens = a.load_tokens or (64 if a.quick else 4096)

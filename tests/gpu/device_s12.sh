@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 9 (issue 24): transceiver.rank_options on 2 GPUs -- generation rank 1's cuda_ipc kernel on the context's
-# GPU (launch_on: peer) set through the public config, in the transceiver test, the 1 GiB direct path and serving.
+# GPU (launch_on: peer) set through the public config, in the transceiver test and the 1 GiB direct path.
 # From the repo root with $OUT set:
 #   run(command="STEPS='tests direct' bash tests/gpu/device_s12.sh", carry=[".whl", ".whl-serving"],
 #       kind="nvidia-h100-x2")
@@ -11,7 +11,8 @@
 #   direct  ROUNDS rounds (default "1 2") of VARIANTS (default "default peer"; also peer66 = peer + max_blocks=66)
 #           alternated: python -m kvbridge.bench.direct_gpu --splits 1:2 --requests REQUESTS (default 12; rows:
 #           direct_<variant>.jsonl)
-#   serve   kvbridge bench serve --phases B --hetero-peer --hetero-tokens 8192 --repeat 3 (serve_peer.json + .png)
+#   serve   kvbridge bench serve --phases B --hetero-tokens 8192 --repeat 3 (serve_peer.json + .png; the session's run
+#           had --hetero-peer, since removed: bench/RESULTS.md "Session 9")
 set -uo pipefail
 source tests/gpu/device_prelude.sh
 steps=" ${STEPS:-tests direct} "
@@ -25,8 +26,8 @@ if [[ $steps == *" direct "* ]]; then
   direct_rounds "1 2" 12
 fi
 if [[ $steps == *" serve "* ]]; then
-  echo "== $SECONDS s: bench serve phase B with --hetero-peer"
-  timeout ${BENCH_TIMEOUT:-560} python3 -m kvbridge.bench serve --phases B --hetero-peer --hetero-tokens 8192 \
+  echo "== $SECONDS s: bench serve phase B"
+  timeout ${BENCH_TIMEOUT:-560} python3 -m kvbridge.bench serve --phases B --hetero-tokens 8192 \
     --repeat 3 --json $OUT/serve_peer.json > $OUT/serve.log 2>&1
   grep -vE '^\{' $OUT/serve.log | tail -25
 fi

@@ -3,10 +3,13 @@ for one of two generation ranks sharing a GPU). Real NIXL agents on host pools; 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from kvbridge.agents.base import AgentError
+from kvbridge.errors import ServeConfigError
 from kvbridge.bench.soak_frames import LAY_TP2
 from kvbridge.transceiver.config import ConfigError, TransceiverConfig
 from kvbridge.transceiver.pool import LocalPool
@@ -61,3 +64,20 @@ def test_bad_options_are_named():
     with pytest.raises(ConfigError, match=r"transceiver.options\['nixl'\] must be an agent kind mapped to its "
                                           r"options, got int"):
         TransceiverConfig.from_dict({"options": {"nixl": 3}})
+
+
+def test_a_serving_config_gives_one_worker_rank_its_options():
+    """`kvbridge serve`'s config: a generation group's `transceiver.rank_options`, as YAML (int ranks) or JSON
+    (string ranks) gives it, is checked at parse time and reaches the worker's ranks as TransceiverConfig."""
+    from kvbridge.serving.config import parse_config
+
+    gen = {"tp": 2, "transceiver": {"rank_options": {1: {"cuda_ipc": {"launch_on": "peer"}}}}}
+    for d in (gen, json.loads(json.dumps(gen))):
+        cfg = parse_config({"model": "seeded:tiny", "context_servers": {"tp": 1}, "generation_servers": d})
+        tc = TransceiverConfig.from_dict(cfg.generation[0].transceiver)
+        assert [tc.agent_options("cuda_ipc", r) for r in (0, 1)] == [{}, {"launch_on": "peer"}]
+        assert TransceiverConfig.from_dict(cfg.context[0].transceiver).rank_options == {}
+    with pytest.raises(ServeConfigError, match=r"generation_servers.transceiver: transceiver.rank_options: -1 is "
+                                               r"not a rank"):
+        parse_config({"model": "seeded:tiny", "context_servers": {}, "generation_servers": {
+            "transceiver": {"rank_options": {-1: {}}}}})
