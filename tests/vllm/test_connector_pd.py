@@ -54,10 +54,12 @@ def exact_pd(servers: Servers, pre: str, dec: str, lengths, seed: int) -> None:
     assert wait_no_blocks_held(D.url) == 0, "the decode server still holds KV blocks"
 
 
+@pytest.mark.vllm_servers("p1", "d1")
 def test_tp1_to_tp1_eight_prompts_exact_tokens_and_kv(servers):
     exact_pd(servers, "p1", "d1", [16, 40, 100, 200, 300, 450, 600, 700], seed=100)
 
 
+@pytest.mark.vllm_servers("p1", "d1")
 def test_streamed_decode_is_exact(servers):
     P, D = servers.use("p1", "d1")
     p = prompt(333, 7)
@@ -66,15 +68,18 @@ def test_streamed_decode_is_exact(servers):
     assert not errors and got == want
 
 
+@pytest.mark.vllm_servers("p2", "d1")
 def test_prefill_tp2_to_decode_tp1(servers):
     exact_pd(servers, "p2", "d1", [16, 300, 700], seed=200)
 
 
+@pytest.mark.vllm_servers("p1", "d2")
 def test_prefill_tp1_to_decode_tp2(servers):
     exact_pd(servers, "p1", "d2", [16, 300, 700], seed=300)
 
 
-@pytest.mark.parametrize("pre,dec", [("p1", "d64"), ("p64", "d1")])
+@pytest.mark.parametrize("pre,dec", [pytest.param("p1", "d64", marks=pytest.mark.vllm_servers("p1", "d64")),
+                                     pytest.param("p64", "d1", marks=pytest.mark.vllm_servers("p64", "d1"))])
 def test_different_block_sizes_are_exact(servers, pre, dec):
     """Prefill block 32 -> decode block 64 and 64 -> 32: whole blocks land in a staging pool of the prefill's
     block size and are repacked with the kernel's own packing (reblock.py); tokens and every 32-token granule
@@ -83,6 +88,7 @@ def test_different_block_sizes_are_exact(servers, pre, dec):
     exact_pd(servers, pre, dec, [450, 33], seed=450)
 
 
+@pytest.mark.vllm_servers("p64", "d1")
 def test_prefill_of_another_block_size_killed_between_the_hops(servers):
     """The staged path's failure: the prefill (block 64) dies after answering; the decode (block 32) fails the
     request within the peer timeout, keeps serving, holds no block, and its staging pool serves the next one."""
@@ -100,6 +106,7 @@ def test_prefill_of_another_block_size_killed_between_the_hops(servers):
     exact_pd(servers, "p64", "d1", [300], seed=502)  # a fresh prefill engine, the same staging pool
 
 
+@pytest.mark.vllm_servers("p1", "dpc")
 def test_decode_prefix_cache_hit_pulls_only_the_blocks_after_it(servers):
     """A decode engine whose own prefix cache holds the first 3 blocks of a prompt pulls only the rest
     (kvbridge's partial pull from the first uncached token): fewer bytes, the same tokens, and every pulled
