@@ -36,10 +36,12 @@ if os.environ.get("KVB_GCWATCH"):
         return f"pid {os.getpid()} {who!r} frozen={gc.get_freeze_count()}"
 
     def _every(period: float) -> None:
+        path = f"{os.environ['KVB_GCWATCH']}.{os.getpid()}"
         while True:
             time.sleep(period)
-            with open(f"{os.environ['KVB_GCWATCH']}.{os.getpid()}", "w") as f:
+            with open(path + ".tmp", "w") as f:  # then renamed: a process ending mid-write leaves the last whole one
                 f.write(f"{_line()} full={_full}\n")
+            os.replace(path + ".tmp", path)
 
     def _report():
         t = time.perf_counter()
