@@ -37,12 +37,14 @@ def kv_transfer_config(digest_dir: str, transceiver: dict | None = None) -> dict
 
 @dataclass(frozen=True)
 class Cell:
-    """One server: TP size, block size, the cores it runs on, whether its prefix cache is on."""
+    """One server: TP size, block size, the cores it runs on, whether its prefix cache is on, and at most how many
+    tokens one engine step computes (None: vLLM's default; smaller than a prompt: its prefill runs in chunks)."""
 
     tp: int = 1
     block: int = 32
     cpus: str = "0"
     prefix_cache: bool = False
+    step_tokens: int | None = None
 
 
 class Servers:
@@ -71,6 +73,8 @@ class Servers:
             c = self.cells[n]
             os.makedirs(self.digest_dir(n), exist_ok=True)
             extra = () if c.prefix_cache else ("--no-enable-prefix-caching",)
+            if c.step_tokens is not None:
+                extra += ("--max-num-batched-tokens", str(c.step_tokens))
             kv = kv_transfer_config(self.digest_dir(n), self.transceiver)
             spec = VllmServerSpec(self.model, free_port(), kv_transfer_config=kv,
                                   block_size=c.block, tensor_parallel_size=c.tp, cpus=c.cpus, max_num_seqs=4,

@@ -7,7 +7,7 @@ positional digests, over every layer, kv head, K and V), AND afterwards neither 
 Cells: TP1 -> TP1 on 8 prompts of 16..700 tokens, TP2 -> TP1, TP1 -> TP2, block 32 -> 64 and 64 -> 32 (vLLM's
 CPU attention packs each block its own way, so blocks of one size are not halves of the other's: kvbridge
 stages whole blocks and repacks them with the kernel's packing; vLLM's own NixlConnector moves them as they
-are and decodes wrong tokens).
+are and decodes wrong tokens), and a prefill engine that computes a long prompt in chunks of 64 tokens.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 import pytest
 
 from .pd import Cell, Servers, completion, decode, digests, prefill, prompt, skip_reason, stream_tokens, tokens
-from .pd import wait_log, wait_no_blocks_held
+from .pd import describe_of, early_pair, wait_log, wait_no_blocks_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(skip_reason() is not None, reason=f"vLLM not available: {skip_reason()}")]
 
 KV_KEYS = 4 * 2 * 2  # tiny Llama: 4 layers x 2 kv heads x (K, V), per 32-token granule
+CHUNK = 64  # the chunked prefill engine's tokens per step (--max-num-batched-tokens)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,7 @@ def servers(tmp_path_factory):
     s.define("p64", Cell(tp=1, block=64, cpus="0"))
     s.define("d64", Cell(tp=1, block=64, cpus="1"))
     s.define("dpc", Cell(tp=1, block=32, cpus="1", prefix_cache=True))
+    s.define("pch", Cell(tp=1, block=32, cpus="0", step_tokens=CHUNK))
     yield s
     s.close()
 
@@ -125,4 +127,28 @@ def test_decode_prefix_cache_hit_pulls_only_the_blocks_after_it(servers):
     ctx, gen = digests(servers.digest_dir("p1"), "ctx", h), digests(servers.digest_dir("dpc"), "gen", h)
     pulled = {k for k in ctx if int(k.rsplit(".", 1)[1]) >= 3}
     assert len(pulled) == KV_KEYS * 3 and all(ctx[k] == gen[k] for k in pulled)
+    assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
+
+
+@pytest.mark.vllm_servers("pch", "d1")
+def test_a_prefill_computed_in_chunks_is_exact_after_it_and_with_early_decode(servers):
+    """vLLM's chunked prefill: the prefill engine computes at most CHUNK tokens a step, so a 700-token prompt
+    takes 11 steps, each writing every layer's KV of its chunk (and calling the connector's save_kv_layer).
+    The request is published once, after its last chunk, and the decode side's tokens and KV (every 32-token
+    granule) equal the aggregated answer's: with the decode request sent after the prefill's answer, and with
+    both hops at once (early decode: the decode side is pulling while the chunks run)."""
+    P, D = servers.use("pch", "d1")
+    assert wait_log(P, f"Chunked prefill is enabled with max_num_batched_tokens={CHUNK}.", 1), P.tail()
+    exact_pd(servers, "pch", "d1", [16, 300, 700], seed=700)
+    describe = describe_of(prefill(P.url, prompt(40, 710)))
+    for i, n in enumerate([300, 700]):
+        p = prompt(n, 720 + i)
+        want = tokens(completion(D.url, p, 8))
+        pre, dec, handle = early_pair(P.url, D.url, p, describe)
+        assert pre.status_code == 200, pre.text[:300]
+        assert tokens(dec) == want, f"{n}-token prompt, early decode: {tokens(dec)} != {want}"
+        ctx = digests(servers.digest_dir("pch"), "ctx", handle)
+        gen = digests(servers.digest_dir("d1"), "gen", handle)
+        assert len(ctx) == KV_KEYS * -(-n // 32) and ctx == gen, (
+            f"{n}-token prompt, early decode: KV differs at {sorted(k for k in ctx if ctx[k] != gen.get(k))[:6]}")
     assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
