@@ -7,11 +7,13 @@ positional digests, over every layer, kv head, K and V), AND afterwards neither 
 Cells: TP1 -> TP1 on 8 prompts of 16..700 tokens, TP2 -> TP1, TP1 -> TP2, block 32 -> 64 and 64 -> 32 (vLLM's
 CPU attention packs each block its own way, so blocks of one size are not halves of the other's: kvbridge
 stages whole blocks and repacks them with the kernel's packing; vLLM's own NixlConnector moves them as they
-are and decodes wrong tokens), and a prefill engine that computes a long prompt in chunks of 64 tokens.
+are and decodes wrong tokens), and a prefill engine with chunked prefill in steps of 64 tokens and its prefix
+cache on.
 """
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from .pd import Cell, Servers, completion, decode, digests, prefill, prompt, skip_reason, stream_tokens, tokens
@@ -34,7 +36,7 @@ def servers(tmp_path_factory):
     s.define("p64", Cell(tp=1, block=64, cpus="0"))
     s.define("d64", Cell(tp=1, block=64, cpus="1"))
     s.define("dpc", Cell(tp=1, block=32, cpus="1", prefix_cache=True))
-    s.define("pch", Cell(tp=1, block=32, cpus="0", step_tokens=CHUNK))
+    s.define("pch", Cell(tp=1, block=32, cpus="0", prefix_cache=True, step_tokens=CHUNK))
     yield s
     s.close()
 
@@ -43,17 +45,27 @@ def exact_pd(servers: Servers, pre: str, dec: str, lengths, seed: int) -> None:
     """Each prompt: aggregated on the decode engine, then prefill -> decode; tokens and KV compared."""
     P, D = servers.use(pre, dec)
     for i, n in enumerate(lengths):
-        p = prompt(n, seed + i)
-        want = tokens(completion(D.url, p, 8))
-        params = prefill(P.url, p)
-        got = tokens(decode(D.url, p, params))
-        assert got == want, f"{n}-token prompt: disaggregated {got} != aggregated {want}"
-        handle = params["kvbridge"]["ctx_request_id"]
-        ctx, gen = digests(servers.digest_dir(pre), "ctx", handle), digests(servers.digest_dir(dec), "gen", handle)
-        assert len(ctx) == KV_KEYS * -(-n // 32) and ctx == gen, (
-            f"{n}-token prompt: KV differs at {sorted(k for k in ctx if ctx[k] != gen.get(k))[:6]}")
+        exact_pd_prompt(servers, pre, dec, prompt(n, seed + i))
     assert wait_no_blocks_held(P.url) == 0, "the prefill server still holds KV blocks"
     assert wait_no_blocks_held(D.url) == 0, "the decode server still holds KV blocks"
+
+
+def exact_pd_prompt(servers: Servers, pre: str, dec: str, p: list[int]) -> None:
+    """One prompt on running servers: the decode's tokens equal its engine's aggregated answer, and the KV it
+    pulled equals the prefill's, granule by granule."""
+    P, D = servers.running[pre], servers.running[dec]
+    want = tokens(completion(D.url, p, 8))
+    params = prefill(P.url, p)
+    got = tokens(decode(D.url, p, params))
+    assert got == want, f"{len(p)}-token prompt: disaggregated {got} != aggregated {want}"
+    same_kv(servers, pre, dec, params["kvbridge"]["ctx_request_id"], len(p), "")
+
+
+def same_kv(servers: Servers, pre: str, dec: str, handle: int, n: int, how: str) -> None:
+    ctx, gen = digests(servers.digest_dir(pre), "ctx", handle), digests(servers.digest_dir(dec), "gen", handle)
+    assert len(ctx) == KV_KEYS * -(-n // 32) and ctx == gen, (
+        f"{n}-token prompt{', ' + how if how else ''}: KV differs at "
+        f"{sorted(k for k in ctx if ctx[k] != gen.get(k))[:6]}")
 
 
 @pytest.mark.vllm_servers("p1", "d1")
@@ -131,24 +143,34 @@ def test_decode_prefix_cache_hit_pulls_only_the_blocks_after_it(servers):
 
 
 @pytest.mark.vllm_servers("pch", "d1")
-def test_a_prefill_computed_in_chunks_is_exact_after_it_and_with_early_decode(servers):
-    """vLLM's chunked prefill: the prefill engine computes at most CHUNK tokens a step, so a 700-token prompt
-    takes 11 steps, each writing every layer's KV of its chunk (and calling the connector's save_kv_layer).
-    The request is published once, after its last chunk, and the decode side's tokens and KV (every 32-token
-    granule) equal the aggregated answer's: with the decode request sent after the prefill's answer, and with
-    both hops at once (early decode: the decode side is pulling while the chunks run)."""
+def test_a_prefill_in_chunks_and_from_its_prefix_cache_is_exact_after_it_and_with_early_decode(servers):
+    """A prefill engine as vLLM runs by default, chunked prefill and prefix cache on, with small steps: at most
+    CHUNK tokens a step, so a 700-token prompt takes 11 steps, each writing every layer's KV of its chunk (and
+    calling the connector's save_kv_layer); a prompt that shares a 192-token prefix with an earlier one takes
+    those blocks from the engine's cache and computes only the rest. Each request is published once, after its
+    last chunk, and the decode side's tokens and KV (every 32-token granule, cached blocks included) equal the
+    aggregated answer's: with the decode request sent after the prefill's answer, and with both hops at once
+    (early decode: the decode side is pulling while the chunks run)."""
     P, D = servers.use("pch", "d1")
     assert wait_log(P, f"Chunked prefill is enabled with max_num_batched_tokens={CHUNK}.", 1), P.tail()
-    exact_pd(servers, "pch", "d1", [16, 300, 700], seed=700)
+    hits = prefix_cache_hits(P.url)
+    base = prompt(200, 700)
+    exact_pd(servers, "pch", "d1", [16, 300, 700], seed=701)
+    for p in (base, base + prompt(150, 702), base + prompt(150, 702)):  # the 2nd and 3rd: cached prefixes
+        exact_pd_prompt(servers, "pch", "d1", p)
     describe = describe_of(prefill(P.url, prompt(40, 710)))
-    for i, n in enumerate([300, 700]):
-        p = prompt(n, 720 + i)
+    for p in (prompt(700, 720), base + prompt(300, 721), base):
         want = tokens(completion(D.url, p, 8))
         pre, dec, handle = early_pair(P.url, D.url, p, describe)
         assert pre.status_code == 200, pre.text[:300]
-        assert tokens(dec) == want, f"{n}-token prompt, early decode: {tokens(dec)} != {want}"
-        ctx = digests(servers.digest_dir("pch"), "ctx", handle)
-        gen = digests(servers.digest_dir("d1"), "gen", handle)
-        assert len(ctx) == KV_KEYS * -(-n // 32) and ctx == gen, (
-            f"{n}-token prompt, early decode: KV differs at {sorted(k for k in ctx if ctx[k] != gen.get(k))[:6]}")
+        assert tokens(dec) == want, f"{len(p)}-token prompt, early decode: {tokens(dec)} != {want}"
+        same_kv(servers, "pch", "d1", handle, len(p), "early decode")
+    assert prefix_cache_hits(P.url) - hits >= 3 * 192, "the prefill engine's prefix cache was not used"
     assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
+
+
+def prefix_cache_hits(url: str) -> float:
+    """vLLM's vllm:prefix_cache_hits_total counter (tokens found in the engine's prefix cache)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
