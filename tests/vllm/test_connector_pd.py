@@ -13,6 +13,8 @@ cache on.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -166,6 +168,38 @@ def test_a_prefill_in_chunks_and_from_its_prefix_cache_is_exact_after_it_and_wit
         assert tokens(dec) == want, f"{len(p)}-token prompt, early decode: {tokens(dec)} != {want}"
         same_kv(servers, "pch", "d1", handle, len(p), "early decode")
     assert prefix_cache_hits(P.url) - hits >= 3 * 192, "the prefill engine's prefix cache was not used"
+    assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
+
+
+@pytest.mark.vllm_servers("pch", "d1")
+def test_24_requests_at_8_in_flight_sequential_and_early_mixed_are_each_exact(servers):
+    """Twelve prompts of 16-700 tokens, each sent twice (once with early decode, once sequentially, in opposite
+    orders: the second time its prefix is in the prefill engine's cache), 8 requests in flight against engines
+    that run 4 at a time: every decode's tokens equal its aggregated answer and its KV the prefill's; nothing
+    held afterwards."""
+    P, D = servers.use("pch", "d1")
+    lengths = [16, 100, 300, 500, 700, 64, 250, 640, 33, 420, 96, 600]
+    prompts = [prompt(n, 800 + i) for i, n in enumerate(lengths)]
+    want = [tokens(completion(D.url, p, 8)) for p in prompts]
+    describe = describe_of(prefill(P.url, prompt(40, 710)))
+
+    def sequential(i: int) -> None:
+        params = prefill(P.url, prompts[i])
+        got = tokens(decode(D.url, prompts[i], params))
+        assert got == want[i], f"{lengths[i]}-token prompt: {got} != {want[i]}"
+        same_kv(servers, "pch", "d1", params["kvbridge"]["ctx_request_id"], lengths[i], "")
+
+    def early(i: int) -> None:
+        pre, dec, handle = early_pair(P.url, D.url, prompts[i], describe)
+        assert pre.status_code == 200, pre.text[:300]
+        assert tokens(dec) == want[i], f"{lengths[i]}-token prompt, early decode: {tokens(dec)} != {want[i]}"
+        same_kv(servers, "pch", "d1", handle, lengths[i], "early decode")
+
+    with ThreadPoolExecutor(8) as ex:
+        jobs = [ex.submit(sequential if i % 2 else early, i) for i in range(len(prompts))]
+        jobs += [ex.submit(early if i % 2 else sequential, i) for i in range(len(prompts))]
+        for job in jobs:
+            job.result()
     assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
 
 
