@@ -10,7 +10,7 @@ unguessable and a restarted prefill engine's old handles name nothing.
     early:   matched_tokens(kvbridge_early) -> the step that runs the prompt's last chunk -> Publish(streamed)
              (layers marked ready by the forward) -> request_finished -> Finished (its sends may be reported)
     decode:  matched_tokens -> after_alloc -> Pull (or Refuse: bad params fail the load, nothing is pulled)
-             request_finished while pulling -> cancel
+             request_finished while pulling -> cancel; scheduled again after its pull (preempted): local prefill
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class SchedulerSide:
         self._seen: dict[str, tuple[RemotePrefill | None, str]] = {}  # decode req -> (parsed, refusal)
         self._local: dict[str, int] = {}  # decode req -> tokens its local prefix cache held when asked
         self._pulling: set[str] = set()
+        self._loaded: set[str] = set()  # decode reqs whose pull ended (ok or not): never pulled again
         self._stats: dict[str, PullStats] = {}
         self._early: dict[str, _Early] = {}  # prefill req -> its early publish (router-minted handle)
         self._early_handles: set[int] = set()
@@ -88,7 +89,13 @@ class SchedulerSide:
     # --- decode side ---------------------------------------------------------------------------------
     def matched_tokens(self, req_id: str, params: Any, prompt: list[int], num_computed: int,
                        max_tokens: int | None = None) -> tuple[int, bool]:
-        """vLLM's get_num_new_matched_tokens: tokens a remote prefill provides beyond the local prefix."""
+        """vLLM's get_num_new_matched_tokens: tokens a remote prefill provides beyond the local prefix.
+
+        Once per request: a request whose pull has ended and that vLLM schedules again (preempted for memory,
+        its blocks freed) computes its prompt locally. The prefill engine let its blocks go when the pull
+        confirmed, so a second pull could only fail the request (`RequestNotFound`)."""
+        if req_id in self._loaded:
+            return 0, False
         if req_id not in self._early and wants_remote_decode(params):
             self._early_of(req_id, params, prompt, max_tokens)
         if req_id not in self._seen:
@@ -151,6 +158,8 @@ class SchedulerSide:
         for req_id, s in stats.items():
             self._stats[req_id] = self._stats[req_id].merge(s) if req_id in self._stats else s
         for req_id in finished_recving or ():
+            if req_id in self._seen:  # still vLLM's (request_finished drops it: an aborted pull reports later)
+                self._loaded.add(req_id)
             self._pulling.discard(req_id)
             self._seen.pop(req_id, None)
             self._local.pop(req_id, None)
@@ -163,6 +172,7 @@ class SchedulerSide:
             self._work.cancels.append(req_id)
         self._seen.pop(req_id, None)
         self._local.pop(req_id, None)
+        self._loaded.discard(req_id)
         stats = self._stats.pop(req_id, None)
         if req_id in self._early:
             return self._early_finished(req_id, finished_ok)

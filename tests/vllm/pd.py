@@ -45,6 +45,7 @@ class Cell:
     cpus: str = "0"
     prefix_cache: bool = False
     step_tokens: int | None = None
+    args: tuple[str, ...] = ()  # more of vLLM's command line
 
 
 class Servers:
@@ -75,6 +76,7 @@ class Servers:
             extra = () if c.prefix_cache else ("--no-enable-prefix-caching",)
             if c.step_tokens is not None:
                 extra += ("--max-num-batched-tokens", str(c.step_tokens))
+            extra += c.args
             kv = kv_transfer_config(self.digest_dir(n), self.transceiver)
             spec = VllmServerSpec(self.model, free_port(), kv_transfer_config=kv,
                                   block_size=c.block, tensor_parallel_size=c.tp, cpus=c.cpus, max_num_seqs=4,

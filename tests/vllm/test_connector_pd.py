@@ -39,6 +39,7 @@ def servers(tmp_path_factory):
     s.define("d64", Cell(tp=1, block=64, cpus="1"))
     s.define("dpc", Cell(tp=1, block=32, cpus="1", prefix_cache=True))
     s.define("pch", Cell(tp=1, block=32, cpus="0", prefix_cache=True, step_tokens=CHUNK))
+    s.define("dsm", Cell(tp=1, block=32, cpus="1", args=("--max-model-len", "1024", "--num-gpu-blocks-override", "40")))
     yield s
     s.close()
 
@@ -179,32 +180,65 @@ def test_24_requests_at_8_in_flight_sequential_and_early_mixed_are_each_exact(se
     held afterwards."""
     P, D = servers.use("pch", "d1")
     lengths = [16, 100, 300, 500, 700, 64, 250, 640, 33, 420, 96, 600]
-    prompts = [prompt(n, 800 + i) for i, n in enumerate(lengths)]
-    want = [tokens(completion(D.url, p, 8)) for p in prompts]
+    burst(servers, "pch", "d1", [prompt(n, 800 + i) for i, n in enumerate(lengths)], 8, twice=True)
+    assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
+
+
+@pytest.mark.vllm_servers("p1", "dsm")
+def test_a_decode_engine_short_of_kv_preempts_after_pulls_and_every_answer_stays_exact(servers):
+    """The decode engine has 40 blocks (1,280 tokens) and 8 requests of 200-310 prompt tokens + 200 generated
+    arrive at once, half with early decode: up to 4 run at once and grow past the blocks left, so vLLM preempts
+    running requests for memory (their blocks freed) and schedules them again. A request preempted after its pull computes its prompt locally: the prefill engine
+    let its blocks go when the pull confirmed, and pulling again failed the request (RequestNotFound, an HTTP
+    500) before kvbridge pulled once per request. Every answer equals the same engine's aggregated one."""
+    P, D = servers.use("p1", "dsm")
+    before = preemptions(D.url)
+    lengths = [200, 260, 300, 240, 280, 220, 310, 250]
+    burst(servers, "p1", "dsm", [prompt(n, 900 + i) for i, n in enumerate(lengths)], 200)
+    assert preemptions(D.url) > before, "the decode engine never ran short of KV: nothing was preempted"
+    assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
+
+
+def burst(servers: Servers, pre: str, dec: str, prompts: list[list[int]], max_tokens: int, twice: bool = False):
+    """Every prompt at once, 8 in flight, alternately sequential and early (`twice`: then each again the other
+    way); each decode's tokens equal the decode engine's aggregated answer (asked first, one at a time) and the
+    KV it pulled equals the prefill's."""
+    P, D = servers.running[pre], servers.running[dec]
+    want = [tokens(completion(D.url, p, max_tokens)) for p in prompts]
     describe = describe_of(prefill(P.url, prompt(40, 710)))
 
     def sequential(i: int) -> None:
         params = prefill(P.url, prompts[i])
-        got = tokens(decode(D.url, prompts[i], params))
-        assert got == want[i], f"{lengths[i]}-token prompt: {got} != {want[i]}"
-        same_kv(servers, "pch", "d1", params["kvbridge"]["ctx_request_id"], lengths[i], "")
+        got = tokens(decode(D.url, prompts[i], params, max_tokens))
+        assert got == want[i], f"{len(prompts[i])}-token prompt: {got} != {want[i]}"
+        same_kv(servers, pre, dec, params["kvbridge"]["ctx_request_id"], len(prompts[i]), "")
 
     def early(i: int) -> None:
-        pre, dec, handle = early_pair(P.url, D.url, prompts[i], describe)
-        assert pre.status_code == 200, pre.text[:300]
-        assert tokens(dec) == want[i], f"{lengths[i]}-token prompt, early decode: {tokens(dec)} != {want[i]}"
-        same_kv(servers, "pch", "d1", handle, lengths[i], "early decode")
+        answer, dec_answer, handle = early_pair(P.url, D.url, prompts[i], describe, max_tokens)
+        assert answer.status_code == 200, answer.text[:300]
+        got = tokens(dec_answer)
+        assert got == want[i], f"{len(prompts[i])}-token prompt, early decode: {got} != {want[i]}"
+        same_kv(servers, pre, dec, handle, len(prompts[i]), "early decode")
 
     with ThreadPoolExecutor(8) as ex:
         jobs = [ex.submit(sequential if i % 2 else early, i) for i in range(len(prompts))]
-        jobs += [ex.submit(early if i % 2 else sequential, i) for i in range(len(prompts))]
+        if twice:
+            jobs += [ex.submit(early if i % 2 else sequential, i) for i in range(len(prompts))]
         for job in jobs:
             job.result()
-    assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
+
+
+def preemptions(url: str) -> float:
+    """vLLM's vllm:num_preemptions_total counter."""
+    return metric(url, "vllm:num_preemptions_total")
 
 
 def prefix_cache_hits(url: str) -> float:
     """vLLM's vllm:prefix_cache_hits_total counter (tokens found in the engine's prefix cache)."""
+    return metric(url, "vllm:prefix_cache_hits_total")
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a vLLM server's Prometheus samples named `name`."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prefix_cache_hits_total"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
