@@ -106,10 +106,10 @@ def _body(p: list[int], max_tokens: int, **kw) -> dict:
             "return_token_ids": True, **kw}
 
 
-def completion(url: str, p: list[int], max_tokens: int, **kw) -> httpx.Response:
+def completion(url: str, p: list[int], max_tokens: int, timeout: float = TIMEOUT, **kw) -> httpx.Response:
     body = _body(p, max_tokens, **kw)
     body["model"] = models(url)
-    return httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+    return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
 
 
 _MODELS: dict[str, str] = {}

@@ -3,19 +3,22 @@
 What decides which KV a decode instance reads is the request's handle and secret (made by the prefill
 engine's RequestKey), never an id from the caller: a forged object reads nothing it does not name, a
 stale one (its prefill engine restarted, or killed between the hops) fails with the cause named in the
-decode server's log, and after every case the decode engine still serves and holds no KV block.
+decode server's log, a client that gives up mid-request leaves no block held, and after every case the decode
+engine still serves and holds no KV block.
 """
 
 from __future__ import annotations
 
 import copy
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
-from .pd import Cell, Servers, completion, decode, digests, prefill, prompt, skip_reason, tokens, wait_log
-from .pd import wait_no_blocks_held
+from .pd import Cell, Servers, completion, decode, describe_of, digests, prefill, prompt, skip_reason, tokens
+from .pd import wait_log, wait_no_blocks_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(skip_reason() is not None, reason=f"vLLM not available: {skip_reason()}")]
@@ -92,3 +95,41 @@ def test_prefill_killed_between_the_hops_fails_in_bounded_time_and_decode_stays_
     assert wait_log(D, "PeerGone") or wait_log(D, "DeadlineExceeded"), D.tail()
     assert tokens(completion(D.url, p, 8))
     assert wait_no_blocks_held(D.url) == 0
+
+
+def test_clients_that_give_up_leave_no_block_held_and_the_engines_exact(servers):
+    """Two clients disconnect mid-request, which vLLM turns into aborts: (A) an early decode waiting for its
+    prefill, whose prefill then runs and publishes for a reader that is gone; (B) a sequential decode while it
+    pulls. The decode engine frees its blocks at once, the prefill engine the orphaned publish's when its
+    pickup lease runs out (30 s here), and both still answer exactly."""
+    P, D = servers.use("p1", "d1")
+    describe = describe_of(prefill(P.url, prompt(40, 710)))
+    p = prompt(700, 11)
+    decode_params, prefill_params = early_params(describe)
+    assert gave_up(lambda: completion(D.url, p, 8, kv_transfer_params=decode_params, timeout=0.3))
+    time.sleep(0.5)  # vLLM has taken the disconnect
+    completion(P.url, p, 1, kv_transfer_params=prefill_params).raise_for_status()
+    q = prompt(700, 12)
+    params = prefill(P.url, q)
+    assert gave_up(lambda: completion(D.url, q, 8, kv_transfer_params=params, timeout=0.01))
+    assert wait_no_blocks_held(D.url) == 0
+    assert wait_no_blocks_held(P.url, timeout=60) == 0
+    r = prompt(300, 13)
+    assert tokens(decode(D.url, r, prefill(P.url, r))) == tokens(completion(D.url, r, 8))
+
+
+def early_params(describe: dict) -> tuple[dict, dict]:
+    """A fresh handle and secret as a router mints them: (the decode hop's params, the prefill hop's)."""
+    handle, secret = secrets.randbits(62) + 1, secrets.token_hex(16)
+    return ({"do_remote_prefill": True, "do_remote_decode": False,
+             "kvbridge": {**describe, "version": 1, "early": True, "ctx_request_id": handle, "secret": secret}},
+            {"do_remote_decode": True, "kvbridge_early": {"ctx_request_id": handle, "secret": secret}})
+
+
+def gave_up(call) -> bool:
+    """Whether the client timed out (closing its connection) before an answer came."""
+    try:
+        call()
+    except httpx.TimeoutException:
+        return True
+    return False
