@@ -127,7 +127,7 @@ def test_prefill_of_another_block_size_killed_between_the_hops(servers):
 def test_decode_prefix_cache_hit_pulls_only_the_blocks_after_it(servers):
     """A decode engine whose own prefix cache holds the first 3 blocks of a prompt pulls only the rest
     (kvbridge's partial pull from the first uncached token): fewer bytes, the same tokens, and every pulled
-    block equal to the prefill's."""
+    block equal to the prefill's; with early decode too."""
     P, D = servers.use("p1", "dpc")
     first = prompt(96, 600)  # 3 whole blocks of 32
     assert tokens(decode(D.url, first, prefill(P.url, first))) == tokens(completion(P.url, first, 8))
@@ -142,6 +142,12 @@ def test_decode_prefix_cache_hit_pulls_only_the_blocks_after_it(servers):
     ctx, gen = digests(servers.digest_dir("p1"), "ctx", h), digests(servers.digest_dir("dpc"), "gen", h)
     pulled = {k for k in ctx if int(k.rsplit(".", 1)[1]) >= 3}
     assert len(pulled) == KV_KEYS * 3 and all(ctx[k] == gen[k] for k in pulled)
+    other = first + prompt(70, 602)  # the same with early decode: the decode side asks from its first uncached token
+    pre, dec, h = early_pair(P.url, D.url, other, describe_of(params))
+    assert pre.status_code == 200 and tokens(dec) == tokens(completion(P.url, other, 8))
+    assert dec.json()["kv_transfer_params"]["kvbridge_transfer"]["bytes"] == (6 * 32 - 3 * 32) * per_token
+    ctx, gen = digests(servers.digest_dir("p1"), "ctx", h), digests(servers.digest_dir("dpc"), "gen", h)
+    assert all(ctx[k] == gen[k] for k in ctx if int(k.rsplit(".", 1)[1]) >= 3)
     assert wait_no_blocks_held(P.url) == 0 and wait_no_blocks_held(D.url) == 0
 
 
@@ -188,9 +194,10 @@ def test_24_requests_at_8_in_flight_sequential_and_early_mixed_are_each_exact(se
 def test_a_decode_engine_short_of_kv_preempts_after_pulls_and_every_answer_stays_exact(servers):
     """The decode engine has 40 blocks (1,280 tokens) and 8 requests of 200-310 prompt tokens + 200 generated
     arrive at once, half with early decode: up to 4 run at once and grow past the blocks left, so vLLM preempts
-    running requests for memory (their blocks freed) and schedules them again. A request preempted after its pull computes its prompt locally: the prefill engine
-    let its blocks go when the pull confirmed, and pulling again failed the request (RequestNotFound, an HTTP
-    500) before kvbridge pulled once per request. Every answer equals the same engine's aggregated one."""
+    running requests for memory (their blocks freed) and schedules them again. A request preempted after its
+    pull computes its prompt locally: the prefill engine let its blocks go when the pull confirmed, and pulling
+    again failed the request (RequestNotFound, an HTTP 500) before kvbridge pulled once per request. Every
+    answer equals the same engine's aggregated one."""
     P, D = servers.use("p1", "dsm")
     before = preemptions(D.url)
     lengths = [200, 260, 300, 240, 280, 220, 310, 250]
