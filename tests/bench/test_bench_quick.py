@@ -164,6 +164,7 @@ QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file rel
                    "test_bench_route_quick_writes_every_row_with_answers_equal_to_aggregated",
     "read_ab": "tests/bench/test_bench_quick.py::test_read_ab_quick",  # two GPUs: skips here, runs on the GPU host
     "control_floor": "tests/bench/test_bench_quick.py::test_control_floor_quick",
+    "nixl_post": "tests/bench/test_nixl_post.py::test_nixl_post_quick",
 }
 
 
