@@ -212,14 +212,20 @@ def early_pair(p_url: str, d_url: str, p: list[int], describe: dict, max_tokens:
                decode_prompt: list[int] | None = None) -> tuple[httpx.Response, httpx.Response, int]:
     """Both hops at once, as a router does for an engine it knows: the decode request first (it starts
     pulling and waits for the publish), the prefill right behind it. (prefill answer, decode answer, handle)."""
-    import secrets
     from concurrent.futures import ThreadPoolExecutor
 
-    handle, secret = secrets.randbits(62) + 1, secrets.token_hex(16)
-    early = {"do_remote_prefill": True, "do_remote_decode": False,
-             "kvbridge": {**describe, "version": 1, "early": True, "ctx_request_id": handle, "secret": secret}}
+    early, prefill_params = early_params(describe)
     with ThreadPoolExecutor(2) as ex:
         dec = ex.submit(decode, d_url, decode_prompt or p, early, max_tokens)
-        pre = ex.submit(completion, p_url, p, 1, kv_transfer_params={
-            "do_remote_decode": True, "kvbridge_early": {"ctx_request_id": handle, "secret": secret}})
-        return pre.result(), dec.result(), handle
+        pre = ex.submit(completion, p_url, p, 1, kv_transfer_params=prefill_params)
+        return pre.result(), dec.result(), early["kvbridge"]["ctx_request_id"]
+
+
+def early_params(describe: dict) -> tuple[dict, dict]:
+    """A fresh handle and secret as a router mints them: (the decode hop's params, the prefill hop's)."""
+    import secrets
+
+    handle, secret = secrets.randbits(62) + 1, secrets.token_hex(16)
+    return ({"do_remote_prefill": True, "do_remote_decode": False,
+             "kvbridge": {**describe, "version": 1, "early": True, "ctx_request_id": handle, "secret": secret}},
+            {"do_remote_decode": True, "kvbridge_early": {"ctx_request_id": handle, "secret": secret}})

@@ -10,15 +10,14 @@ engine still serves and holds no KV block.
 from __future__ import annotations
 
 import copy
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from .pd import Cell, Servers, completion, decode, describe_of, digests, prefill, prompt, skip_reason, tokens
-from .pd import wait_log, wait_no_blocks_held
+from .pd import Cell, Servers, completion, decode, describe_of, digests, early_params, prefill, prompt, skip_reason
+from .pd import tokens, wait_log, wait_no_blocks_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(skip_reason() is not None, reason=f"vLLM not available: {skip_reason()}")]
@@ -116,14 +115,6 @@ def test_clients_that_give_up_leave_no_block_held_and_the_engines_exact(servers)
     assert wait_no_blocks_held(P.url, timeout=60) == 0
     r = prompt(300, 13)
     assert tokens(decode(D.url, r, prefill(P.url, r))) == tokens(completion(D.url, r, 8))
-
-
-def early_params(describe: dict) -> tuple[dict, dict]:
-    """A fresh handle and secret as a router mints them: (the decode hop's params, the prefill hop's)."""
-    handle, secret = secrets.randbits(62) + 1, secrets.token_hex(16)
-    return ({"do_remote_prefill": True, "do_remote_decode": False,
-             "kvbridge": {**describe, "version": 1, "early": True, "ctx_request_id": handle, "secret": secret}},
-            {"do_remote_decode": True, "kvbridge_early": {"ctx_request_id": handle, "secret": secret}})
 
 
 def gave_up(call) -> bool:
