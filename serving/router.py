@@ -13,8 +13,8 @@ Deadlines on every hop: the whole request (router.request_timeout_s, streaming i
 the x-kvbridge-timeout-s header. A context worker that fails before handing over (connection refused, reset,
 5xx, no answer in time) is retried on another. A KV pull that fails after handover (the context worker died,
 its lease expired, the transfer failed) runs the request again from another context worker, at most
-MAX_HANDOVERS times within the deadline (so does a generation worker that cannot be connected to: the next
-pick skips it). Whenever a generation hop fails after a prefill, the context
+MAX_HANDOVERS times within the deadline (so does a generation worker that cannot be connected to, or whose
+connection breaks before it answers, e.g. one leaving or dying: the next pick skips it). Whenever a generation hop fails after a prefill, the context
 worker is told to drop that KV at once (POST /internal/release). A client that goes away, or a deadline that
 passes, closes the generation worker's connection, and the generation worker aborts its request. Every
 failure reaches the client as an OpenAI error object, never as HTTP 200 with garbage; once a stream has
@@ -54,9 +54,10 @@ log = logging.getLogger("kvbridge.serving.router")
 
 MAX_HANDOVERS = 3          # runs of one choice after a KV pull failed (each from another context worker)
 KEEPALIVE_EXPIRY_S = 2.0   # below uvicorn's timeout_keep_alive (5 s): never reuse a connection it closes
-# failures after which a choice is run again from the start: a failed KV pull, or a generation worker that
-# could not be reached at all (nothing was sent; the next pick skips it)
-RERUN_CODES = ("kv_transfer_failed", "generation_unreachable")
+# failures after which a choice is run again from the start: a failed KV pull, a generation worker that could
+# not be reached at all, or one whose connection broke before it answered a byte (closed by a worker leaving
+# or dying; nothing reached the client): the worker is marked down, so the next pick skips it
+RERUN_CODES = ("kv_transfer_failed", "generation_unreachable", "generation_dropped")
 
 
 def build_router(cfg: ServeConfig) -> FastAPI:
@@ -244,7 +245,8 @@ class Router:
                     raise
                 log.warning("router: %s after the prefill on %s (%s); running the choice again", e.code,
                             ctx_w.name, e.message)
-                avoid.add(ctx_w.name)
+                if e.code == "kv_transfer_failed":  # the context worker's side failed: prefer another
+                    avoid.add(ctx_w.name)
                 self.metrics.retries.inc()
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -363,10 +365,10 @@ class Router:
             raise ApiError(504, f"generation worker {w.name} did not answer within {left:.1f}s",
                            "timeout_error", "timeout") from None
         except httpx.TransportError as e:
-            w.mark(False, type(e).__name__)
-            code = "generation_unreachable" if isinstance(e, httpx.ConnectError) else "generation_failed"
-            raise ApiError(502, f"generation worker {w.name} failed: {type(e).__name__} {e}".rstrip(),
-                           "server_error", code) from None
+            w.mark(False, type(e).__name__)  # no answer began: a rerun elsewhere is safe (RERUN_CODES)
+            code = "generation_unreachable" if isinstance(e, httpx.ConnectError) else "generation_dropped"
+            raise ApiError(502, f"generation worker {w.name} failed before answering: {type(e).__name__} {e}"
+                           .rstrip(), "server_error", code) from None
 
     async def _release(self, w: WorkerRef, ctx_data: dict) -> None:
         """Tell the context worker to drop a prefilled request's KV now (best effort, bounded)."""

@@ -99,3 +99,30 @@ def test_a_sigstopped_context_worker_costs_no_request_and_nothing_waits_past_its
         assert r.json()["kvbridge"]["token_ids"] == want["prompts"][i % len(PROMPTS)]
     assert took < CFG["router"]["request_timeout_s"]
     assert wait_pool_full(cluster.cfg.generation[0].url, BLOCKS, 1) == [BLOCKS]
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_generation_worker_with_requests_in_flight_loses_none(tmp_path, want):
+    """Two generation workers; kill -9 of one with requests in flight (mid-pull or mid-decode: a request that is
+    not streamed is answered only at its end, so nothing reached its client yet). Each is run again from the
+    context worker on the other generation worker (its prefill's KV released), with exact tokens; the
+    survivor's and the context worker's pools end full."""
+    cfg = {**CFG, "context_servers": {"instances": 1, "tp": 1}, "generation_servers": {"instances": 2, "tp": 1}}
+    c = launch(cfg, str(tmp_path))
+    try:
+        url = c.router_url + "/v1/completions"
+        gen0 = next(ch for ch in c.children if ch.name == "gen0")
+        done_before_kill, results = _burst(url, 32, lambda: os.killpg(gen0.proc.pid, signal.SIGKILL))
+        assert done_before_kill < 32
+        bad = [(r.status_code, r.text[:300]) for r in results if r.status_code != 200]
+        assert not bad, bad
+        for i, r in enumerate(results):
+            assert r.json()["kvbridge"]["token_ids"] == want["prompts"][i % len(PROMPTS)]
+        assert "gen1" in {r.json()["kvbridge"]["generation_worker"] for r in results[done_before_kill:]}
+        assert wait_pool_full(c.cfg.context[0].url, BLOCKS, 1) == [BLOCKS]
+        assert wait_pool_full(c.cfg.generation[1].url, BLOCKS, 1) == [BLOCKS]
+        retries = re.findall(r"^kvbridge_router_retries_total (\S+)", httpx.get(c.router_url + "/metrics",
+                                                                                 timeout=10).text, re.M)
+        print(f"killed gen0 with {32 - done_before_kill} of 32 in flight; router reruns: {retries}")
+    finally:
+        c.stop()
