@@ -97,13 +97,21 @@ class Pool:
     def pick(self, exclude: set[str] = frozenset(), key: bytes | None = None,
              healthy_only: bool = False) -> WorkerRef | None:
         """The worker for the next request, not one named in `exclude`; None when none is left (or, with
-        `healthy_only`, when none of those left is healthy).
+        `healthy_only`, when none of those left is healthy). The turn moves past it.
 
         Args:
             exclude: workers already tried for this request.
             key: the request's `routing_key` (used by prefix_aware only).
             healthy_only: never fall back to a worker marked unhealthy.
         """
+        w = self.peek(exclude, key, healthy_only)
+        if w is not None:
+            self.picked(w)
+        return w
+
+    def peek(self, exclude: set[str] = frozenset(), key: bytes | None = None,
+             healthy_only: bool = False) -> WorkerRef | None:
+        """The worker `pick` would choose, the turn left where it is (`picked` moves it once it is used)."""
         pool = self.candidates(exclude, healthy_only)
         if not pool:
             return None
@@ -118,7 +126,6 @@ class Pool:
             w = least
         else:
             w = order[0]
-        self._next = (self.workers.index(w) + 1) % n
         return w
 
     def candidates(self, exclude: set[str] = frozenset(), healthy_only: bool = False) -> list[WorkerRef]:

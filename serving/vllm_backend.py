@@ -11,7 +11,9 @@ vLLM reports a failure on the decode side (a KV load that failed, a prefill serv
 with an error event in the stream (`data: {"error": {...}}`), or an error object in a 200 body; here every
 such answer becomes a real error: before the first token an HTTP error (502 `kv_transfer_failed`, after the
 choice was run again from another prefill server up to MAX_HANDOVERS times within the deadline), after it a
-final error event without [DONE]. A prefill server that fails before answering is retried on another.
+final error event without [DONE]. A prefill server that fails before answering is retried on another; a
+decode server that cannot be reached, or whose connection breaks before it answers (it died or is leaving),
+is marked down and the choice runs again on another.
 Clients may not send `kv_transfer_params` (the router's alone: a client's could name another request's
 KV); `n` > 1, `best_of` and lists of prompts are refused by name. Everything else is vLLM's to validate.
 
@@ -50,6 +52,9 @@ __all__ = ["VllmBackend", "PREFILL_KV_PARAMS", "prefill_body", "decode_body", "s
 log = logging.getLogger("kvbridge.serving.vllm_backend")
 
 MAX_HANDOVERS = 3  # runs of one choice after its decode hop failed before the first token
+# what runs a choice again: a failed KV load, or a decode server that could not be reached or whose connection
+# broke before it answered (marked down: the next pick skips it)
+RERUN_CODES = ("kv_transfer_failed", "generation_unreachable", "generation_dropped")
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _PREFILL_DROP = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "best_of")
@@ -149,11 +154,12 @@ class VllmBackend:
                                           deco)
             except ApiError as e:
                 last = attempt == MAX_HANDOVERS - 1 or time.monotonic() >= deadline
-                if e.code != "kv_transfer_failed" or last:
+                if e.code not in RERUN_CODES or last:
                     raise
                 log.warning("router: decode on %s failed after the prefill on %s (%s); running it again",
                             gen_w.name, ctx_w.name, e.message)
-                avoid.add(ctx_w.name)
+                if e.code == "kv_transfer_failed":  # (a decode server that broke is marked down instead)
+                    avoid.add(ctx_w.name)
                 self.r.metrics.retries.inc()
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -161,11 +167,13 @@ class VllmBackend:
         """Both hops at once on a prefill server whose engine is known; None to run the choice sequentially
         (unknown engine, or a failure before the decode's first token)."""
         key = routing_key(body)
-        ctx_w = self.r.ctx.pick(set(), key)
-        gen_w = self.r.gen.pick(key=key, healthy_only=True)
+        ctx_w = self.r.ctx.peek(set(), key)  # peeked: a request that runs sequentially takes no turn here
+        gen_w = self.r.gen.peek(key=key, healthy_only=True)
         engine = self._engines.get(ctx_w.name) if ctx_w is not None else None
         if engine is None or gen_w is None:
             return None
+        self.r.ctx.picked(ctx_w)
+        self.r.gen.picked(gen_w)
         payload = prefill_body(body)
         payload["kv_transfer_params"]["kvbridge_early"], kvp = early_hops(engine)
         deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "early_decode": True}
@@ -187,7 +195,7 @@ class VllmBackend:
             try:
                 out = await dec
             except ApiError as e:
-                if e.code != "kv_transfer_failed" or time.monotonic() >= deadline:
+                if e.code not in RERUN_CODES or time.monotonic() >= deadline:
                     raise
                 self._forget(ctx_w.name, e)
                 return None
@@ -282,8 +290,13 @@ class VllmBackend:
             t0 = time.monotonic()
             req = self.r.client.build_request("POST", w.url + path, json=body, headers=self.headers,
                                               timeout=self._timeout(left))
-            resp = await from_worker(request, self.r.client.send(req, stream=True), w, "decode server",
-                                     f"did not answer within {left:.1f}s")
+            try:
+                resp = await from_worker(request, self.r.client.send(req, stream=True), w, "decode server",
+                                         f"did not answer within {left:.1f}s")
+            except ApiError as e:
+                if e.code == "generation_failed":  # its connection broke before it answered (it died or left):
+                    e.code = "generation_dropped"  # nothing reached the client, the choice may run again
+                raise
             stack.push_async_callback(resp.aclose)
             if resp.status_code != 200 or not stream:
                 raw = await self._read(request, resp, w, deadline)

@@ -5,6 +5,7 @@ vLLM's HTTP-200 error chunks turned into real errors. (Real vLLM servers: test_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -208,3 +209,93 @@ def test_early_decode_sends_both_hops_once_the_engine_is_known_and_falls_back_wh
     while d.disconnected < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d.disconnected == 1, "the early decode was not cancelled"
+
+
+class Dropper:
+    """A decode server that is leaving: /health still answers, but a completion's connection is closed
+    before any answer (what a server that dies or shuts down mid-request does to its caller)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port, self.dropped = self.sock.getsockname()[1], 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            data = b""
+            while True:  # keep-alive: one request after another until a completion is dropped
+                while b"\r\n\r\n" not in data:
+                    got = conn.recv(65536)
+                    if not got:
+                        return
+                    data += got
+                head, _, data = data.partition(b"\r\n\r\n")
+                if not head.startswith(b"GET /health"):
+                    self.dropped += 1
+                    return  # closed without an answer
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+
+
+@contextlib.contextmanager
+def _router(tmp_path, prefill_ports: list[int], decode_ports: list[int]):
+    """A `kvbridge router` process (round robin) over stand-ins at these ports: its URL."""
+    group = lambda ports: {"engine": "vllm", "instances": len(ports),  # noqa: E731
+                           "urls": [f"127.0.0.1:{p}" for p in ports]}
+    path = config(tmp_path, "vllm", {"model": "tiny-llama", "context_servers": group(prefill_ports),
+                                     "generation_servers": group(decode_ports),
+                                     "router": {"port": 0, "policy": "round_robin", "health_interval_s": 30,
+                                                "request_timeout_s": 60}})
+    proc, url = start_announced(["router", "--config", path], str(tmp_path / "router.log"))
+    try:
+        wait_healthy(url, proc, 60)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+def _stop(running) -> None:
+    for server, t, _ in running:
+        server.should_exit = True
+        t.join(10)
+
+
+def test_round_robin_takes_turns_over_prefill_and_decode_servers_whose_engine_is_not_known(tmp_path):
+    """Two prefill and two decode servers answering like NixlConnector's (no engine: never early decode):
+    four requests go two to each (a look at early decode takes no turn from the sequential run)."""
+    fakes = [FakeVllm() for _ in range(4)]
+    running = [_serve(f.app) for f in fakes]
+    try:
+        with _router(tmp_path, [r[2] for r in running[:2]], [r[2] for r in running[2:]]) as url:
+            for i in range(4):
+                assert _post(url, {"prompt": f"hello {i}", "max_tokens": 5}).status_code == 200
+        assert [len(f.got) for f in fakes] == [2, 2, 2, 2]
+    finally:
+        _stop(running)
+
+
+def test_a_decode_server_that_drops_the_connection_is_skipped_and_the_choice_runs_again(tmp_path):
+    """Two decode servers, one of them closing every completion's connection unanswered: each request is
+    answered (run again on the other decode server, the dropper marked down), none fails."""
+    prefill, good, dropper = FakeVllm(), FakeVllm(), Dropper()
+    running = [_serve(f.app) for f in (prefill, good)]
+    try:
+        with _router(tmp_path, [running[0][2]], [dropper.port, running[1][2]]) as url:
+            for stream in (False, True, False, True):
+                r = _post(url, {"prompt": "hello", "max_tokens": 5, "stream": stream})
+                assert r.status_code == 200, r.text
+        assert dropper.dropped >= 1 and len(good.got) == 4
+        assert len(prefill.got) == 4 + dropper.dropped  # each dropped decode's choice was prefilled again
+    finally:
+        dropper.sock.close()
+        _stop(running)
