@@ -14,8 +14,9 @@ the x-kvbridge-timeout-s header. A context worker that fails before handing over
 5xx, no answer in time) is retried on another. A KV pull that fails after handover (the context worker died,
 its lease expired, the transfer failed) runs the request again from another context worker, at most
 MAX_HANDOVERS times within the deadline (so does a generation worker that cannot be connected to, or whose
-connection breaks before it answers, e.g. one leaving or dying: the next pick skips it). Whenever a generation hop fails after a prefill, the context
-worker is told to drop that KV at once (POST /internal/release). A client that goes away, or a deadline that
+connection breaks before it answers, e.g. one leaving or dying: the next pick skips it). Whenever a
+generation hop fails after a prefill, the context worker is told to drop that KV at once (POST
+/internal/release). A client that goes away, or a deadline that
 passes, closes the generation worker's connection, and the generation worker aborts its request. Every
 failure reaches the client as an OpenAI error object, never as HTTP 200 with garbage; once a stream has
 started, as a final `data: {"error": ...}` event without `[DONE]`. In-flight counts are kept by one context
