@@ -22,6 +22,7 @@ config_keys.py's.
     keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)
     on_worker_exit: restart    # or stop: `kvbridge serve` stops everything when a worker dies
     role_grace_s: 120          # serve exits 1 once a role had no live worker this long
+    hang_timeout_s: 60         # serve kills (then restarts) a process that answers no /health this long; 0: never
     max_inflight_requests: 512          # per process (router, each worker): beyond it 503 + Retry-After
     max_inflight_body_bytes: 134217728  # request-body bytes held at once per process (same answer beyond)
     disagg_cluster: {cluster_uri: etcd://10.0.0.2:2379}  # workers join/leave through a registry (cluster_config.py)
@@ -56,8 +57,8 @@ EXIT_POLICIES = ("restart", "stop")
 
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens", "internal_token", "insecure",
-        "keys_dir", "on_worker_exit", "role_grace_s", "max_inflight_requests", "max_inflight_body_bytes",
-        "vllm", "disagg_cluster"}
+        "keys_dir", "on_worker_exit", "role_grace_s", "hang_timeout_s", "max_inflight_requests",
+        "max_inflight_body_bytes", "vllm", "disagg_cluster"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
              "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool, "kv_events": bool}
@@ -130,6 +131,7 @@ class ServeConfig:
     keys_dir: str | None = None
     on_worker_exit: str = "restart"
     role_grace_s: float = 120.0
+    hang_timeout_s: float = 60.0
     max_inflight_requests: int = 512
     max_inflight_body_bytes: int = 128 << 20
     cluster: Any = None  # cluster_config.ClusterSpec: workers join through a registry (None: static urls)
@@ -253,6 +255,9 @@ def _operations(top: dict) -> dict[str, Any]:
     grace = _get(top, "role_grace_s", float, "", 120.0)
     if grace <= 0:
         raise ServeConfigError(f"role_grace_s: must be > 0 seconds, got {grace}")
+    hang = _get(top, "hang_timeout_s", float, "", 60.0)
+    if hang < 0:
+        raise ServeConfigError(f"hang_timeout_s: must be >= 0 seconds (0: never), got {hang}")
     insecure = top.get("insecure", False)
     if type(insecure) is not bool:
         raise ServeConfigError(f"insecure: expected true or false, got {insecure!r}")
@@ -262,7 +267,7 @@ def _operations(top: dict) -> dict[str, Any]:
                                "of 43 with secrets.token_urlsafe(32))")
     keys_dir = _get(top, "keys_dir", (str, type(None)), "", None)
     return {"internal_token": token, "insecure": insecure, "keys_dir": keys_dir, "on_worker_exit": on_exit,
-            "role_grace_s": grace}
+            "role_grace_s": grace, "hang_timeout_s": hang}
 
 
 # --- sections -------------------------------------------------------------------------------------------

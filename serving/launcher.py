@@ -159,6 +159,22 @@ class Cluster:
         except httpx.HTTPError:
             return False
 
+    def answers(self, c: _Child, timeout: float = 1.0) -> bool:
+        """Whether child `c` answers /health at all now (any HTTP status: a draining or failed worker still
+        answers; a hung one does not)."""
+        import httpx
+
+        try:
+            httpx.get(c.url + "/health", headers=self.headers, timeout=timeout)
+            return True
+        except httpx.HTTPError:
+            return False
+
+    def kill_hung(self, c: _Child) -> None:
+        """SIGKILL child `c`'s process group (a hung child); its death is then seen and handled like any."""
+        with _quiet():
+            os.killpg(c.proc.pid, signal.SIGKILL)
+
     def dead(self) -> _Child | None:
         """The first child that has exited, if any."""
         for c in self.children:

@@ -6,8 +6,11 @@ Owns the policy, not the processes (launcher.Cluster starts, reaps and restarts 
         it starts over at 0.5 s once the child had run for a minute. The router takes the worker out when
         its calls fail and back in when its /health answers 200 again (same url: nothing to tell it).
     on_worker_exit: stop               the first death stops everything; serve exits 1 naming it.
-`serve` exits non-zero only when a role (context, generation or the router) had no live process — running
-and answering /health — for role_grace_s. Never sends a request and never touches the KV: a request caught
+A process that runs but answers no /health at all (not even an error) for hang_timeout_s (default 60 s;
+0: never) — stopped, deadlocked, wedged in a system call — is killed (SIGKILL to its process group) and then
+handled as any death: restarted, or everything stops. Each live process is asked every PROBE_S (at most 1 s
+each). `serve` exits non-zero only when a role (context, generation or the router) had no live process —
+running and answering /health — for role_grace_s. Never sends a request and never touches the KV: a request caught
 by a death fails (the router reports it) or is retried by the router.
 """
 
@@ -18,11 +21,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["Supervisor", "BACKOFF_MIN_S", "BACKOFF_MAX_S", "HEALTHY_RESET_S"]
+__all__ = ["Supervisor", "BACKOFF_MIN_S", "BACKOFF_MAX_S", "HEALTHY_RESET_S", "PROBE_S"]
 
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 10.0
 HEALTHY_RESET_S = 60.0
+PROBE_S = 2.0  # how often a live process is asked whether it still answers (hang_timeout_s)
 _TICK_S = 0.25
 
 
@@ -38,6 +42,8 @@ class _Track:
     backoff: float = 0.0
     due: float = 0.0
     restarts: int = 0
+    answered: float = 0.0    # when it last answered /health (LIVE)
+    next_probe: float = 0.0
 
 
 class Supervisor:
@@ -54,8 +60,9 @@ class Supervisor:
         self.policy = cluster.cfg.on_worker_exit
         self.grace_s = cluster.cfg.role_grace_s
         self.out = out or sys.stderr
-        self.track = {c.name: _Track(_State.LIVE) for c in cluster.children}
+        self.hang_s = getattr(cluster.cfg, "hang_timeout_s", 0.0)
         now = time.monotonic() if now is None else now
+        self.track = {c.name: _Track(_State.LIVE, answered=now) for c in cluster.children}
         self.last_live = {c.role: now for c in cluster.children}
 
     def run(self) -> int:
@@ -82,9 +89,22 @@ class Supervisor:
                 self.cluster.restart(c)
                 t.state = _State.STARTING
             elif t.state is _State.STARTING and self.cluster.healthy(c, timeout=0.5):
-                t.state = _State.LIVE
+                t.state, t.answered = _State.LIVE, now
                 self._say(f"{c.label} is back at {c.url}")
+            elif t.state is _State.LIVE and self.hang_s and now >= t.next_probe:
+                self._probe(c, t, now)
         return self._role_gone(now)
+
+    def _probe(self, c, t: _Track, now: float) -> None:
+        """Ask a live process for /health; one silent for hang_timeout_s is killed (its death is then seen
+        like any other: restarted, or everything stops)."""
+        t.next_probe = now + min(PROBE_S, self.hang_s / 3)
+        if self.cluster.answers(c, timeout=min(1.0, self.hang_s / 3)):
+            t.answered = now
+        elif now - t.answered >= self.hang_s:
+            self._say(f"{c.label} ({c.url}) answered no /health for {now - t.answered:.0f}s "
+                      f"(hang_timeout_s={self.hang_s:g}); killing it")
+            self.cluster.kill_hung(c)
 
     def _schedule(self, c, t: _Track, now: float) -> None:
         ran = now - c.started_at

@@ -1,6 +1,7 @@
 """Supervision under `kvbridge serve` (issue 14): kill -9 of a context worker with 64 requests in flight, and
-of the generation worker mid-request. Serve keeps running, restarts the dead worker on its port, the router
-takes it back, and every pool ends full. Real processes: serve, its workers and router, the openai client."""
+of the generation worker mid-request; a worker that hangs (SIGSTOP: running, answering nothing) is killed
+after hang_timeout_s. Serve keeps running, restarts the dead worker on its port, the router takes it back, and
+every pool ends full. Real processes: serve, its workers and router, the openai client."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ CFG = {
     "router": {"port": 0, "request_timeout_s": 120, "health_interval_s": 0.5},
     "context_servers": {"instances": 2},
     "generation_servers": {"instances": 1, "executor": {"num_blocks": GEN_BLOCKS}},
+    "hang_timeout_s": 8,  # probes every 2 s, 1 s each: a loaded worker of this 2-core box still answers
 }
 
 
@@ -119,4 +121,28 @@ def test_kill_9_of_the_generation_worker_errors_its_requests_then_it_comes_back(
         for i in range(3):
             assert _ask(client, i)["token_ids"] == want["prompts"][i]
     assert serve.pid("gen0") != old and serve.proc.poll() is None
+    _pools_full(serve)
+
+
+@pytest.mark.slow
+def test_a_hung_context_worker_is_killed_after_hang_timeout_and_restarted_while_serve_keeps_answering(serve,
+                                                                                                     want):
+    old, mark = serve.pid("ctx0"), serve.mark()
+    os.kill(old, signal.SIGSTOP)  # running, answering nothing: no exit for a plain supervisor to see
+    t0 = time.monotonic()
+    with _client(serve) as client, ThreadPoolExecutor(4) as pool:
+        # meanwhile: served (a prefill caught on ctx0 is retried on ctx1 once ctx0 is killed)
+        asked = [pool.submit(_ask, client, i) for i in range(4)]
+        wait_log(serve.log, r"context worker ctx0 \(.*\) answered no /health for \d+s \(hang_timeout_s=8\); "
+                 r"killing it", serve.proc, after=mark)
+        took = time.monotonic() - t0
+        assert [f.result(timeout=120)["token_ids"] for f in asked] == [want["prompts"][i % 3] for i in range(4)]
+    wait_log(serve.log, r"context worker ctx0 \(.*\) was killed by signal 9 \(SIGKILL\); restarting it",
+             serve.proc, after=mark)
+    assert 8 <= took < 8 + 10, f"killed {took:.1f}s after it stopped answering"
+    _back_and_serving(serve, "ctx0", mark)
+    assert serve.pid("ctx0") != old and serve.proc.poll() is None
+    with _client(serve) as client:
+        for i in range(3):
+            assert _ask(client, i)["token_ids"] == want["prompts"][i]
     _pools_full(serve)

@@ -1,6 +1,6 @@
 """The supervisor's policy on its own, with injected deaths (the real processes are in test_supervision.py):
-back-off 0.5 s doubling to 10 s and reset after a healthy minute, on_worker_exit: stop, role_grace_s; and the
-config keys that drive it."""
+back-off 0.5 s doubling to 10 s and reset after a healthy minute, on_worker_exit: stop, role_grace_s, a hung
+process killed after hang_timeout_s; and the config keys that drive it."""
 
 from __future__ import annotations
 
@@ -42,11 +42,13 @@ class _Child:
 class _Cluster:
     """Injects deaths: kill(name) ends a child; restart() starts a fresh one that is healthy when told."""
 
-    def __init__(self, policy: str = "restart", grace: float = 30.0) -> None:
+    def __init__(self, policy: str = "restart", grace: float = 30.0, hang: float = 60.0) -> None:
         self.cfg = parse_config({"model": "m", "context_servers": {}, "generation_servers": {},
-                                 "on_worker_exit": policy, "role_grace_s": grace})
+                                 "on_worker_exit": policy, "role_grace_s": grace, "hang_timeout_s": hang})
         self.children = [_Child("ctx0", "context", 0.0), _Child("gen0", "generation", 0.0, what="gen")]
         self.now, self.up, self.restarts = 0.0, True, []
+        self.silent: set[str] = set()  # running, answering nothing (hung)
+        self.probes: list[tuple[float, str]] = []
 
     def kill(self, name: str) -> None:
         next(c for c in self.children if c.name == name).proc.returncode = -9
@@ -60,6 +62,14 @@ class _Cluster:
 
     def healthy(self, c, timeout: float = 1.0) -> bool:
         return self.up
+
+    def answers(self, c, timeout: float = 1.0) -> bool:
+        self.probes.append((self.now, c.name))
+        return c.name not in self.silent
+
+    def kill_hung(self, c) -> None:
+        self.silent.discard(c.name)
+        c.proc.returncode = -9
 
     def tail(self, c, n: int = 15) -> str:
         return ""
@@ -110,9 +120,38 @@ def test_a_role_with_no_live_worker_for_role_grace_s_ends_serve():
     assert 5.0 < cl.now <= 5.5 and len(cl.restarts) >= 1
 
 
+def test_a_process_that_answers_nothing_for_hang_timeout_s_is_killed_then_restarted_and_others_are_left_alone():
+    cl = _Cluster(hang=6.0)
+    out = io.StringIO()
+    sup = Supervisor(cl, out=out, now=0.0)
+    _run(sup, cl, 10)
+    assert {n for _, n in cl.probes} == {"ctx0", "gen0"} and not cl.restarts
+    ts = [t for t, n in cl.probes if n == "gen0"]
+    assert len(ts) >= 4 and max(b - a for a, b in zip(ts, ts[1:])) <= 2.0  # every 2 s (hang_timeout_s / 3)
+    cl.silent.add("ctx0")  # hung from t=10: it still runs
+    _run(sup, cl, 15.5)
+    assert cl.children[0].proc.returncode is None, "killed before hang_timeout_s"
+    while not cl.restarts:
+        assert _run(sup, cl, cl.now + 0.25) is None and cl.now < 20
+    assert "context worker ctx0 (http://127.0.0.1:1) answered no /health for 6s (hang_timeout_s=6); killing it" in \
+        out.getvalue()
+    assert cl.children[1].proc.returncode is None and cl.restarts[0] <= 10 + 6 + 2 + 0.5 + 0.5
+    n = len(cl.probes)
+    _run(sup, cl, cl.now + 10)  # the fresh ctx0 is probed once live, and answers
+    assert any(name == "ctx0" for _, name in cl.probes[n:]) and len(cl.restarts) == 1
+
+
+def test_hang_timeout_s_0_never_probes():
+    cl = _Cluster(hang=0)
+    cl.silent.add("ctx0")
+    _run(Supervisor(cl, out=io.StringIO(), now=0.0), cl, 300)
+    assert cl.probes == [] and not cl.restarts
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("on_worker_exit", "ignore", "on_worker_exit: 'ignore' is not one of ('restart', 'stop')"),
     ("role_grace_s", 0, "role_grace_s: must be > 0 seconds"),
+    ("hang_timeout_s", -1, "hang_timeout_s: must be >= 0 seconds"),
     ("insecure", "yes", "insecure: expected true or false"),
     ("internal_token", "short", "internal_token: must be at least 16 characters"),
 ])
