@@ -11,7 +11,8 @@ Modules:
     router      `kvbridge router`: OpenAI endpoints, context hop then generation hop, retries, deadlines
     balancer    worker pools: health, round-robin and least-loaded picks
     launcher    `kvbridge serve CONFIG`: every worker and the router as process groups, health, shutdown
-    supervisor  what serve does when a child dies: restart with back-off, or stop; role_grace_s
+    supervisor  what serve does when a child dies or hangs: restart with back-off, or stop; role_grace_s
+    vllm_member `kvbridge worker` of an engine: vllm group: one vLLM server, registered in a disagg_cluster
     auth        the internal token between a deployment's processes, the router's API keys
     listen      a process binds its own port and announces it (--port-file)
     metrics     Prometheus metrics (workers in multiprocess mode so rank processes' metrics are merged)

@@ -264,7 +264,9 @@ class Cluster:
         cmd = [sys.executable, "-m", "kvbridge.cli", *args[:1], "--config", self.config_path,
                "--port-file", self._port_file(name), *args[1:]]
         after_start = None
-        if self.cfg.engine == "vllm" and role != "router":  # vLLM's own server (serving/vllm_workers.py)
+        if self.cfg.engine == "vllm" and role != "router" and self.cfg.cluster is None:
+            # vLLM's own server (serving/vllm_workers.py); with disagg_cluster, a `kvbridge worker` runs it and
+            # registers it (vllm_member.py)
             from .vllm_workers import spawn_args
 
             cmd, env, after_start = spawn_args(self.cfg, role, int(args[-1]), env, self.token)

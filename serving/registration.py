@@ -160,9 +160,14 @@ class Registrar:
             return True
         try:
             r = await http.get(old.url + "/health")
-            body = r.json() if r.status_code == 200 else {}
-        except (httpx.HTTPError, ValueError):
+        except httpx.HTTPError:
             return True
+        if r.status_code != 200:
+            return True
+        try:
+            body = r.json()
+        except ValueError:  # a vLLM server (vllm_member.py) cannot name its incarnation: one that answers at
+            return old.url == self.record.url  # another URL is live; at ours it is the one we started
         return not (isinstance(body, dict) and body.get("instance") == old.incarnation)
 
     def _duplicate(self, value: str) -> str:

@@ -31,6 +31,7 @@ internal token as its API key (VLLM_API_KEY, in the environment); the router sen
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -172,7 +173,9 @@ def server_spec(cfg, s, token: str | None) -> VllmServerSpec:
     """The vLLM server of ServerSpec `s` (its port already known: see with_ports)."""
     v = s.vllm
     cpus = v["cpus"]
-    bind = _auto_cpus(cfg)[s.name] if cpus == "auto" else None if cpus == "none" else cpus[s.index]
+    # auto: by its place in the config (a cluster member named by hand takes its --index's cores)
+    bind = (_auto_cpus(cfg)[dataclasses.replace(s, worker_id="").name] if cpus == "auto" else
+            None if cpus == "none" else cpus[s.index])
     extra = list(v["extra_args"])
     if s.pp > 1:
         extra += ["--pipeline-parallel-size", str(s.pp)]

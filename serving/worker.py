@@ -89,6 +89,10 @@ def _run(a) -> int:
     except KvBridgeError as e:
         print(f"kvbridge worker: {e}", file=sys.stderr)
         return 2
+    if spec.engine == "vllm":  # a vLLM server, and its cluster membership (vllm_member.py)
+        from .vllm_member import run_member
+
+        return run_member(cfg, spec, a.port_file, internal_token(cfg))
     if spec.port == 0 and not a.port_file and cfg.cluster is None:  # a cluster member registers its port
         print(f"kvbridge worker: {spec.name} has port 0 in {a.config}; give it a port, or --port-file to "
               f"bind a free one and write it there", file=sys.stderr)

@@ -1,0 +1,158 @@
+"""`kvbridge worker` when its group's engine is vllm: one vLLM OpenAI server, and (with `disagg_cluster`) its
+membership in the running deployment.
+
+    kvbridge worker --config deploy.yaml --role context --name p-a      # any host, any time
+
+Starts the vLLM server of its ServerSpec (serving/vllm_workers.py: the same command line, KV connector and
+CPU binding `kvbridge serve` gives it), then, with `disagg_cluster`, registers it — the record's URL is the
+vLLM server's own, so the router sends its hops straight there — once its /health answers 200, heartbeats,
+and re-registers after an outage (registration.py, as a kvbridge worker does). The router learns a
+KVBridgeConnector engine from its answers, so the record carries no endpoints or layout.
+On SIGTERM or SIGINT it leaves first (the router stops picking it), then drains: waits until vLLM reports
+no request running or waiting (`vllm:num_requests_running` / `_waiting` on its /metrics) for QUIET_S, at
+most drain_timeout_sec, then stops the server (SIGTERM, then SIGKILL to its process group) and exits 0. A
+vLLM server that dies is unregistered at once and the member exits 1 (`kvbridge serve` restarts it).
+Without `disagg_cluster` it only runs the server. Never sends a request of its own but /health and /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+import signal
+import tempfile
+import time
+import uuid
+
+import httpx
+
+log = logging.getLogger("kvbridge.serving.worker")
+
+__all__ = ["run_member", "QUIET_S"]
+
+QUIET_S = 0.5  # after leaving: how long vLLM must report nothing running or waiting before it is stopped
+_TICK_S = 0.25
+_BUSY = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+
+def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
+    """Run the vLLM server of `spec` (and its cluster membership) until a stop signal or its death."""
+    from ..integrations.vllm.launch import VllmServer, free_port
+    from .listen import announce
+    from .vllm_workers import server_spec
+
+    if spec.port == 0:  # vLLM binds the number it is given: pick one now
+        spec = dataclasses.replace(spec, port=free_port(spec.bind_host or "127.0.0.1"))
+    announce(port_file, spec.port)
+    log_path = os.path.join(tempfile.gettempdir(), f"vllm-{spec.name}-{spec.port}.log")
+    server = VllmServer(server_spec(cfg, spec, token), log_path)
+    print(f"[{spec.name}] starting a {spec.role} vLLM server at {spec.url} (its output: {log_path})", flush=True)
+    server.start()
+    try:
+        return asyncio.run(_member(cfg, spec, server))
+    finally:
+        server.stop()
+
+
+async def _member(cfg, spec, server) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    registrar = _registrar(cfg, spec) if cfg.cluster is not None else None
+    task = asyncio.create_task(registrar.run()) if registrar is not None else None
+    ready = False
+    try:
+        while not stop.is_set():
+            if not server.alive():
+                print(f"[{spec.name}] its vLLM server exited (code {server.proc.returncode}){server.tail(5)}",
+                      flush=True)
+                return 1
+            if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+                print(f"[{spec.name}] stopped: {task.exception()}", flush=True)
+                return 2
+            if not ready and (registrar is None or registrar.registrations) and await _answers(spec.url):
+                ready = True
+                await asyncio.to_thread(_pin, server)
+                print(f"[{spec.name}] {spec.role} vLLM server ready at {spec.url}"
+                      + (" (registered)" if registrar is not None else ""), flush=True)
+            try:
+                await asyncio.wait_for(stop.wait(), _TICK_S)
+            except asyncio.TimeoutError:
+                pass
+        if registrar is None:
+            return 0
+        await registrar.leave()
+        took, left = await _drain(spec.url, cfg.cluster.drain_s)
+        print(f"[{spec.name}] drained in {took:.1f}s" + (f", {left:g} request(s) still open at the bound"
+                                                          if left else "") + "; stopping its vLLM server",
+              flush=True)
+        return 0
+    finally:
+        if registrar is not None and not registrar.left:
+            await registrar.leave()  # a dead or fatal server: out of the membership at once
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if registrar is not None:
+            await registrar.store.close()
+
+
+def _registrar(cfg, spec):
+    from .auth import internal_headers, internal_token
+    from .registration import Registrar
+    from .registry import open_store, registry_key
+    from .registry.records import WorkerRecord
+
+    cl = cfg.cluster
+    key = registry_key(internal_token(cfg) or "", cl.name)
+    rec = WorkerRecord(cl.name, spec.name, spec.role, spec.url, cfg.model_name,
+                       f"{spec.name}-{uuid.uuid4().hex[:12]}", time.time_ns(), tp=spec.tp, pp=spec.pp)
+    return Registrar(open_store(cl.uri, key, cl.call_timeout_s), key, rec, cl.heartbeat_s, cl.ttl_s,
+                     internal_headers(cfg), ready_timeout_s=cfg.startup_timeout_s)
+
+
+def _pin(server) -> None:
+    """Pin every thread of the server to its cores, as `kvbridge serve` does (vllm.cpus, vllm.pin)."""
+    from ..integrations.vllm.launch import parse_cpus, pin_group
+
+    if server.spec.pin and server.spec.cpus is not None:
+        pin_group(server.pgid, parse_cpus(server.spec.cpus))
+
+
+async def _answers(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            return (await http.get(url + "/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def _busy(http: httpx.AsyncClient, url: str) -> float | None:
+    """Requests vLLM reports running or waiting now; None when its /metrics cannot be read."""
+    try:
+        r = await http.get(url + "/metrics")
+    except httpx.HTTPError:
+        return None
+    found = _BUSY.findall(r.text) if r.status_code == 200 else []
+    return sum(float(x) for x in found) if found else None
+
+
+async def _drain(url: str, bound_s: float) -> tuple[float, float]:
+    """Wait until vLLM has had nothing running or waiting for QUIET_S (at most bound_s): (seconds, left)."""
+    t0, quiet_since, busy = time.monotonic(), None, None
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        while time.monotonic() - t0 < bound_s:
+            busy = await _busy(http, url)
+            now = time.monotonic()
+            if busy is None or busy > 0:  # (unreadable counts as busy, until the bound)
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= QUIET_S:
+                return now - t0, 0.0
+            await asyncio.sleep(0.05)
+    return time.monotonic() - t0, busy or 0.0
