@@ -228,6 +228,9 @@ def parse_config(d: Any) -> ServeConfig:
                                f"context_servers.engine {groups['context'][0].engine!r} (KV moves only "
                                f"between servers of one engine)")
     router = _router(_map(top.get("router", {}), "router"))
+    if router.policy == "kv_aware" and groups["context"][0].engine == "vllm":
+        raise ServeConfigError("router.policy: kv_aware routes by the KV events of kvbridge workers; vLLM "
+                               "servers' (engine: vllm) are not read (use prefix_aware or least_loaded)")
     startup = _get(top, "startup_timeout_s", float, "", 300.0)
     max_tokens = _get(top, "default_max_tokens", int, "", 256)
     if startup <= 0 or max_tokens < 1:
