@@ -9,8 +9,10 @@ vLLM server's own, so the router sends its hops straight there — once its /hea
 and re-registers after an outage (registration.py, as a kvbridge worker does). The router learns a
 KVBridgeConnector engine from its answers, so the record carries no endpoints or layout.
 On SIGTERM or SIGINT it leaves first (the router stops picking it), then drains: waits until vLLM reports
-no request running or waiting (`vllm:num_requests_running` / `_waiting` on its /metrics) for QUIET_S, at
-most drain_timeout_sec, then stops the server (SIGTERM, then SIGKILL to its process group) and exits 0. A
+no request running or waiting and no KV block in use (`vllm:num_requests_running` / `_waiting`,
+`vllm:kv_cache_usage_perc` on its /metrics: a prefill's blocks stay in use until its decode has pulled them)
+for QUIET_S, at most drain_timeout_sec, then stops the server (SIGTERM, then SIGKILL to its process group) and
+exits 0. A
 vLLM server that dies is unregistered at once and the member exits 1 (`kvbridge serve` restarts it).
 Without `disagg_cluster` it only runs the server. Never sends a request of its own but /health and /metrics.
 """
@@ -35,7 +37,8 @@ __all__ = ["run_member", "QUIET_S"]
 
 QUIET_S = 0.5  # after leaving: how long vLLM must report nothing running or waiting before it is stopped
 _TICK_S = 0.25
-_BUSY = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+_BUSY = re.compile(r"^vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}]*\})? (\S+)$",
+                   re.MULTILINE)
 
 
 def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
@@ -87,7 +90,7 @@ async def _member(cfg, spec, server) -> int:
             return 0
         await registrar.leave()
         took, left = await _drain(spec.url, cfg.cluster.drain_s)
-        print(f"[{spec.name}] drained in {took:.1f}s" + (f", {left:g} request(s) still open at the bound"
+        print(f"[{spec.name}] drained in {took:.1f}s" + (", requests or KV still held at the bound"
                                                           if left else "") + "; stopping its vLLM server",
               flush=True)
         return 0
@@ -132,7 +135,8 @@ async def _answers(url: str) -> bool:
 
 
 async def _busy(http: httpx.AsyncClient, url: str) -> float | None:
-    """Requests vLLM reports running or waiting now; None when its /metrics cannot be read."""
+    """Requests vLLM reports running or waiting now plus the share of its KV blocks in use (0: idle, nothing
+    held for a decode's pull); None when its /metrics cannot be read."""
     try:
         r = await http.get(url + "/metrics")
     except httpx.HTTPError:
@@ -142,7 +146,7 @@ async def _busy(http: httpx.AsyncClient, url: str) -> float | None:
 
 
 async def _drain(url: str, bound_s: float) -> tuple[float, float]:
-    """Wait until vLLM has had nothing running or waiting for QUIET_S (at most bound_s): (seconds, left)."""
+    """Wait until vLLM has been idle (`_busy` 0) for QUIET_S, at most bound_s: (seconds, what was still busy)."""
     t0, quiet_since, busy = time.monotonic(), None, None
     async with httpx.AsyncClient(timeout=2.0) as http:
         while time.monotonic() - t0 < bound_s:
