@@ -44,6 +44,10 @@ def _patch_context() -> None:
     _wrap(S.Sender, "_on_publish", "c.io_publish", lambda c: c.rid)
     _wrap(S.Sender, "_on_fetch", "c.io_fetch", lambda ident, msg: msg.ctx_request_id)
     _wrap(S.Sender, "_on_done", "c.io_done", lambda ident, msg: msg.ctx_request_id)
+    # a frame's arrival at the context I/O thread, before it is decoded (its request is not known yet: one request
+    # at a time, it is the last one published), and the finished request handed to the owner
+    _wrap(S.Sender, "_on_frames", "c.io_frames", lambda frames: max(T, default=0))
+    _wrap(S.Sender, "_report", "c.report", lambda result: result.ctx_request_id)
     orig = CacheTransceiver.check_context_transfer_status
 
     def status(self, *a, **k):

@@ -117,7 +117,8 @@ def test_control_trace_quick():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "publish -> complete" in p.stdout, p.stdout
     hops = {line.split()[0] for line in p.stdout.splitlines() if line and not line.startswith("#")}
-    assert {"c.publish", "g.fetch_sent", "g.reads_done", "g.io_done_ack"} <= hops, p.stdout
+    assert {"c.publish", "g.fetch_sent", "g.reads_done", "c.io_frames", "c.report", "g.io_done_ack"} <= hops, \
+        p.stdout
     assert {"c.io_done", "c.io_fetch"} & hops, p.stdout  # a Fetch may carry its Done (protocol 4)
 
 
