@@ -4,7 +4,8 @@ Starts the Executor of one server of the config (its rank processes spawn, rank 
 the transceiver as its rank hook), waits until the context ranks published their control endpoints, then
 serves HTTP (worker_app.py) on the server's bind_host:port until SIGINT/SIGTERM or until its executor fails
 (then it exits 1, so `kvbridge serve` notices). `kvbridge serve` starts these; on other hosts start them by
-hand with the same config.
+hand with the same config. A server of an `engine: vllm` group is a vLLM server instead, run (and, with
+`disagg_cluster`, registered) by vllm_member.py.
 
 Owns the order of start-up and shut-down: metrics in multiprocess mode before anything imports
 prometheus_client, the executor closed (its ranks reaped) after the HTTP server stopped, temporary folders
