@@ -32,6 +32,7 @@ import uuid
 import httpx
 
 log = logging.getLogger("kvbridge.serving.worker")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /health or /metrics call
 
 __all__ = ["run_member", "QUIET_S"]
 
@@ -87,6 +88,7 @@ async def _member(cfg, spec, server) -> int:
             except asyncio.TimeoutError:
                 pass
         if registrar is None:
+            print(f"[{spec.name}] stopping its vLLM server", flush=True)
             return 0
         await registrar.leave()
         took, left = await _drain(spec.url, cfg.cluster.drain_s)
