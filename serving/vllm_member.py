@@ -91,6 +91,8 @@ async def _member(cfg, spec, server) -> int:
             print(f"[{spec.name}] stopping its vLLM server", flush=True)
             return 0
         await registrar.leave()
+        if not registrar.registrations:  # stopped before it ever served: nothing to drain
+            return 0
         took, left = await _drain(spec.url, cfg.cluster.drain_s)
         print(f"[{spec.name}] drained in {took:.1f}s" + (", requests or KV still held at the bound"
                                                           if left else "") + "; stopping its vLLM server",
