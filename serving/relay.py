@@ -23,7 +23,7 @@ from fastapi import Request
 from .balancer import WorkerRef
 from .protocol import SSE_DONE, ApiError, sse
 
-__all__ = ["until_gone", "from_worker", "context_send", "read_body", "Relay", "events", "sse_body",
+__all__ = ["until_gone", "from_worker", "RERUN_CODES", "context_send", "read_body", "Relay", "events", "sse_body",
            "decoration", "decorate", "json_or_none"]
 
 
@@ -44,7 +44,7 @@ async def until_gone(request: Request, coro):
                 await task
 
 
-async def from_worker(request: Request, coro, w: WorkerRef, who: str, late: str) -> Any:
+async def from_worker(request: Request, coro, w: WorkerRef, who: str, late: str, sending: bool = False) -> Any:
     """Await one step of a generation (decode) hop: sending it, or reading its answer.
 
     Args:
@@ -53,12 +53,13 @@ async def from_worker(request: Request, coro, w: WorkerRef, who: str, late: str)
         w: the worker it talks to; marked down when its connection fails.
         who: how the error names the worker's kind, e.g. "generation worker" or "decode server".
         late: how the error says it timed out, e.g. "did not answer within 3.0s".
+        sending: the step is the send, awaiting the answer's first byte (nothing has reached the client yet).
     Returns:
         what `coro` returns.
     Raises:
         ApiError: 504 timeout_error when it timed out; 502 when the connection failed: generation_unreachable
-            when it could not even connect (nothing was sent: the router may run the request elsewhere),
-            generation_failed otherwise.
+            when it could not even connect, generation_dropped when it broke while `sending` (either way the
+            router may run the request elsewhere), generation_failed otherwise.
     """
     try:
         return await until_gone(request, coro)
@@ -66,10 +67,17 @@ async def from_worker(request: Request, coro, w: WorkerRef, who: str, late: str)
         raise ApiError(504, f"{who} {w.name} {late}", "timeout_error", "timeout") from None
     except httpx.TransportError as e:
         w.mark(False, type(e).__name__)
-        code = "generation_unreachable" if isinstance(e, httpx.ConnectError) else "generation_failed"
-        raise ApiError(502, f"{who} {w.name} failed: {type(e).__name__} {e}".rstrip(), "server_error",
+        code = ("generation_unreachable" if isinstance(e, httpx.ConnectError) else
+                "generation_dropped" if sending else "generation_failed")
+        what = "failed before answering" if sending else "failed"
+        raise ApiError(502, f"{who} {w.name} {what}: {type(e).__name__} {e}".rstrip(), "server_error",
                        code) from None
 
+
+# failures after which the router runs a choice again from its prefill: a failed KV pull, or a generation
+# (decode) worker that could not be reached or whose connection broke while the request was being sent
+# (`from_worker(sending=True)`: nothing reached the client; the worker is marked down, the next pick skips it)
+RERUN_CODES = ("kv_transfer_failed", "generation_unreachable", "generation_dropped")
 
 Send = Callable[[], Awaitable[httpx.Response]]  # one attempt of a hop: a fresh request each call
 

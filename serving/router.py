@@ -47,7 +47,8 @@ from .membership import worker_set
 from .metrics import RouterMetrics, render
 from .overlap_router import ContextFailed, context_early, release_prefetch
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
-from .relay import Relay, context_send, decorate, decoration, events, json_or_none, read_body, sse_body, until_gone
+from .relay import (RERUN_CODES, Relay, context_send, decorate, decoration, events, from_worker, json_or_none,
+                    read_body, sse_body)
 
 __all__ = ["KEEPALIVE_EXPIRY_S", "MAX_HANDOVERS", "Router", "build_router"]
 
@@ -55,10 +56,6 @@ log = logging.getLogger("kvbridge.serving.router")
 
 MAX_HANDOVERS = 3          # runs of one choice after a KV pull failed (each from another context worker)
 KEEPALIVE_EXPIRY_S = 2.0   # below uvicorn's timeout_keep_alive (5 s): never reuse a connection it closes
-# failures after which a choice is run again from the start: a failed KV pull, a generation worker that could
-# not be reached at all, or one whose connection broke before it answered a byte (closed by a worker leaving
-# or dying; nothing reached the client): the worker is marked down, so the next pick skips it
-RERUN_CODES = ("kv_transfer_failed", "generation_unreachable", "generation_dropped")
 
 
 def build_router(cfg: ServeConfig) -> FastAPI:
@@ -360,16 +357,8 @@ class Router:
                     left: float) -> httpx.Response:
         hreq = self.client.build_request("POST", w.url + path, json=body, timeout=self._tmo(left),
                                          headers={DEADLINE_HEADER: f"{left:.3f}"})
-        try:
-            return await until_gone(request, self.client.send(hreq, stream=True))
-        except httpx.TimeoutException:
-            raise ApiError(504, f"generation worker {w.name} did not answer within {left:.1f}s",
-                           "timeout_error", "timeout") from None
-        except httpx.TransportError as e:
-            w.mark(False, type(e).__name__)  # no answer began: a rerun elsewhere is safe (RERUN_CODES)
-            code = "generation_unreachable" if isinstance(e, httpx.ConnectError) else "generation_dropped"
-            raise ApiError(502, f"generation worker {w.name} failed before answering: {type(e).__name__} {e}"
-                           .rstrip(), "server_error", code) from None
+        return await from_worker(request, self.client.send(hreq, stream=True), w, "generation worker",
+                                 f"did not answer within {left:.1f}s", sending=True)
 
     async def _release(self, w: WorkerRef, ctx_data: dict) -> None:
         """Tell the context worker to drop a prefilled request's KV now (best effort, bounded)."""

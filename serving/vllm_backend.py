@@ -44,7 +44,7 @@ from .balancer import WorkerRef, routing_key
 from .fanout import Part
 from .inflight import in_flight
 from .protocol import ApiError
-from .relay import Relay, context_send, from_worker, json_or_none
+from .relay import RERUN_CODES, Relay, context_send, from_worker, json_or_none
 
 __all__ = ["VllmBackend", "PREFILL_KV_PARAMS", "prefill_body", "decode_body", "stream_error", "engine_of",
            "early_hops"]
@@ -52,9 +52,6 @@ __all__ = ["VllmBackend", "PREFILL_KV_PARAMS", "prefill_body", "decode_body", "s
 log = logging.getLogger("kvbridge.serving.vllm_backend")
 
 MAX_HANDOVERS = 3  # runs of one choice after its decode hop failed before the first token
-# what runs a choice again: a failed KV load, or a decode server that could not be reached or whose connection
-# broke before it answered (marked down: the next pick skips it)
-RERUN_CODES = ("kv_transfer_failed", "generation_unreachable", "generation_dropped")
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _PREFILL_DROP = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "best_of")
@@ -290,13 +287,8 @@ class VllmBackend:
             t0 = time.monotonic()
             req = self.r.client.build_request("POST", w.url + path, json=body, headers=self.headers,
                                               timeout=self._timeout(left))
-            try:
-                resp = await from_worker(request, self.r.client.send(req, stream=True), w, "decode server",
-                                         f"did not answer within {left:.1f}s")
-            except ApiError as e:
-                if e.code == "generation_failed":  # its connection broke before it answered (it died or left):
-                    e.code = "generation_dropped"  # nothing reached the client, the choice may run again
-                raise
+            resp = await from_worker(request, self.r.client.send(req, stream=True), w, "decode server",
+                                     f"did not answer within {left:.1f}s", sending=True)
             stack.push_async_callback(resp.aclose)
             if resp.status_code != 200 or not stream:
                 raw = await self._read(request, resp, w, deadline)

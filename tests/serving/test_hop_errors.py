@@ -12,7 +12,7 @@ import pytest
 
 from kvbridge.serving.balancer import WorkerRef
 from kvbridge.serving.protocol import ApiError
-from kvbridge.serving.relay import context_send, from_worker
+from kvbridge.serving.relay import RERUN_CODES, context_send, from_worker
 
 
 class Client:
@@ -104,3 +104,21 @@ def test_a_generation_step_maps_each_failure_to_the_clients_error_naming_the_wor
     e = run(go())
     assert (e.status, e.code) == (status, code) and e.message.startswith("decode server ctx0 "), e.message
     assert w.healthy is not down
+
+
+@pytest.mark.parametrize("fault,code", [(httpx.ConnectError, "generation_unreachable"),
+                                        (httpx.ReadError, "generation_dropped"),
+                                        (httpx.RemoteProtocolError, "generation_dropped")])
+def test_a_send_that_breaks_before_any_answer_is_a_code_the_routers_run_again(fault, code):
+    async def go():
+        client, _ = faulty(fault)
+        async with client:
+            with pytest.raises(ApiError) as e:
+                await from_worker(Client(), client.post(w.url + "/x"), w, "generation worker",
+                                  "did not answer in 1s", sending=True)
+        return e.value
+
+    w = worker()
+    e = run(go())
+    assert (e.status, e.code) == (502, code) and code in RERUN_CODES and not w.healthy
+    assert e.message.startswith("generation worker ctx0 failed"), e.message
