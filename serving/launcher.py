@@ -152,23 +152,21 @@ class Cluster:
 
     def healthy(self, c: _Child, timeout: float = 1.0) -> bool:
         """Whether child `c` answers /health with 200 now."""
-        import httpx
-
-        try:
-            return httpx.get(c.url + "/health", headers=self.headers, timeout=timeout).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return self._health_status(c, timeout) == 200
 
     def answers(self, c: _Child, timeout: float = 1.0) -> bool:
         """Whether child `c` answers /health at all now (any HTTP status: a draining or failed worker still
         answers; a hung one does not)."""
+        return self._health_status(c, timeout) is not None
+
+    def _health_status(self, c: _Child, timeout: float) -> int | None:
+        """The HTTP status of child `c`'s /health now; None when it gave no answer within `timeout`."""
         import httpx
 
         try:
-            httpx.get(c.url + "/health", headers=self.headers, timeout=timeout)
-            return True
+            return httpx.get(c.url + "/health", headers=self.headers, timeout=timeout).status_code
         except httpx.HTTPError:
-            return False
+            return None
 
     def kill_hung(self, c: _Child) -> None:
         """SIGKILL child `c`'s process group (a hung child); its death is then seen and handled like any."""

@@ -60,7 +60,7 @@ class Supervisor:
         self.policy = cluster.cfg.on_worker_exit
         self.grace_s = cluster.cfg.role_grace_s
         self.out = out or sys.stderr
-        self.hang_s = getattr(cluster.cfg, "hang_timeout_s", 0.0)
+        self.hang_s = cluster.cfg.hang_timeout_s
         now = time.monotonic() if now is None else now
         self.track = {c.name: _Track(_State.LIVE, answered=now) for c in cluster.children}
         self.last_live = {c.role: now for c in cluster.children}

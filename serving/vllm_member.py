@@ -12,8 +12,8 @@ On SIGTERM or SIGINT it leaves first (the router stops picking it), then drains:
 no request running or waiting and no KV block in use (`vllm:num_requests_running` / `_waiting`,
 `vllm:kv_cache_usage_perc` on its /metrics: a prefill's blocks stay in use until its decode has pulled them)
 for QUIET_S, at most drain_timeout_sec, then stops the server (SIGTERM, then SIGKILL to its process group) and
-exits 0. A
-vLLM server that dies is unregistered at once and the member exits 1 (`kvbridge serve` restarts it).
+exits 0 (the drain: worker_cluster.wait_quiet, as a kvbridge worker's). A vLLM server that dies is
+unregistered at once and the member exits 1 (`kvbridge serve` restarts it).
 Without `disagg_cluster` it only runs the server. Never sends a request of its own but /health and /metrics.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import re
 import signal
@@ -31,12 +32,10 @@ import uuid
 
 import httpx
 
-log = logging.getLogger("kvbridge.serving.worker")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /health or /metrics call
 
-__all__ = ["run_member", "QUIET_S"]
+__all__ = ["run_member"]
 
-QUIET_S = 0.5  # after leaving: how long vLLM must report nothing running or waiting before it is stopped
 _TICK_S = 0.25
 _BUSY = re.compile(r"^vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}]*\})? (\S+)$",
                    re.MULTILINE)
@@ -62,6 +61,9 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
 
 
 async def _member(cfg, spec, server) -> int:
+    from ..integrations.vllm.launch import health
+    from .worker_cluster import wait_quiet
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -78,7 +80,9 @@ async def _member(cfg, spec, server) -> int:
             if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
                 print(f"[{spec.name}] stopped: {task.exception()}", flush=True)
                 return 2
-            if not ready and (registrar is None or registrar.registrations) and await _answers(spec.url):
+            # registered: its /health answered 200 first (registration.py waits for it)
+            if not ready and (registrar.registrations if registrar is not None else
+                              await asyncio.to_thread(health, spec.url, 1.0)):
                 ready = True
                 await asyncio.to_thread(_pin, server)
                 print(f"[{spec.name}] {spec.role} vLLM server ready at {spec.url}"
@@ -93,10 +97,11 @@ async def _member(cfg, spec, server) -> int:
         await registrar.leave()
         if not registrar.registrations:  # stopped before it ever served: nothing to drain
             return 0
-        took, left = await _drain(spec.url, cfg.cluster.drain_s)
-        print(f"[{spec.name}] drained in {took:.1f}s" + (", requests or KV still held at the bound"
-                                                          if left else "") + "; stopping its vLLM server",
-              flush=True)
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            left = await wait_quiet(lambda: _busy(http, spec.url), t0, cfg.cluster.drain_s)
+        print(f"[{spec.name}] drained in {time.monotonic() - t0:.1f}s" + (
+            ", requests or KV still held at the bound" if left else "") + "; stopping its vLLM server", flush=True)
         return 0
     finally:
         if registrar is not None and not registrar.left:
@@ -109,17 +114,13 @@ async def _member(cfg, spec, server) -> int:
 
 
 def _registrar(cfg, spec):
-    from .auth import internal_headers, internal_token
-    from .registration import Registrar
-    from .registry import open_store, registry_key
+    """The vLLM server's registration: its URL, role and parallelism; no endpoints, capacity or layout."""
     from .registry.records import WorkerRecord
+    from .worker_cluster import cluster_registrar
 
-    cl = cfg.cluster
-    key = registry_key(internal_token(cfg) or "", cl.name)
-    rec = WorkerRecord(cl.name, spec.name, spec.role, spec.url, cfg.model_name,
-                       f"{spec.name}-{uuid.uuid4().hex[:12]}", time.time_ns(), tp=spec.tp, pp=spec.pp)
-    return Registrar(open_store(cl.uri, key, cl.call_timeout_s), key, rec, cl.heartbeat_s, cl.ttl_s,
-                     internal_headers(cfg), ready_timeout_s=cfg.startup_timeout_s)
+    return cluster_registrar(cfg, WorkerRecord(cfg.cluster.name, spec.name, spec.role, spec.url, cfg.model_name,
+                                               f"{spec.name}-{uuid.uuid4().hex[:12]}", time.time_ns(),
+                                               tp=spec.tp, pp=spec.pp))
 
 
 def _pin(server) -> None:
@@ -130,37 +131,12 @@ def _pin(server) -> None:
         pin_group(server.pgid, parse_cpus(server.spec.cpus))
 
 
-async def _answers(url: str) -> bool:
-    try:
-        async with httpx.AsyncClient(timeout=2.0) as http:
-            return (await http.get(url + "/health")).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-async def _busy(http: httpx.AsyncClient, url: str) -> float | None:
+async def _busy(http: httpx.AsyncClient, url: str) -> float:
     """Requests vLLM reports running or waiting now plus the share of its KV blocks in use (0: idle, nothing
-    held for a decode's pull); None when its /metrics cannot be read."""
+    held for a decode's pull); inf when its /metrics cannot be read (busy, until the drain's bound)."""
     try:
         r = await http.get(url + "/metrics")
     except httpx.HTTPError:
-        return None
+        return math.inf
     found = _BUSY.findall(r.text) if r.status_code == 200 else []
-    return sum(float(x) for x in found) if found else None
-
-
-async def _drain(url: str, bound_s: float) -> tuple[float, float]:
-    """Wait until vLLM has been idle (`_busy` 0) for QUIET_S, at most bound_s: (seconds, what was still busy)."""
-    t0, quiet_since, busy = time.monotonic(), None, None
-    async with httpx.AsyncClient(timeout=2.0) as http:
-        while time.monotonic() - t0 < bound_s:
-            busy = await _busy(http, url)
-            now = time.monotonic()
-            if busy is None or busy > 0:  # (unreadable counts as busy, until the bound)
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = now
-            elif now - quiet_since >= QUIET_S:
-                return now - t0, 0.0
-            await asyncio.sleep(0.05)
-    return time.monotonic() - t0, busy or 0.0
+    return sum(float(x) for x in found) if found else math.inf

@@ -20,7 +20,7 @@ import uvicorn
 
 from .registration import DuplicateWorker, Registrar
 
-__all__ = ["ClusterServer", "registrar_for"]
+__all__ = ["ClusterServer", "registrar_for", "cluster_registrar", "wait_quiet"]
 
 log = logging.getLogger("kvbridge.serving.worker")
 
@@ -29,18 +29,40 @@ QUIET_S = 0.5  # after unregistering: how long nothing must be in flight before 
 
 def registrar_for(cfg, spec, st, worker_id: str) -> Registrar:
     """The Registrar of a started worker (its state `st`: executor, endpoints, instance)."""
+    from .registry.records import WorkerRecord
+
+    ex = st.backend.ex
+    return cluster_registrar(cfg, WorkerRecord(
+        cfg.cluster.name, worker_id, spec.role, spec.url, cfg.model_name, st.instance, time.time_ns(),
+        tuple(st.endpoints), ex.cfg.num_blocks * ex.cfg.tokens_per_block, spec.tp, spec.pp, ex.layout.to_wire()))
+
+
+def cluster_registrar(cfg, rec) -> Registrar:
+    """The Registrar of WorkerRecord `rec` in cfg's disagg_cluster: its signing key, store and timings."""
     from .auth import internal_headers, internal_token
     from .registry import open_store, registry_key
-    from .registry.records import WorkerRecord
 
     cl = cfg.cluster
     key = registry_key(internal_token(cfg) or "", cl.name)
-    ex = st.backend.ex
-    rec = WorkerRecord(cl.name, worker_id, spec.role, spec.url, cfg.model_name, st.instance, time.time_ns(),
-                       tuple(st.endpoints), ex.cfg.num_blocks * ex.cfg.tokens_per_block, spec.tp, spec.pp,
-                       ex.layout.to_wire())
     return Registrar(open_store(cl.uri, key, cl.call_timeout_s), key, rec, cl.heartbeat_s, cl.ttl_s,
                      internal_headers(cfg), ready_timeout_s=cfg.startup_timeout_s)
+
+
+async def wait_quiet(busy, t0: float, bound_s: float):
+    """Wait until `await busy()` has been falsy for QUIET_S (checked every 50 ms), at most until t0 + bound_s;
+    returns the last value it gave (falsy: quiet)."""
+    quiet_since = b = None
+    while time.monotonic() - t0 < bound_s:
+        b = await busy()
+        now = time.monotonic()
+        if b:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= QUIET_S:
+            break
+        await asyncio.sleep(0.05)
+    return b
 
 
 class ClusterServer(uvicorn.Server):
@@ -88,17 +110,10 @@ class ClusterServer(uvicorn.Server):
         await self.registrar.leave()
         if self._task is not None:
             self._task.cancel()
-        quiet_since = None
-        while time.monotonic() - t0 < self.drain_s:
-            busy = be.in_flight or be.collect_released()
-            now = time.monotonic()
-            if busy:
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = now
-            elif now - quiet_since >= QUIET_S:
-                break
-            await asyncio.sleep(0.05)
+        async def busy():
+            return be.in_flight or be.collect_released()
+
+        await wait_quiet(busy, t0, self.drain_s)
         left = be.in_flight + be.collect_released()
         log.warning("%s: drained in %.1fs%s; exiting (pid %d)", name, time.monotonic() - t0,
                     f", {left} request(s) still open at the bound" if left else "", os.getpid())

@@ -97,19 +97,11 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router-vllm")
     fakes = {"prefill": FakeVllm(), "decode": FakeVllm()}
     running = {k: _serve(f.app) for k, f in fakes.items()}
-    group = lambda k: {"engine": "vllm", "urls": [f"127.0.0.1:{running[k][2]}"]}  # noqa: E731
-    path = config(tmp, "vllm", {"model": "tiny-llama", "context_servers": group("prefill"),
-                                "generation_servers": group("decode"),
-                                "router": {"port": 0, "health_interval_s": 0.2, "request_timeout_s": 60}})
-    proc, url = start_announced(["router", "--config", path], str(tmp / "router.log"))
     try:
-        wait_healthy(url, proc, 60)
-        yield url, fakes["prefill"], fakes["decode"]
+        with _router(tmp, [running["prefill"][2]], [running["decode"][2]], health_interval_s=0.2) as url:
+            yield url, fakes["prefill"], fakes["decode"]
     finally:
-        stop_process(proc)
-        for server, t, _ in running.values():
-            server.should_exit = True
-            t.join(10)
+        _stop(running.values())
 
 
 @pytest.fixture
@@ -248,14 +240,15 @@ class Dropper:
 
 
 @contextlib.contextmanager
-def _router(tmp_path, prefill_ports: list[int], decode_ports: list[int]):
-    """A `kvbridge router` process (round robin) over stand-ins at these ports: its URL."""
+def _router(tmp_path, prefill_ports: list[int], decode_ports: list[int], **router):
+    """A `kvbridge router` process (round robin; `router` keys over its defaults here) over stand-ins at these
+    ports: its URL."""
     group = lambda ports: {"engine": "vllm", "instances": len(ports),  # noqa: E731
                            "urls": [f"127.0.0.1:{p}" for p in ports]}
     path = config(tmp_path, "vllm", {"model": "tiny-llama", "context_servers": group(prefill_ports),
                                      "generation_servers": group(decode_ports),
                                      "router": {"port": 0, "policy": "round_robin", "health_interval_s": 30,
-                                                "request_timeout_s": 60}})
+                                                "request_timeout_s": 60, **router}})
     proc, url = start_announced(["router", "--config", path], str(tmp_path / "router.log"))
     try:
         wait_healthy(url, proc, 60)
