@@ -7,6 +7,12 @@ hand-off of their own. The rule that makes this safe (under the GIL, these steps
 the loop says it is idle, then looks at the queue, then sleeps; a caller queues, then looks at the flag. Either
 the loop sees the command, or the caller sees the flag and wakes it.
 
+A caller may also run a short turn itself instead of waking the loop (`_turn_lock`: whoever holds it owns every
+socket and every piece of state; the loop never holds it while it sleeps, and sleeps on the sockets' raw
+ZeroMQ file descriptors, never inside a ZeroMQ call that another thread could race). Such a turn may leave work
+for the loop: it marks the loop `_stale` and wakes it when it sleeps; the loop, about to sleep, looks at that
+flag after saying it is idle (the same rule as for commands), so it never sleeps on a view a caller changed.
+
 Subclasses (Sender, Receiver: this base class IS their loop, so it stays a base class; the work they do
 off the loop is held by composition) implement `_loop_once()` (one bounded wait plus the work it found) and
 `_do_command(cmd)`, where `cmd` is one of their own frozen command dataclasses, dispatched by type; they may
@@ -57,6 +63,8 @@ class IOThread:
         self._wake_open = True
         self._idle = False  # the I/O thread is (about to be) asleep in its poll: commands must wake it
         self._woken = False  # the last poll saw the wake fd readable: `_drain_commands` clears it
+        self._turn_lock = threading.Lock()  # held for a loop turn's work (the loop's own, or a caller's inline)
+        self._stale = False  # a caller's turn changed what the loop last looked at: it must look again first
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: collections.deque = collections.deque()
         self._finished_cv = threading.Condition()  # signalled with every result: the owner may wait on it
@@ -90,6 +98,7 @@ class IOThread:
         self._stop.set()
         self._wake()
         self._thread.join(timeout)
+        self._turn_lock.acquire(timeout=timeout)  # a caller's turn ends first; then none starts (kept held)
         self._worker.shutdown(wait=True, cancel_futures=True)  # no pack/unpack may still touch memory
         with self._wake_lock:
             self._wake_open = False
@@ -120,10 +129,12 @@ class IOThread:
         `timeout_ms`; {socket or fd: events} of what is ready. Marked idle meanwhile, so commands wake it."""
         if timeout_ms > 0:
             self._idle = True
-            if not self._cmds.empty():  # queued while we were busy (no wake was sent): take it now
+            if self._stale or not self._cmds.empty():  # queued (or changed) while we were busy: look now
                 timeout_ms = 0
         try:
             ready = dict(poller.poll(timeout_ms))
+        except zmq.ZMQError:  # a descriptor closed under the poll: the next turn looks at everything anyway
+            ready = {}
         finally:
             self._idle = False
         if self._wake_rx in ready:
@@ -142,6 +153,25 @@ class IOThread:
                 return
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
+
+    def _try_inline(self) -> bool:
+        """Any thread: take the turn lock if nobody holds it (the loop sleeps), for a short turn of the caller's
+        own; False (and the loop woken if it sleeps, so what the caller queued is taken) if somebody does. The
+        caller runs its turn, then `_end_inline(more)`."""
+        if self._turn_lock.acquire(blocking=False):
+            return True  # (never after close: `_stop_io` keeps the lock)
+        if self._idle:  # another caller's turn holds it while the loop sleeps: the loop takes our command
+            self._wake()
+        return False
+
+    def _end_inline(self, more: bool) -> None:
+        """Release the turn lock after a caller's turn; `more`: the loop must look again (work left for it, or a
+        changed set of sockets), at once if it sleeps."""
+        if more:
+            self._stale = True
+        self._turn_lock.release()
+        if more and self._idle:
+            self._wake()
 
     def _drain_commands(self) -> None:
         """Run every queued command; clear the wake first if the last poll saw it (a read of the eventfd when it

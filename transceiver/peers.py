@@ -52,17 +52,35 @@ class CtxPeers:
     def __iter__(self) -> Iterator[CtxPeer]:
         return iter(self._by_endpoint.values())
 
-    def poller(self, wake: int) -> tuple[zmq.Poller, dict[zmq.Socket, CtxPeer]]:
-        """A poller of `wake` (the I/O thread's wake fd) and every open peer socket (rebuilt only when a socket
-        opened or closed), and the peers by socket."""
+    def poller(self, wake: int) -> zmq.Poller:
+        """A poller of `wake` (the I/O thread's wake fd) and every open peer socket's raw descriptor (ZMQ_FD:
+        readable when the socket's state may have changed; `readable` says whether a frame waits), rebuilt only
+        when a socket opened or closed. Polled by descriptor, never by socket, so another thread's turn
+        (Receiver._inline) may use the sockets meanwhile."""
         socks = self._socks
         if socks is None or self._poller is None:
             socks = self._socks = {p.sock: p for p in self._by_endpoint.values() if p.sock is not None}
             if self._poller is None or tuple(socks) != self._polled:
                 self._poller, self._polled = zmq.Poller(), tuple(socks)
-                for s in (wake, *socks):
-                    self._poller.register(s, zmq.POLLIN)
-        return self._poller, socks
+                for fd in (wake, *(s.getsockopt(zmq.FD) for s in socks)):
+                    self._poller.register(fd, zmq.POLLIN)
+        return self._poller
+
+    @property
+    def changed(self) -> bool:
+        """A socket opened or closed since `poller` was last built."""
+        return self._socks is None
+
+    def readable(self) -> list[CtxPeer]:
+        """Peers with a frame waiting on their socket (ZMQ_EVENTS)."""
+        return [p for p in self._by_endpoint.values() if p.sock is not None and
+                p.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN]
+
+    def input_waiting(self) -> bool:
+        """Whether any open socket has a frame waiting. Asked after sending: a send may take the descriptor's
+        signal of a frame that came meanwhile, so a loop that then slept on the descriptor would not wake."""
+        return any(p.sock is not None and p.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+                   for p in self._by_endpoint.values())
 
     def get(self, endpoint: str) -> CtxPeer | None:
         return self._by_endpoint.get(endpoint)

@@ -98,8 +98,13 @@ class Receiver(IOThread):
             raise TransceiverError(f"request {request_id}: from_token {from_token} outside its {num_tokens} "
                                    f"tokens")
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
-        self._command(Submit(int(request_id), params, blocks, int(num_tokens),
-                              float(timeout_s or self.config.transfer_timeout_s), int(from_token)))
+        cmd = Submit(int(request_id), params, blocks, int(num_tokens),
+                     float(timeout_s or self.config.transfer_timeout_s), int(from_token))
+        if self.before_confirm is not None:  # the test hook runs on the I/O thread only
+            self._command(cmd)
+            return
+        self._command(cmd, wake=False)
+        self._inline()
 
     def cancel(self, request_id: int) -> None:
         """Abort a pull; it still reports a (failed) result once its reads have settled."""
@@ -120,27 +125,55 @@ class Receiver(IOThread):
 
     # --- I/O thread -----------------------------------------------------------------------------------
     def _loop_once(self) -> None:
-        poller, socks = self._peers.poller(self._wake_rx)
-        # While reads are in flight, completion is noticed by polling the handles: a zero-timeout poll, then a
-        # short sleep (_READ_POLL_S) when nothing came; otherwise sleep in the poll.
-        busy = any(p.state in _POLLED for p in self._pulls.values())
-        ready = self._wait(poller, 0 if busy else 20)
-        if busy and not ready:  # no pause while a read may end any moment (pull.near_end: cuda_ipc's)
+        with self._turn_lock:
+            self._stale = False
+            self._drain_commands()
+            for peer in self._peers.readable():
+                sock = peer.sock
+                for parts in self._received(sock):
+                    peer.last_heard = time.monotonic()
+                    self._on_parts(peer, sock, parts)
+                    if peer.sock is not sock:  # reset by this frame ("no session"): the socket is closed
+                        break
             now = time.monotonic()
-            if any(p.state in _POLLED and p.near_end(now) for p in self._pulls.values()):
+            self._advance(now)
+            self._peers.flush()  # what this turn sent: one message per context rank
+            if self._peers.input_waiting():  # (a send may take the descriptor's word of a frame that came)
+                return
+            # While reads are in flight, completion is noticed by polling the handles: a zero-timeout poll, then a
+            # short sleep (_READ_POLL_S) when nothing came (no pause while a read may end any moment:
+            # pull.near_end, cuda_ipc's); otherwise sleep in the poll.
+            polled = [p for p in self._pulls.values() if p.state in _POLLED]
+            near = any(p.near_end(now) for p in polled)
+            poller = self._peers.poller(self._wake_rx)
+        ready = self._wait(poller, 0 if polled else 20)
+        if polled and not ready:
+            if near:
                 os.sched_yield()
             else:
                 time.sleep(_READ_POLL_S)
-        self._drain_commands()
-        for s, peer in socks.items():
-            if s in ready and peer.sock is s:
-                for parts in self._received(s):
-                    peer.last_heard = time.monotonic()
-                    self._on_parts(peer, s, parts)
-                    if peer.sock is not s:  # reset by this frame ("no session"): the socket is closed
-                        break
-        self._advance(time.monotonic())
-        self._peers.flush()  # what this turn sent: one message per context rank
+
+    def _inline(self) -> None:
+        """A caller's turn (`submit`): when the loop sleeps, the queued commands run on the calling thread and
+        the pulls they touched step as far as they can, so a new pull's Fetch (with its reads, read-ahead) leaves
+        now instead of after the I/O thread wakes; what is left (reads to poll, frames, new sockets) goes back
+        to the loop. When the loop is busy the command simply waits for its next turn."""
+        if not self._try_inline():
+            return
+        more = True
+        try:
+            self._drain_commands()
+            now = time.monotonic()
+            due = [self._pulls[r] for r in self._touched if r in self._pulls]
+            self._touched.clear()
+            self._step(due, now)
+            self._peers.flush()
+            more = bool(self._touched) or self._peers.changed or self._peers.input_waiting() or any(
+                p.state in _POLLED for p in due)
+        except Exception:  # noqa: BLE001 - the loop's own turn takes it from here
+            log.exception("receiver: a caller's turn failed (the I/O thread goes on)")
+        finally:
+            self._end_inline(more)
 
     def _touch_later(self, rid: int) -> None:
         """Any thread: have the I/O thread step pull `rid` at once (not at the next sweep)."""
@@ -269,15 +302,18 @@ class Receiver(IOThread):
         else:
             due = [p for p in self._pulls.values() if p.state in _POLLED or p.request_id in self._touched]
         self._touched.clear()
+        self._step(due, now)
+        self._peers.watch(now, self._peer_gone)
+        if now - self._last_beat >= self.config.heartbeat_s:
+            self._last_beat = now
+            self._peers.heartbeat(now, self._renewed)
+
+    def _step(self, due: list[Pull], now: float) -> None:
         for pull in due:
             try:
                 self._advance_pull(pull, now)
             except KvBridgeError as e:
                 self._fail(pull, type(e).__name__, str(e))
-        self._peers.watch(now, self._peer_gone)
-        if now - self._last_beat >= self.config.heartbeat_s:
-            self._last_beat = now
-            self._peers.heartbeat(now, self._renewed)
 
     def _advance_pull(self, pull: Pull, now: float) -> None:
         """Move one pull as far as it can go this tick: the step of its state runs, and as long as a step
