@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterable
 from enum import Enum
 
 import numpy as np
@@ -101,6 +101,30 @@ class Entry:
     @property
     def active_readers(self) -> int:
         return len(set(self.fetched) - set(self.done))
+
+    def admit(self, instance: str, gen_rank: int, msg: m.Fetch, rank: int,
+              readers: Callable[[], Iterable[int]]) -> tuple[m.ErrorCode, str] | None:
+        """Whether context rank `rank` serves this Fetch from generation rank `gen_rank` of `instance`: None, or
+        the error to answer (code, text). The first instance admitted claims the request (its expected readers:
+        `readers()`, the generation ranks the mapping has read this rank); another instance's Fetch is TAKEN."""
+        if self.cancel_requested:
+            return m.ErrorCode.CANCELLED, f"request {self.rid} was cancelled"
+        if self.instance is None:
+            self.instance, self.expected = instance, frozenset(readers())
+        elif self.instance != instance:
+            return m.ErrorCode.TAKEN, f"request {self.rid} is being pulled by generation instance {self.instance}"
+        if gen_rank not in self.expected:
+            return m.ErrorCode.MALFORMED, f"generation rank {gen_rank} reads nothing from context rank {rank}"
+        if not 0 <= msg.from_token < self.num_tokens:
+            return m.ErrorCode.MALFORMED, (f"fetch of request {self.rid} from token {msg.from_token}: outside its "
+                                           f"{self.num_tokens} tokens")
+        if msg.done and not msg.read_ahead:
+            return m.ErrorCode.MALFORMED, (f"fetch of request {self.rid} carries its Done without read-ahead (no "
+                                           f"block ids to have read)")
+        why = self.read_ahead_refusal(msg.block_ids, msg.staged) if msg.read_ahead else ""
+        if why:
+            return m.ErrorCode.READ_AHEAD, f"context rank {rank} refuses the read-ahead of request {self.rid}: {why}"
+        return None
 
     def read_ahead_refusal(self, block_ids: np.ndarray, staged: bool) -> str:
         """Why a read-ahead Fetch cannot be vouched for ("" when it can). Its reads started when the reader

@@ -353,35 +353,11 @@ class Sender(IOThread):
                 self._early.add(msg.ctx_request_id, time.monotonic() + self.config.publish_wait, ident, msg)
                 self._drain_commands()  # a publish queued without a wake (it saw no Fetch waiting) serves it now
             return
-        if e.cancel_requested:
-            self._error(ident, m.ErrorCode.CANCELLED, f"request {e.rid} was cancelled", e.rid, "fetch")
+        bad = e.admit(s.instance, s.gen_rank, msg, self.pool.rank,
+                      lambda: mapping_for(self.layout, s.layout).readers_of(self.pool.rank))
+        if bad is not None:
+            self._error(ident, bad[0], bad[1], e.rid, "fetch")
             return
-        if e.instance is None:
-            mapping = mapping_for(self.layout, s.layout)
-            e.instance = s.instance
-            e.expected = frozenset(mapping.readers_of(self.pool.rank))
-        elif e.instance != s.instance:
-            self._error(ident, m.ErrorCode.TAKEN, f"request {e.rid} is being pulled by generation instance "
-                        f"{e.instance}", e.rid, "fetch")
-            return
-        if s.gen_rank not in e.expected:
-            self._error(ident, m.ErrorCode.MALFORMED, f"generation rank {s.gen_rank} reads nothing from context "
-                        f"rank {self.pool.rank}", e.rid, "fetch")
-            return
-        if not 0 <= msg.from_token < e.num_tokens:
-            self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} from token "
-                        f"{msg.from_token}: outside its {e.num_tokens} tokens", e.rid, "fetch")
-            return
-        if msg.done and not msg.read_ahead:
-            self._error(ident, m.ErrorCode.MALFORMED, f"fetch of request {e.rid} carries its Done without "
-                        f"read-ahead (no block ids to have read)", e.rid, "fetch")
-            return
-        if msg.read_ahead:
-            why = e.read_ahead_refusal(msg.block_ids, msg.staged)
-            if why:
-                self._error(ident, m.ErrorCode.READ_AHEAD, f"context rank {self.pool.rank} refuses the read-ahead "
-                            f"of request {e.rid}: {why}", e.rid, "fetch")
-                return
         if not msg.done and s.gen_rank not in e.fetched:
             self._readers.started()
         e.fetched[s.gen_rank] = ident
