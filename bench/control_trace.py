@@ -73,6 +73,12 @@ def _patch_generation() -> None:
         from kvbridge.transceiver import receiver_legs as L
     except ImportError:
         L = None
+    try:  # later versions: the handshake step (the Fetch) lives in receiver_handshake.py
+        from kvbridge.transceiver import receiver_handshake as H
+    except ImportError:
+        H = None
+    if H is not None:
+        _wrap(H.Handshake, "_send_fetch", "g.fetch_sent", lambda pull, *a: pull.ctx_request_id)
     if L is not None:
         _wrap(L.LegFrames, "blocks", "g.io_blocks", lambda pull, *a: pull.ctx_request_id)
         _wrap(L.LegFrames, "done_ack", "g.io_done_ack", lambda pull, *a: pull.ctx_request_id)

@@ -22,14 +22,13 @@ import uuid
 import numpy as np
 import zmq
 
-from ..agents import XferState
 from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError, TransceiverError
 from ..formatter.mapping import MAPPING_VERSION, mapping_for
 from . import messages as m
 from . import metrics
 from .commands import CancelPull, Submit, Touch
 from .config import TransceiverConfig, local_host_id
-from .ctx_peer import CtxPeer, PeerState
+from .ctx_peer import CtxPeer
 from .peers import CtxPeers
 from .handshake import accept_welcome
 from .iothread import IOThread
@@ -37,6 +36,7 @@ from .outbox import each_part
 from .params import DisaggParams
 from .pool import LocalPool
 from .pull import Leg, LegState, Pull, PullState, ReceiveResult
+from .receiver_handshake import Handshake
 from .receiver_legs import LegFrames
 from .receiver_work import PullFinisher, StagingPolicy
 
@@ -75,7 +75,7 @@ class Receiver(IOThread):
                           Touch: lambda c: self._touched.add(c.request_id)}
         self._peer_messages = {m.Welcome: self._on_welcome, m.Error: self._on_error,
                                m.HeartbeatAck: self._on_heartbeat_ack}
-        self._steps = {PullState.HANDSHAKE: self._step_handshake, PullState.READ: self._step_read,
+        self._steps = {PullState.HANDSHAKE: None, PullState.READ: self._step_read,
                        PullState.CONFIRM: self._step_confirm, PullState.DRAIN: self._step_drain}
         if config.verify:
             from ..formatter import digest  # noqa: F401 - import torch/xxhash now, not mid-transfer
@@ -84,6 +84,8 @@ class Receiver(IOThread):
         zctx = zmq.Context()
         self._peers = CtxPeers(zctx, config, hello, f"{self.instance}:{pool.rank}")
         self._leg_messages = LegFrames(pool.arena, self._fail, self._peers.reset).handlers
+        self._steps[PullState.HANDSHAKE] = Handshake(pool, config, self._peers, self._staging, self._fail,
+                                                     lambda: self.before_confirm is not None).step
         self._start_io(zctx, f"kvb-receiver-r{pool.rank}")
 
     # --- engine-facing API ----------------------------------------------------------------------------
@@ -326,62 +328,6 @@ class Receiver(IOThread):
             state = pull.state
             if self._steps[state](pull, now) or pull.state is state:
                 return
-
-    def _step_handshake(self, pull: Pull, now: float) -> bool:
-        """Sessions up, a Fetch to every context rank, reads posted as each rank's block ids arrive."""
-        for leg in pull.legs.values():
-            peer = self._peers.ensure(leg.endpoint, now)
-            if peer.state is PeerState.FAILED:
-                self._fail(pull, *peer.error)
-                return True
-            if peer.state is PeerState.HELLO and now - peer.first_hello > self.config.handshake_timeout_s:
-                self._fail(pull, "PeerGone", f"context rank at {leg.endpoint} did not answer hello within "
-                           f"{self.config.handshake_timeout_s:g} s")
-                return True
-            if peer.state is PeerState.READY and leg.state is LegState.NEW and self._send_fetch(pull, leg, peer, now):
-                return True
-            if leg.fetched and not leg.handles:  # start this leg's reads now; others may still be fetching
-                pull.mark("fetched")
-                pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
-        if all(leg.fetched for leg in pull.legs.values()):
-            pull.advance(PullState.READ)
-        return False
-
-    def _send_fetch(self, pull: Pull, leg: Leg, peer: CtxPeer, now: float) -> bool:
-        """Ask `peer` for this leg's block ids; True (the pull failed) when the context executor restarted."""
-        if peer.welcome.ctx_instance != pull.ctx_instance:
-            self._fail(pull, "RequestNotFound", f"context executor at {leg.endpoint} restarted (instance "
-                       f"{peer.welcome.ctx_instance}, request issued by {pull.ctx_instance})")
-            return True
-        leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
-        staged = self._staging.want_staged(pull, leg, peer)
-        ahead = pull.ctx_blocks is not None and not staged
-        leg.advance(LegState.FETCH_SENT)
-        done = False
-        try:
-            if ahead:  # the ids are known: the leg is fetched now, its reads go out before the Fetch
-                leg.read_ahead_from(pull.ctx_blocks, peer.remote.layout)
-                pull.mark("fetched")
-                pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
-                done = self._piggyback_done(leg)
-        finally:  # a post that failed still sends the Fetch: the failure's Done(ok=False) then releases the reader
-            self._peers.send(peer, m.Fetch(pull.ctx_request_id, self.pool.rank, self.config.stream_layers, staged,
-                                           pull.from_token, pull.secret, ahead,
-                                           pull.ctx_blocks if ahead else (), done).encode())
-            if done:
-                leg.advance(LegState.DONE_SENT)
-        if not peer.legs:  # an idle peer: its silence is measured from this request on
-            peer.last_heard = now
-        peer.legs.add((pull.request_id, leg.ctx_rank))  # watched for silence from now on
-        return False
-
-    def _piggyback_done(self, leg: Leg) -> bool:
-        """Whether a read-ahead leg's Fetch may carry its Done: every read of the leg was posted and has
-        already finished (a small read on a fast path settles as it is posted), there is nothing to hash
-        (verification mode sends digests with Done), and no test hook wants to run between reads and Done.
-        The context rank then answers the one frame with DoneAck: one message and one wake-up fewer."""
-        return (leg.all_posted and not self.config.verify and self.before_confirm is None
-                and all(h.state() is XferState.DONE for h in leg.handles))
 
     def _step_read(self, pull: Pull, now: float) -> bool:
         """Post what became readable; once every read settled, unpack/hash off the I/O thread if needed."""
