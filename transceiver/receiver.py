@@ -47,6 +47,7 @@ __all__ = ["Receiver", "ReceiveResult"]
 _POLLED = frozenset({PullState.READ, PullState.DRAIN})  # states whose step polls transfer handles every tick
 _SWEEP_S = 0.005  # every pull is stepped at least this often
 _READ_POLL_S = 50e-6  # pause between looks at reads in flight (a spin costs the peer its core: RESULTS.md)
+_INLINE_MAX = 4  # a submit runs the turn itself only while fewer pulls are in flight (`_inline`)
 
 
 class Receiver(IOThread):
@@ -102,8 +103,8 @@ class Receiver(IOThread):
         blocks = np.asarray(block_ids, dtype=np.int64).copy()
         cmd = Submit(int(request_id), params, blocks, int(num_tokens),
                      float(timeout_s or self.config.transfer_timeout_s), int(from_token))
-        if self.before_confirm is not None:  # the test hook runs on the I/O thread only
-            self._command(cmd)
+        if self.before_confirm is not None or len(self._pulls) >= _INLINE_MAX:  # the hook runs on the I/O
+            self._command(cmd)  # thread only; under load the loop's turn takes many submits at once, one send
             return
         self._command(cmd, wake=False)
         self._inline()
@@ -145,11 +146,13 @@ class Receiver(IOThread):
             # While reads are in flight, completion is noticed by polling the handles: a zero-timeout poll, then a
             # short sleep (_READ_POLL_S) when nothing came (no pause while a read may end any moment:
             # pull.near_end, cuda_ipc's); otherwise sleep in the poll.
-            polled = [p for p in self._pulls.values() if p.state in _POLLED]
-            near = any(p.near_end(now) for p in polled)
+            busy = any(p.state in _POLLED for p in self._pulls.values())
             poller = self._peers.poller(self._wake_rx)
-        ready = self._wait(poller, 0 if polled else 20)
-        if polled and not ready:
+        ready = self._wait(poller, 0 if busy else 20)
+        if busy and not ready:
+            now = time.monotonic()
+            with self._turn_lock:
+                near = any(p.state in _POLLED and p.near_end(now) for p in self._pulls.values())
             if near:
                 os.sched_yield()
             else:
