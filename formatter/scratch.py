@@ -2,8 +2,8 @@
 
 A 1 GiB request's plan is a few hundred KiB of int64 per leg; a fresh numpy array of that size is new memory
 from the kernel, and its page faults cost more than the arithmetic that fills it (bench/RESULTS.md, "Direct
-path host work"). A PlanScratch keeps such arrays for the next plan. Owned by one thread (a receiver's I/O
-thread); no locking. Never hands out an array that was not given back, so a buffer is reused only after its
+path host work"). A PlanScratch keeps such arrays for the next plan. Used by one thread at a time (a receiver's,
+by whichever thread holds its turn lock); no locking. Never hands out an array that was not given back, so a buffer is reused only after its
 owner said nothing reads it any more.
 """
 

@@ -43,7 +43,8 @@ _NEAR_S, _LATE_S = 250e-6, 2e-3
 
 
 def _scratch() -> PlanScratch:
-    """The calling thread's plan arrays (a receiver's I/O thread plans, posts and releases its pulls)."""
+    """The calling thread's plan arrays, for a Pull made without a `scratch` (a Receiver gives all its pulls its
+    one PlanScratch: they are planned and released by whichever thread holds its turn lock)."""
     s = getattr(_local, "scratch", None)
     if s is None:
         s = _local.scratch = PlanScratch()
@@ -213,6 +214,7 @@ class Pull:
     from_token: int = 0  # prefix reuse: the local blocks already hold tokens [0, from_token); read the rest
     secret: bytes = field(default=b"", repr=False)  # the context request's secret, sent in every Fetch
     ctx_blocks: np.ndarray | None = None  # read-ahead: the context block ids from DisaggParams
+    scratch: PlanScratch | None = field(default=None, repr=False)  # plan arrays (None: the thread's own)
 
     def advance(self, to: PullState) -> None:
         """The one place a pull's state changes; IllegalTransition for a move PULL_MOVES does not list."""
@@ -262,6 +264,9 @@ class Pull:
             self.marks["first_post"] = time.monotonic()
             self.marks["first_read_unix"] = time.time()
 
+    def _plans(self) -> PlanScratch:
+        return self.scratch if self.scratch is not None else _scratch()
+
     def post_ready_layers(self, leg: Leg, local: RankPool, agent) -> None:
         """Plan and post reads for the layers of `leg` that became ready since the last call."""
         remote = leg.remote
@@ -292,7 +297,7 @@ class Pull:
         grid = plan_grid(*args) if agent.grid_native else None
         frags: Fragments | None = None
         if grid is None:
-            frags = plan_piece(*args, _scratch())
+            frags = plan_piece(*args, self._plans())
             leg.plans.append(frags.src)
         t1 = time.monotonic()
         self._first_post()
@@ -315,7 +320,7 @@ class Pull:
     def release(self, arena, unpack_timeout_s: float) -> None:
         """Terminal: release every transfer handle and free the staging slots into `arena`; a slot whose
         unpack is still running after `unpack_timeout_s` stays allocated (leaked, never reused). The plan
-        arrays of a leg whose reads all settled go back to this thread's PlanScratch; a leg with a read still
+        arrays of a leg whose reads all settled go back to the pull's PlanScratch; a leg with a read still
         in flight (quarantine over) keeps them away from reuse."""
         jobs = [f for f in [self.verifying] + [u for leg in self.legs.values() for u in leg.unpacks] if f is not None]
         deadline = time.monotonic() + unpack_timeout_s
@@ -330,7 +335,7 @@ class Pull:
                 for leg in self.legs.values():
                     leg.slot = None
                 break
-        scratch = _scratch()
+        scratch = self._plans()
         for leg in self.legs.values():
             settled = not leg.pending()  # nothing reads the plan arrays any more: the next plan may reuse them
             for h in leg.handles:

@@ -24,6 +24,7 @@ import zmq
 
 from ..errors import KvBridgeError, LayoutMismatchError, ProtocolError, TransceiverError
 from ..formatter.mapping import MAPPING_VERSION, mapping_for
+from ..formatter.scratch import PlanScratch
 from . import messages as m
 from . import metrics
 from .commands import CancelPull, Submit, Touch
@@ -70,6 +71,7 @@ class Receiver(IOThread):
         self._sweep_at = 0.0  # when every pull is advanced next (deadlines, handshakes, silence)
         self._last_beat = 0.0
         self.before_confirm = None  # fault injection for tests: called with the Pull once its reads are done
+        self._plans = PlanScratch()  # plan arrays reused once their reads settled (whoever holds the turn lock)
         self._finisher = PullFinisher(pool, config.verify)
         self._staging = StagingPolicy(pool, config)
         self._commands = {Submit: self._on_submit, CancelPull: self._on_cancel,
@@ -204,7 +206,7 @@ class Receiver(IOThread):
         ahead = c.params.ctx_block_ids if self.config.read_ahead else None
         self._pulls[c.request_id] = Pull(c.request_id, c.params.ctx_request_id, c.params.ctx_instance, c.blocks,
                                          c.num_tokens, now + c.timeout_s, legs, from_token=c.from_token,
-                                         secret=c.params.secret,
+                                         secret=c.params.secret, scratch=self._plans,
                                          ctx_blocks=None if ahead is None else np.asarray(ahead, dtype=np.int64))
         self._by_ctx.setdefault(c.params.ctx_request_id, set()).add(c.request_id)
         self._touched.add(c.request_id)

@@ -26,7 +26,7 @@ from kvbridge.transceiver import CacheTransceiver, DisaggParams, TransceiverConf
 from kvbridge.transceiver import peers as P
 
 LAY = KVLayout(KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=16))
-CTX_NB, GEN_NB, N = 64, 64, 16
+CTX_NB, GEN_NB, N = 160, 160, 16
 CFG = TransceiverConfig(agents=("nixl",), lease_s=10.0, heartbeat_s=0.5, pickup_timeout_s=30.0)
 
 
@@ -151,3 +151,29 @@ def test_submitters_racing_close_either_run_or_are_told_it_is_closed():
         assert not other, other
         assert all("closed" in t for t in told), told
         assert not gen.receiver._thread.is_alive()
+
+
+def test_plan_arrays_of_inline_pulls_go_back_to_the_receivers_scratch_and_are_reused(pair):
+    """A pull planned on the submitting thread and released on the I/O thread (its DoneAck) gives its plan
+    arrays back to the one PlanScratch of the receiver, not to a thread's that never plans again: the next large
+    pull reuses them (their pages are mapped already)."""
+    ctx, gen, gen_buf, _senders = pair
+    plans, n = gen.receiver._plans, 80 * N
+    placed = {}
+    for rid, first in ((1, 0), (2, 40)):  # 80 blocks into the reversed ids: no run merges, > 64 fragments
+        src = list(range(first, first + 80))
+        dst = src[::-1]
+        secret = ctx.respond_and_send_async(type("R", (), {"request_id": rid, "block_ids": np.array(src),
+                                                           "num_tokens": n})())
+        req = _Req(rid, dst, DisaggParams(rid, ctx.instance, (ctx.endpoint,), LAY, secret, tuple(src)).to_dict())
+        req.num_tokens = n
+        gen.request_and_receive_async(req)
+        (r,) = _wait(gen, 1, "gen")
+        assert r.ok and r.fragments > 64, (r.error, r.fragments)
+        assert plans.lent == 0  # every array it lent came back
+        if rid == 1:
+            kept = [id(b) for b in plans._free]
+            assert kept, "no plan array came back to the receiver's scratch"
+        placed.update(zip(dst, src))
+    assert [id(b) for b in plans._free] == kept  # the second plan took them and gave them back
+    _exact(gen_buf, placed)  # each block holds its context block's codes (the copy is byte for byte)
