@@ -15,6 +15,8 @@ import logging
 import os
 import threading
 import time
+import warnings
+import weakref
 
 from ..errors import AgentError, PeerError
 from .base import DescriptorList, MemoryKind, MemoryRegion, TransferAgent, TransferHandle, XferState
@@ -121,6 +123,23 @@ class NixlTransfer(TransferHandle):
     def _do_release(self) -> None:
         self._drop()
 
+    def __del__(self) -> None:
+        # Garbage-collected unreleased (warned as for any handle): NIXL's request object releases itself when it
+        # is collected, and in a collected cycle it may already have done so, but without noting it, so a
+        # release from here would free the request twice (a crash). So drop the reference only.
+        if not getattr(self, "_released", True):
+            warnings.warn(f"{type(self).__name__} was not released; NIXL releases it", ResourceWarning,
+                          stacklevel=2)
+            self._released, self._xfer = True, None
+
+    def abandon(self) -> None:
+        """The agent is closing: release NIXL's request now (a later `release` does nothing more); a state
+        not known by then reads FAILED."""
+        if self._final is None:
+            self._final = XferState.FAILED
+            self.error = self.error or "the NIXL agent was closed before this transfer settled"
+        self._drop()
+
     def _drop(self) -> None:
         x, self._xfer = self._xfer, None
         if x is not None:
@@ -178,6 +197,9 @@ class NixlAgent(TransferAgent):
         if missing:
             raise AgentError(f"NIXL backends {missing} are not available (plugins: {self._nx.plugin_list})")
         self._reg_descs: dict[int, object] = {}
+        # NIXL transfer requests not released yet: released at close, while the agent still holds its memory and
+        # peers (a request released after them, e.g. by the garbage collector, crashed the process)
+        self._live: weakref.WeakSet = weakref.WeakSet()
         self._stop_progress = threading.Event()
         self._kick = threading.Event()  # set by `expect_reads` and close: the progress thread looks now
         self._idle_s = progress_interval_s if idle_progress_s is None else float(idle_progress_s)
@@ -283,13 +305,17 @@ class NixlAgent(TransferAgent):
         except Exception as e:  # noqa: BLE001
             nx.release_xfer_handle(xfer)
             raise AgentError(f"NIXL could not post a {op} to {peer!r}: {e}") from e
-        return NixlTransfer(self._nx, xfer, len(local), local.nbytes, first, self._telemetry)
+        handle = NixlTransfer(self._nx, xfer, len(local), local.nbytes, first, self._telemetry)
+        self._live.add(handle)
+        return handle
 
     def _close(self) -> None:
         self._stop_progress.set()
         self._kick.set()
         if self._progress_thread is not None:
             self._progress_thread.join(5)
+        for handle in list(self._live):  # its owner never released it (a transceiver closed mid-read)
+            handle.abandon()
         for key in list(self._reg_descs):
             try:
                 self._nx.deregister_memory(self._reg_descs.pop(key))
