@@ -133,8 +133,6 @@ class IOThread:
                 timeout_ms = 0
         try:
             ready = dict(poller.poll(timeout_ms))
-        except zmq.ZMQError:  # a descriptor closed under the poll: the next turn looks at everything anyway
-            ready = {}
         finally:
             self._idle = False
         if self._wake_rx in ready:

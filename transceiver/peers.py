@@ -73,14 +73,12 @@ class CtxPeers:
 
     def readable(self) -> list[CtxPeer]:
         """Peers with a frame waiting on their socket (ZMQ_EVENTS)."""
-        return [p for p in self._by_endpoint.values() if p.sock is not None and
-                p.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN]
+        return [p for p in self._by_endpoint.values() if _has_input(p)]
 
     def input_waiting(self) -> bool:
         """Whether any open socket has a frame waiting. Asked after sending: a send may take the descriptor's
         signal of a frame that came meanwhile, so a loop that then slept on the descriptor would not wake."""
-        return any(p.sock is not None and p.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
-                   for p in self._by_endpoint.values())
+        return any(_has_input(p) for p in self._by_endpoint.values())
 
     def get(self, endpoint: str) -> CtxPeer | None:
         return self._by_endpoint.get(endpoint)
@@ -181,6 +179,10 @@ class CtxPeers:
     def close(self) -> None:
         for peer in self._by_endpoint.values():
             _close(peer)
+
+
+def _has_input(peer: CtxPeer) -> bool:
+    return peer.sock is not None and bool(peer.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
 def _close(peer: CtxPeer) -> None:

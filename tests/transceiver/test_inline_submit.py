@@ -31,8 +31,9 @@ CFG = TransceiverConfig(agents=("nixl",), lease_s=10.0, heartbeat_s=0.5, pickup_
 
 
 class _Req:
-    def __init__(self, rid: int, blocks, params=None) -> None:
-        self.request_id, self.block_ids, self.num_tokens, self.disagg_params = rid, np.array(blocks), N, params
+    def __init__(self, rid: int, blocks, params=None, num_tokens: int = N) -> None:
+        self.request_id, self.block_ids, self.disagg_params = rid, np.array(blocks), params
+        self.num_tokens = num_tokens
 
 
 @pytest.fixture
@@ -163,11 +164,9 @@ def test_plan_arrays_of_inline_pulls_go_back_to_the_receivers_scratch_and_are_re
     for rid, first in ((1, 0), (2, 40)):  # 80 blocks into the reversed ids: no run merges, > 64 fragments
         src = list(range(first, first + 80))
         dst = src[::-1]
-        secret = ctx.respond_and_send_async(type("R", (), {"request_id": rid, "block_ids": np.array(src),
-                                                           "num_tokens": n})())
-        req = _Req(rid, dst, DisaggParams(rid, ctx.instance, (ctx.endpoint,), LAY, secret, tuple(src)).to_dict())
-        req.num_tokens = n
-        gen.request_and_receive_async(req)
+        secret = ctx.respond_and_send_async(_Req(rid, src, num_tokens=n))
+        params = DisaggParams(rid, ctx.instance, (ctx.endpoint,), LAY, secret, tuple(src)).to_dict()
+        gen.request_and_receive_async(_Req(rid, dst, params, n))
         (r,) = _wait(gen, 1, "gen")
         assert r.ok and r.fragments > 64, (r.error, r.fragments)
         assert plans.lent == 0  # every array it lent came back
