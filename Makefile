@@ -58,8 +58,11 @@ vllm-venv: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VPY) -m kvbridge.cli demo
 
+# two workers (pytest-xdist; tests/conftest.py says which tests one worker runs together): most tests wait
+# on processes and sockets, so two keep a 2-core machine busy. One at a time: make test PYTEST_WORKERS=0.
+PYTEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
-	$(VPY) -m pytest -q -ra --durations=25
+	$(VPY) -m pytest -q -ra --durations=25 -n $(PYTEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

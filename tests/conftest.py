@@ -65,7 +65,9 @@ def _cuda_count() -> int:
         return 0
 
 
+@pytest.hookimpl(tryfirst=True)  # after pytest-randomly's shuffle, before the hooks that sort within a module
 def pytest_collection_modifyitems(config, items):
+    """CUDA skips; the vLLM tests first (the longest group: its worker starts on it at once)."""
     n = _cuda_count()
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (torch.cuda.is_available() is False)")
     skip_multi = pytest.mark.skip(reason=f"needs 2 or more CUDA GPUs; this machine has {n}")
@@ -74,3 +76,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "multigpu" in item.keywords and n < 2:
             item.add_marker(skip_multi)
+    items.sort(key=lambda item: group_of(item.nodeid) != "vllm")  # stable: the shuffled order is kept
+
+
+# `make test` runs the suite on two workers (pytest-xdist): tests that must not run beside each other share a
+# group, and one worker runs a group whole, in order. The real-vLLM tests start at most two engines at a time
+# and share them within a module (tests/vllm/conftest.py); the README's commands start servers on the fixed
+# ports the docs show. Every other test is a unit of its own, given to whichever worker is free.
+GROUPS = {"tests/vllm/": "vllm", "tests/docs/test_readme_commands.py": "readme"}
+
+
+def group_of(nodeid: str) -> str | None:
+    return next((g for prefix, g in GROUPS.items() if nodeid.startswith(prefix)), None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load-scope scheduling with GROUPS as the scopes (its own `--dist loadgroup` marks do not reach
+    the scheduler under pytest 9.2, which ignores the node ids xdist rewrites)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid) or nodeid
+
+    return Groups(config, log)

@@ -7,6 +7,8 @@ the prefill server's own (it computes and decodes alone)."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
 
@@ -69,7 +71,10 @@ class _Load:
 
 
 def test_vllm_servers_join_take_traffic_and_leave_by_sigterm_losing_no_request(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the members keep their vLLM servers' output
+    # where the members keep their vLLM servers' output; short: vLLM binds its ZeroMQ ipc sockets under TMPDIR,
+    # and a path past 107 bytes (tmp_path under a pytest-xdist worker's folder) cannot be bound
+    short = tempfile.mkdtemp(prefix="kvb-")
+    monkeypatch.setenv("TMPDIR", short)
     dep = Deployment(tmp_path, _config())
     load = None
     try:
@@ -106,6 +111,7 @@ def test_vllm_servers_join_take_traffic_and_leave_by_sigterm_losing_no_request(t
             for t in load.threads:
                 t.join(240)
         dep.stop()
+        shutil.rmtree(short, ignore_errors=True)
     assert load.errors == [], load.errors[:3]
     wrong = [a for a in load.answers if a[1] != want[a[0]]]
     assert not wrong, f"{len(wrong)} of {len(load.answers)} answers differ from the prefill server's own: {wrong[:2]}"
