@@ -54,12 +54,19 @@ def _pools_full(serve) -> None:
 
 
 def _back_and_serving(serve, name: str, after: int) -> None:
-    """Wait for serve's "is back" line, then until the router sends a request to `name` again (bounded)."""
+    """Wait for serve's "is back" line, then until the router sends a request to `name` again (bounded). Until
+    the router's own probe has seen the worker answer, a request may get 503 (no such worker healthy): serve's
+    supervisor and the router probe separately, and on a loaded host the first probe may time out."""
     wait_log(serve.log, rf"worker {name} is back at", serve.proc, after=after)
     deadline = time.monotonic() + 60
     with _client(serve) as client:
         while True:
-            kb = _ask(client, 0)
+            try:
+                kb = _ask(client, 0)
+            except openai.APIStatusError as e:
+                assert e.status_code == 503 and time.monotonic() < deadline, e
+                time.sleep(0.5)
+                continue
             if name in (kb["context_worker"], kb["generation_worker"]):
                 return
             assert time.monotonic() < deadline, f"the router did not send a request to {name} within 60s"
