@@ -80,10 +80,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # `make test PYTEST_WORKERS=2` runs the suite on two workers (pytest-xdist): tests that must not run beside
-# each other share a group, and one worker runs a group whole, in order. The tests that start vLLM servers start at most two
-# engines at a time and share them within a module (tests/vllm/conftest.py); the README's commands start
-# servers on the fixed ports the docs show. Every other test is a unit of its own, given to whichever worker
-# is free (tests/vllm's other modules too: they start no engine).
+# each other share a group, and one worker runs a group whole, in order. The tests that start vLLM servers
+# start at most two engines at a time and share them within a module (tests/vllm/conftest.py); the README's
+# commands start servers on the fixed ports the docs show. Every other test is a unit of its own, given to
+# whichever worker is free (tests/vllm's other modules too: they start no engine).
 _VLLM_SERVERS = ("bench_vllm", "bench_vllm_cells", "connector_early", "connector_faults", "connector_pd", "launch",
                  "serve_vllm", "vllm_members")
 GROUPS = {**{f"tests/vllm/test_{m}.py": "vllm" for m in _VLLM_SERVERS},
