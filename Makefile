@@ -58,11 +58,18 @@ vllm-venv: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VPY) -m kvbridge.cli demo
 
-# one process by default. make test PYTEST_WORKERS=2: two pytest-xdist workers (tests/conftest.py says which
-# tests one worker runs together), ~30 instead of ~42 minutes on 2 cores, not yet green twice (docs/testing.md).
-PYTEST_WORKERS ?= 0
+# two pytest-xdist workers (tests/conftest.py says which tests one worker runs together): ~30 instead of ~42
+# minutes on 2 cores. The tests marked host_network then run after them, alone, in one process.
+# make test PYTEST_WORKERS=0: the whole suite in one process.
+PYTEST_WORKERS ?= 2
+PYTEST = $(VPY) -m pytest -q -ra --durations=25
 test: $(STAMP) $(VLLM_STAMP)
-	$(VPY) -m pytest -q -ra --durations=25 -n $(PYTEST_WORKERS)
+ifeq ($(PYTEST_WORKERS),0)
+	$(PYTEST)
+else
+	rc=0; $(PYTEST) -n $(PYTEST_WORKERS) -m "not host_network" || rc=$$?; \
+	$(PYTEST) -p no:xdist -m host_network || rc=$$((rc ? rc : $$?)); exit $$rc
+endif
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
