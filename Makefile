@@ -58,10 +58,10 @@ vllm-venv: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VPY) -m kvbridge.cli demo
 
-# two pytest-xdist workers (tests/conftest.py says which tests one worker runs together): ~30 instead of ~42
-# minutes on 2 cores. The tests marked host_network then run after them, alone, in one process.
-# make test PYTEST_WORKERS=0: the whole suite in one process.
-PYTEST_WORKERS ?= 2
+# one process by default. make test PYTEST_WORKERS=2: two pytest-xdist workers (tests/conftest.py says which
+# tests one worker runs together), then the tests marked host_network alone: ~33 instead of ~42 minutes on 2
+# cores, but tests with 1-2 s deadlines can miss them on a box that busy (docs/testing.md).
+PYTEST_WORKERS ?= 0
 PYTEST = $(VPY) -m pytest -q -ra --durations=25
 test: $(STAMP) $(VLLM_STAMP)
 ifeq ($(PYTEST_WORKERS),0)
