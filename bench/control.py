@@ -26,6 +26,7 @@ import argparse
 import gc
 import multiprocessing as mp
 import os
+import select
 import sys
 import time
 from dataclasses import dataclass
@@ -84,8 +85,10 @@ def _gen_main(conn, agent: str, tweaks: dict | None = None) -> None:
     with CacheTransceiver.generation(buf, LAY, 0, GEN_SLOTS, _config(agent, tweaks)) as gen:
         freeze_startup_heap()  # as a serving process does once ready (`gcheap`)
         conn.send(gen.instance)
+        pipe = select.poll()  # made once: conn.poll() builds a selector per call (~5% of this process's GIL time)
+        pipe.register(conn.fileno(), select.POLLIN)
         while True:
-            if conn.poll(0.01):  # submit at once; reaping results later costs the context rank nothing
+            if pipe.poll(10):  # submit at once; reaping results later costs the context rank nothing
                 msg = conn.recv()
                 if msg is None:
                     break

@@ -145,6 +145,17 @@ class KVLayout:
                 f"tp={tp} cannot shard {s.num_kv_heads} kv heads: it must divide them (each rank holds "
                 f"kv_heads/tp heads) or be a multiple of them (each head replicated on tp/kv_heads ranks)")
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: a layout is hashed per request (the mapping cache, fingerprints)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.split, self.order))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}  # str hashes differ between processes
+
     # --- ranks --------------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:

@@ -83,36 +83,37 @@ class DisaggParams:
         if not eps or len(eps) > _MAX_ENDPOINTS or not all(
                 isinstance(e, str) and e.startswith("tcp://") and len(e) < 256 for e in eps):
             raise ProtocolError("disaggregated params: endpoints must be 1..4096 'tcp://host:port' strings")
-        layout = _layout(d["ctx_layout"])
+        layout, layout_fp = _layout(d["ctx_layout"])
         fp = d.get("layout_fingerprint")
-        if fp is not None and fp != _fingerprint(layout):
+        if fp is not None and fp != layout_fp:
             raise ProtocolError(f"disaggregated params: layout_fingerprint {fp!r} does not match the layout given "
-                                f"({_fingerprint(layout)})")
+                                f"({layout_fp})")
         rid = d["ctx_request_id"]
         if not 0 <= rid < _MAX_ID:
             raise ProtocolError("disaggregated params: ctx_request_id must be in 0..2**63-1")
-        blocks = d.get("ctx_block_ids")
         return cls(rid, d["ctx_instance"], tuple(eps), layout, _secret(d.get("secret", "")),
-                   None if blocks is None else _block_ids(blocks))
+                   d.get("ctx_block_ids"))  # validated by __post_init__
 
 
 # Every request of a context executor carries the same layout: it is parsed, validated and hashed once.
 _CACHE_MAX = 256
-_layouts: dict[bytes, KVLayout] = {}  # marshal bytes of a wire layout -> the layout KVLayout.from_wire made of it
+_layouts: dict[bytes, tuple[KVLayout, str]] = {}  # marshal bytes of a wire layout -> (its layout, fingerprint)
 _fingerprints: dict[KVLayout, str] = {}
 
 
-def _layout(w: Any) -> KVLayout:
-    """KVLayout.from_wire(w), remembered by w's marshal bytes: exact types (true is not 1, 1.0 is not 1, no
-    subclass passes for its base) and key order kept apart, ~5x cheaper than canonical JSON; a wire layout
-    with the same keys in another order is parsed once more, never confused."""
+def _layout(w: Any) -> tuple[KVLayout, str]:
+    """(KVLayout.from_wire(w), its fingerprint), remembered by w's marshal bytes: exact types (true is not 1,
+    1.0 is not 1, no subclass passes for its base) and key order kept apart, ~5x cheaper than canonical JSON; a
+    wire layout with the same keys in another order is parsed once more, never confused."""
     try:
         key = marshal.dumps(w, 2)  # version 2: no back-references, so the bytes depend on the value alone
     except ValueError:  # not plain data: from_wire names what is wrong
-        return KVLayout.from_wire(w)
+        layout = KVLayout.from_wire(w)
+        return layout, _fingerprint(layout)
     hit = _layouts.get(key)
     if hit is None:
-        hit = KVLayout.from_wire(w)
+        layout = KVLayout.from_wire(w)
+        hit = (layout, _fingerprint(layout))
         if len(_layouts) >= _CACHE_MAX:
             _layouts.clear()
         _layouts[key] = hit

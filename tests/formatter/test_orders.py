@@ -48,3 +48,14 @@ def test_an_order_that_is_no_permutation_is_refused_by_name(bad):
         order_axes(bad)
     with pytest.raises(LayoutError, match=repr(bad)):
         _layout(1, 1, 16, bad)
+
+
+def test_a_layouts_remembered_hash_stays_in_its_process():
+    """KVLayout keeps its hash once computed (it is hashed per request); a pickled copy (spawned ranks get
+    layouts that way) hashes anew, since a str's hash differs between processes."""
+    import pickle
+
+    a = _layout(2, 1, 16, "lbhkn")
+    assert hash(a) == hash(a) == hash(_layout(2, 1, 16, "lbhkn")) and a == _layout(2, 1, 16, "lbhkn")
+    b = pickle.loads(pickle.dumps(a))
+    assert "_hash" not in vars(b) and b == a and hash(b) == hash(a) and {a: 1}[b] == 1
