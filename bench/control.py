@@ -71,16 +71,19 @@ def _gen_main(conn, agent: str, tweaks: dict | None = None) -> None:
         receiver._READ_POLL_S = tweaks["read_poll_us"] * 1e-6
     buf = pool_image(LAY, 0, GEN_SLOTS, [], 9).copy()
     failed: list[tuple[int, str]] = []
-    timings: dict[str, list[float]] = {}
+    timings: list[dict[str, float]] = []  # each pull's own timings, summed up only when "stats" asks
     ok = 0
 
     def reap(results) -> int:
         for r in results:
             if not r.ok:
                 failed.append((r.request_id, f"{r.error_type}: {r.error}"))
-            for k, v in r.timings_ms.items():
-                timings.setdefault(k, []).append(v)
+            timings.append(r.timings_ms)
         return sum(r.ok for r in results)
+
+    def medians() -> dict[str, float]:
+        keys = {k for t in timings for k in t}
+        return {k: float(np.median([t[k] for t in timings if k in t])) for k in keys}
 
     with CacheTransceiver.generation(buf, LAY, 0, GEN_SLOTS, _config(agent, tweaks)) as gen:
         freeze_startup_heap()  # as a serving process does once ready (`gcheap`)
@@ -94,8 +97,8 @@ def _gen_main(conn, agent: str, tweaks: dict | None = None) -> None:
                     break
                 if msg == "stats":  # medians of the pulls' own timings since the last "stats", and CPU used
                     ok += reap(gen.check_gen_transfer_status(0))
-                    conn.send({**{k: float(np.median(v)) for k, v in timings.items()},
-                               "process_cpu_s": time.process_time()})
+                    cpu = time.process_time()  # before the medians: their sums are no request's cost
+                    conn.send({**medians(), "process_cpu_s": cpu})
                     timings.clear()
                     continue
                 rid, params, slot = msg

@@ -101,6 +101,9 @@ class _TracedPipe:
     def poll(self, t):
         return self.c.poll(t)
 
+    def fileno(self) -> int:  # the rank waits on it with select.poll
+        return self.c.fileno()
+
     def recv(self):
         x = self.c.recv()
         if isinstance(x, tuple):

@@ -24,7 +24,7 @@ _MAX_SECRET = 64  # bytes
 _MAX_BLOCK_IDS = 1 << 21  # as many as one Blocks message may carry
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: made per request, and quicker to make
 class DisaggParams:
     """Where a finished context request's KV lives.
 
