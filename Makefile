@@ -59,16 +59,15 @@ demo: $(STAMP)
 	$(VPY) -m kvbridge.cli demo
 
 # one process by default. make test PYTEST_WORKERS=2: two pytest-xdist workers (tests/conftest.py says which
-# tests one worker runs together), then the tests marked host_network alone: ~33 instead of ~42 minutes on 2
-# cores, but tests with 1-2 s deadlines can miss them on a box that busy (docs/testing.md).
+# tests one worker runs together), then the tests marked alone in one process (docs/testing.md).
 PYTEST_WORKERS ?= 0
 PYTEST = $(VPY) -m pytest -q -ra --durations=25
 test: $(STAMP) $(VLLM_STAMP)
 ifeq ($(PYTEST_WORKERS),0)
 	$(PYTEST)
 else
-	rc=0; $(PYTEST) -n $(PYTEST_WORKERS) -m "not host_network" || rc=$$?; \
-	$(PYTEST) -p no:xdist -m host_network || rc=$$((rc ? rc : $$?)); exit $$rc
+	rc=0; $(PYTEST) -n $(PYTEST_WORKERS) -m "not alone" || rc=$$?; \
+	$(PYTEST) -p no:xdist -m alone || rc=$$((rc ? rc : $$?)); exit $$rc
 endif
 
 clean:

@@ -56,12 +56,16 @@ def _stop_signals_as_at_a_terminal(request):
                       stacklevel=1)
 
 
-# A test that gives this host's namespace a network interface (a veth end, an address) runs alone: UCX in a
-# process that starts meanwhile (another worker's test) advertises that address in its NIXL metadata, and once
-# the interface is gone its peers fail to load that metadata ("UCX endpoint create failed", NIXL_ERR_BACKEND:
-# seen in tests/executor/test_disaggregated.py while tests/serving/test_cluster_netns.py ran beside it).
-HOST_NETWORK_WHY = ("host_network: changes this host's network interfaces under the other workers' UCX; "
-                    "run apart in one process (`pytest -m host_network`, as `make test` does)")
+# Tests marked `alone` share the machine with no other test; under more than one pytest-xdist worker they skip,
+# and `make test PYTEST_WORKERS=2` runs them afterwards in one process. Two kinds: a test that gives this host's
+# namespace a network interface (a veth end, an address): UCX in a process that starts meanwhile (another
+# worker's test) advertises that address in its NIXL metadata, and once the interface is gone its peers fail to
+# load that metadata ("UCX endpoint create failed", NIXL_ERR_BACKEND: seen in tests/executor/test_disaggregated.py
+# while tests/serving/test_cluster_netns.py ran beside it); and a test whose ranks hold deadlines of a second or
+# two (handshakes, leases): with both cores busy beside it they are missed (seen in tests/transceiver).
+ALONE_WHY = ("alone: shares the machine with no other test (it changes this host's network interfaces, or holds "
+             "1-2 s deadlines); run apart in one process (`pytest -p no:xdist -m alone`, as `make test "
+             "PYTEST_WORKERS=2` does)")
 
 
 def _cuda_count() -> int:
@@ -80,13 +84,13 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (torch.cuda.is_available() is False)")
     skip_multi = pytest.mark.skip(reason=f"needs 2 or more CUDA GPUs; this machine has {n}")
     beside_others = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1
-    skip_alone = pytest.mark.skip(reason=HOST_NETWORK_WHY)
+    skip_alone = pytest.mark.skip(reason=ALONE_WHY)
     for item in items:
         if "cuda" in item.keywords and n < 1:
             item.add_marker(skip_cuda)
         if "multigpu" in item.keywords and n < 2:
             item.add_marker(skip_multi)
-        if "host_network" in item.keywords and beside_others:
+        if "alone" in item.keywords and beside_others:
             item.add_marker(skip_alone)
     items.sort(key=lambda item: group_of(item.nodeid) != "vllm")  # stable: the shuffled order is kept
 

@@ -30,7 +30,7 @@ FAST = {
     "drain_timeout_s": 1.0,
 }
 NB = 64
-pytestmark = pytest.mark.host_network  # Link() makes its veth pair here before moving each end away
+pytestmark = pytest.mark.alone  # Link() makes its veth pair here before moving each end away; 1 s deadlines
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from .etcd_server import EtcdServer
 from .kvcheck import assert_kv_positional
 from .members import Deployment, cluster_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.host_network]  # the veth's host end has an address here
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # the veth's host end has an address here
 
 
 def _ip(*args: str) -> None:

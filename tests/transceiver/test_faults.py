@@ -17,6 +17,7 @@ from .ranks import Cluster
 LAYOUT = KVLayout(KVShape(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=16))
 FAST = {"agents": ["nixl"], "lease_s": 2.0, "heartbeat_s": 0.25, "peer_timeout_s": 2.0, "pickup_timeout_s": 3.0,
         "handshake_timeout_s": 1.0, "transfer_timeout_s": 6.0, "drain_timeout_s": 1.0}
+pytestmark = pytest.mark.alone  # FAST: handshakes of 1 s, leases of 2 s (tests/conftest.py)
 NB = 64
 
 

@@ -268,6 +268,7 @@ FAST = {**HOST, "agents": ["nixl"], "stream_layers": True, "lease_s": 2.0, "hear
         "peer_timeout_s": 2.0, "pickup_timeout_s": 3.0, "drain_timeout_s": 1.0}
 
 
+@pytest.mark.alone  # FAST: leases of 2 s (tests/conftest.py)
 def test_a_killed_generation_rank_during_streamed_staging_frees_the_context_slot(cluster):
     from .ranks import RankProc
 

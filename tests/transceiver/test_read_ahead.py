@@ -27,6 +27,7 @@ SHAPE = KVShape(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", toke
 CTX, GEN = KVLayout(SHAPE), KVLayout(SHAPE, ParallelSplit(tp=2))  # both generation ranks read context rank 0
 FAST = {"agents": ["nixl"], "lease_s": 2.0, "heartbeat_s": 0.25, "peer_timeout_s": 3.0, "pickup_timeout_s": 5.0,
         "handshake_timeout_s": 1.0, "transfer_timeout_s": 20.0, "drain_timeout_s": 1.0}
+pytestmark = pytest.mark.alone  # FAST: handshakes of 1 s, leases of 2 s (tests/conftest.py)
 NB = 16
 
 

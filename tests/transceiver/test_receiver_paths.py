@@ -30,6 +30,7 @@ LAYOUT = KVLayout(KVShape(num_layers=4, num_kv_heads=2, head_dim=16, dtype="floa
 FAST = {"agents": ["nixl"], "lease_s": 2.0, "heartbeat_s": 0.25, "peer_timeout_s": 3.0,
         "pickup_timeout_s": 3.0,
         "handshake_timeout_s": 1.0, "transfer_timeout_s": 20.0, "drain_timeout_s": 1.0}
+pytestmark = pytest.mark.alone  # FAST: handshakes of 1 s, leases of 2 s (tests/conftest.py)
 # staged whenever a piece is 2+ fragments (non-adjacent blocks): every pull below goes through the arenas
 STAGED = {**FAST, "staging_arena_bytes": 1 << 20, "staging_min_fragments": 2,
           "staging_threshold_bytes": 1 << 20}

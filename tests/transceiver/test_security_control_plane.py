@@ -148,6 +148,7 @@ def test_extra_hellos_beyond_max_sessions_get_a_clear_error():
             s.close()
 
 
+@pytest.mark.alone  # a peer timeout of 0.6 s (tests/conftest.py)
 def test_pulls_still_work_after_idle_sessions_outlive_the_peer_timeout():
     """A generation rank idle for longer than peer_timeout_s keeps its session (empty heartbeats)."""
     cfg = TransceiverConfig(agents=("nixl",), peer_timeout_s=0.6, heartbeat_s=0.1, lease_s=2.0)

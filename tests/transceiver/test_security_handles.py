@@ -20,6 +20,7 @@ from .ranks import Cluster
 LAYOUT = KVLayout(KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=16))
 CFG = {"agents": ["nixl"], "lease_s": 2.0, "heartbeat_s": 0.25, "pickup_timeout_s": 20.0,
        "handshake_timeout_s": 1.0, "transfer_timeout_s": 10.0}
+pytestmark = pytest.mark.alone  # handshakes of 1 s, leases of 2 s (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
