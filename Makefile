@@ -58,9 +58,10 @@ vllm-venv: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VPY) -m kvbridge.cli demo
 
-# one process by default. make test PYTEST_WORKERS=2: two pytest-xdist workers (tests/conftest.py says which
-# tests one worker runs together), then the tests marked alone in one process (docs/testing.md).
-PYTEST_WORKERS ?= 0
+# two pytest-xdist workers (tests/conftest.py says which tests one worker runs together), then the tests marked
+# alone by themselves in one process: ~30 instead of ~42 minutes on 2 cores (docs/testing.md).
+# make test PYTEST_WORKERS=0: the whole suite in one process.
+PYTEST_WORKERS ?= 2
 PYTEST = $(VPY) -m pytest -q -ra --durations=25
 test: $(STAMP) $(VLLM_STAMP)
 ifeq ($(PYTEST_WORKERS),0)
