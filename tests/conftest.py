@@ -56,15 +56,17 @@ def _stop_signals_as_at_a_terminal(request):
                       stacklevel=1)
 
 
-# Tests marked `alone` share the machine with no other test; under more than one pytest-xdist worker they skip,
-# and `make test` runs them afterwards in one process. Two kinds: a test that gives this host's
+# Tests marked `alone` share the machine with no other test; under more than one pytest-xdist worker they
+# skip, and `make test` runs them afterwards in one process. Two kinds: a test that gives this host's
 # namespace a network interface (a veth end, an address): UCX in a process that starts meanwhile (another
-# worker's test) advertises that address in its NIXL metadata, and once the interface is gone its peers fail to
-# load that metadata ("UCX endpoint create failed", NIXL_ERR_BACKEND: seen in tests/executor/test_disaggregated.py
-# while tests/serving/test_cluster_netns.py ran beside it); and a test whose ranks hold deadlines of a second or
-# two (handshakes, leases): with both cores busy beside it they are missed (seen in tests/transceiver).
-ALONE_WHY = ("alone: shares the machine with no other test (it changes this host's network interfaces, or holds "
-             "1-2 s deadlines); run apart in one process (`pytest -p no:xdist -m alone`, as `make test` does)")
+# worker's test) advertises that address in its NIXL metadata, and once the interface is gone its peers fail
+# to load that metadata ("UCX endpoint create failed", NIXL_ERR_BACKEND: seen in
+# tests/executor/test_disaggregated.py while tests/serving/test_cluster_netns.py ran beside it); and a test
+# whose ranks hold deadlines of a second or two (handshakes, leases): with both cores busy beside it they are
+# missed (seen in tests/transceiver).
+ALONE_WHY = ("alone: shares the machine with no other test (it changes this host's network interfaces, or "
+             "holds 1-2 s deadlines); run apart in one process (`pytest -p no:xdist -m alone`, as `make test` "
+             "does)")
 
 
 def _cuda_count() -> int:
@@ -94,11 +96,11 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: group_of(item.nodeid) != "vllm")  # stable: the shuffled order is kept
 
 
-# `make test` runs the suite on two workers (pytest-xdist): tests that must not run beside
-# each other share a group, and one worker runs a group whole, in order. The tests that start vLLM servers
-# start at most two engines at a time and share them within a module (tests/vllm/conftest.py); the README's
-# commands start servers on the fixed ports the docs show. Every other test is a unit of its own, given to
-# whichever worker is free (tests/vllm's other modules too: they start no engine).
+# `make test` runs the suite on two workers (pytest-xdist): tests that must not run beside each other share a
+# group, and one worker runs a group whole, in order. The tests that start vLLM servers start at most two
+# engines at a time and share them within a module (tests/vllm/conftest.py); the README's commands start
+# servers on the fixed ports the docs show. Every other test is a unit of its own, given to whichever worker
+# is free (tests/vllm's other modules too: they start no engine).
 _VLLM_SERVERS = ("bench_vllm", "bench_vllm_cells", "connector_early", "connector_faults", "connector_pd", "launch",
                  "serve_vllm", "vllm_members")
 GROUPS = {**{f"tests/vllm/test_{m}.py": "vllm" for m in _VLLM_SERVERS},
