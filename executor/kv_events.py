@@ -260,6 +260,10 @@ class KVEventLog:
         else:
             self._pending.append(BlockRemoved((key,), self.medium))
 
+    def cleared(self) -> None:
+        """Everything went (a relayed source that restarted or dropped a batch): what is pending goes too."""
+        self._pending = [AllBlocksCleared()]
+
     def take_batch(self) -> tuple[int, bytes] | None:
         """(seq, payload) of the events since the last call; None when there were none."""
         if not self._pending:

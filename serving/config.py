@@ -228,9 +228,6 @@ def parse_config(d: Any) -> ServeConfig:
                                f"context_servers.engine {groups['context'][0].engine!r} (KV moves only "
                                f"between servers of one engine)")
     router = _router(_map(top.get("router", {}), "router"))
-    if router.policy == "kv_aware" and groups["context"][0].engine == "vllm":
-        raise ServeConfigError("router.policy: kv_aware routes by the KV events of kvbridge workers; vLLM "
-                               "servers' (engine: vllm) are not read (use prefix_aware or least_loaded)")
     startup = _get(top, "startup_timeout_s", float, "", 300.0)
     max_tokens = _get(top, "default_max_tokens", int, "", 256)
     if startup <= 0 or max_tokens < 1:
@@ -245,6 +242,11 @@ def parse_config(d: Any) -> ServeConfig:
         from .cluster_config import parse_cluster
 
         cluster = parse_cluster(top["disagg_cluster"], router.host, router.port)
+    if router.policy == "kv_aware" and groups["context"][0].engine == "vllm" and cluster is None:
+        raise ServeConfigError("router.policy: kv_aware over vLLM servers (engine: vllm) needs disagg_cluster: "
+                               "each server then runs under a `kvbridge worker` that relays vLLM's KV events, "
+                               "signed, and registers where they are (`disagg_cluster: {}`: the router is the "
+                               "registry)")
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
                        groups["generation"], router, startup, max_tokens, _copy(top), **_operations(top), **inflight,
                        cluster=cluster)

@@ -240,7 +240,8 @@ class RegistryWorkers(WorkerSet):
         if cur is not None:
             self._remove(rec.worker_id, "replaced", quiet=True)
         self.records[rec.worker_id] = rec
-        ref = WorkerRef(rec.worker_id, rec.url, rec.role, capacity_tokens=rec.capacity_tokens or None)
+        ref = WorkerRef(rec.worker_id, rec.url, rec.role, capacity_tokens=rec.capacity_tokens or None,
+                        kv_events=rec.kv_events)
         self.pools[rec.role].workers.append(ref)
         log.warning("router: %s worker %s joined at %s (incarnation %s)", rec.role, rec.worker_id, rec.url,
                     rec.incarnation)

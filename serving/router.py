@@ -136,6 +136,8 @@ class Router:
 
     async def _check(self, w: WorkerRef) -> None:  # the rule: serving/health.py
         info = await probe(self.client, w, self._tmo(self.rc.health_timeout_s), self._health)
+        if w.kv_events is not None and w.healthy:  # a vLLM server: its member relays its events
+            info = {**(info or {}), "kv_events": w.kv_events}
         if self.kv is not None:  # (a worker that left while it was probed is not followed again)
             self.kv.on_health(w, info if w in self.members.pool(w.role).workers else None)
 

@@ -43,6 +43,7 @@ from .auth import internal_token
 from .balancer import WorkerRef, routing_key
 from .fanout import Part
 from .inflight import in_flight
+from .kv_policy import shown
 from .protocol import ApiError
 from .relay import RERUN_CODES, Relay, context_send, from_worker, json_or_none
 
@@ -134,18 +135,24 @@ class VllmBackend:
     async def run_part(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
         """Prefill, then decode; a decode hop that fails before its first token runs the choice again from
         another prefill server. Returns the answer (dict) or, streaming, a Relay of event objects."""
+        route = {"policy": "kv_aware", "tokens": self.r.kv.tokens(body)} if self.r.kv is not None else None
         if self.r.rc.overlap:
-            got = await self._early(request, path, body, stream, deadline)
+            got = await self._early(request, path, body, stream, deadline, route)
             if got is not None:
                 return got
         avoid: set[str] = set()
         for attempt in range(MAX_HANDOVERS):
-            gen_w = self.r.gen.pick(key=routing_key(body), healthy_only=True)
+            if route is None:
+                gen_w = self.r.gen.pick(key=routing_key(body), healthy_only=True)
+            else:  # kv_aware: by the KV each decode server holds (its member relays vLLM's events)
+                gen_w, route["generation"] = self.r.kv.pick(self.r.gen, "generation", route["tokens"],
+                                                            healthy_only=True)
             if gen_w is None:
                 raise ApiError(503, f"no decode server is healthy ({self.r.gen.describe()}); nothing was "
                                     f"prefilled", "server_error", "no_generation_worker", retry_after=2)
-            kvp, ctx_w, pre_ms = await self._prefill(request, path, body, deadline, avoid)
-            deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "prefill_ms": pre_ms}
+            kvp, ctx_w, pre_ms = await self._prefill(request, path, body, deadline, avoid, route)
+            deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "prefill_ms": pre_ms,
+                    **(shown(route) if route is not None else {})}
             try:
                 return await self._decode(request, path, decode_body(body, kvp), stream, deadline, gen_w,
                                           deco)
@@ -160,22 +167,32 @@ class VllmBackend:
                 self.r.metrics.retries.inc()
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    async def _early(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
+    async def _early(self, request: Request, path: str, body: dict, stream: bool, deadline: float,
+                     route: dict | None = None):
         """Both hops at once on a prefill server whose engine is known; None to run the choice sequentially
         (unknown engine, or a failure before the decode's first token)."""
-        key = routing_key(body)
-        ctx_w = self.r.ctx.peek(set(), key)  # peeked: a request that runs sequentially takes no turn here
-        gen_w = self.r.gen.peek(key=key, healthy_only=True)
+        if route is not None:
+            ctx_w, gen_w, settle = self._early_kv(route)
+        else:
+            key = routing_key(body)
+            ctx_w = self.r.ctx.peek(set(), key)  # peeked: a request that runs sequentially takes no turn here
+            gen_w = self.r.gen.peek(key=key, healthy_only=True)
+            settle = None
         engine = self._engines.get(ctx_w.name) if ctx_w is not None else None
         if engine is None or gen_w is None:
+            if settle is not None:
+                settle()
             return None
         self.r.ctx.picked(ctx_w)
         self.r.gen.picked(gen_w)
         payload = prefill_body(body)
         payload["kv_transfer_params"]["kvbridge_early"], kvp = early_hops(engine)
-        deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "early_decode": True}
+        deco = {"context_worker": ctx_w.name, "generation_worker": gen_w.name, "early_decode": True,
+                **(shown(route) if route is not None else {})}
         pre = asyncio.create_task(self._prefill_once(request, path, payload, ctx_w, deadline))
         pre.add_done_callback(lambda t: self._learn(ctx_w.name, t))
+        if settle is not None:
+            pre.add_done_callback(lambda _t: settle())
         dec = asyncio.create_task(self._decode(request, path, decode_body(body, kvp), stream, deadline, gen_w,
                                                deco))
         answered = False
@@ -208,6 +225,15 @@ class VllmBackend:
                 else:  # nobody will read what it publishes: abort it in vLLM
                     pre.cancel()
 
+    def _early_kv(self, route: dict):
+        """kv_aware's picks for early decode: (prefill server, decode server, the undo of the prefill's load)."""
+        kv = self.r.kv
+        ctx_w, route["context"] = kv.pick(self.r.ctx, "context", route["tokens"])
+        if ctx_w is None:
+            return None, None, None
+        gen_w, route["generation"] = kv.pick(self.r.gen, "generation", route["tokens"], healthy_only=True)
+        return ctx_w, gen_w, lambda d=route["context"]: kv.settle(ctx_w, d)
+
     def _learn(self, name: str, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is None:  # (a failure is read here, never lost)
             self._remember(name, task.result()[0])
@@ -229,17 +255,16 @@ class VllmBackend:
         return httpx.Timeout(max(0.05, left), connect=min(self.r.rc.connect_timeout_s, max(0.05, left)))
 
     async def _prefill(self, request: Request, path: str, body: dict, deadline: float,
-                       avoid: set[str]) -> tuple[dict, WorkerRef, float]:
+                       avoid: set[str], route: dict | None = None) -> tuple[dict, WorkerRef, float]:
         """The prefill hop on a prefill server (one not in `avoid` if any is left), retried on another when
         one fails before answering. Returns (kv_transfer_params, the server, milliseconds)."""
         tried: set[str] = set()
         errors: list[str] = []
         payload = prefill_body(body)
         while True:
-            key = routing_key(body)
-            w = self.r.ctx.pick(tried | avoid, key) or self.r.ctx.pick(tried, key)
             left = deadline - time.monotonic()
-            if w is None or left <= 0:
+            w = self._pick_prefill(body, tried, avoid, route) if left > 0 else None
+            if w is None:
                 why = "; ".join(errors) or f"prefill servers: {self.r.ctx.describe()}"
                 if left <= 0:
                     raise ApiError(504, f"no prefill server answered before the deadline ({why})",
@@ -252,8 +277,24 @@ class VllmBackend:
             except _Failed as e:
                 errors.append(str(e))
                 continue
+            finally:
+                if route is not None:
+                    self.r.kv.settle(w, route.get("context"))
             self._remember(w.name, kvp)
             return kvp, w, ms
+
+    def _pick_prefill(self, body: dict, tried: set[str], avoid: set[str],
+                      route: dict | None) -> WorkerRef | None:
+        """A prefill server not tried yet (one not in `avoid` if any is left): by the policy, or under kv_aware
+        by the KV each holds (the decision goes into `route`)."""
+        if route is None:
+            key = routing_key(body)
+            return self.r.ctx.pick(tried | avoid, key) or self.r.ctx.pick(tried, key)
+        for ex in (tried | avoid, tried):
+            w, route["context"] = self.r.kv.pick(self.r.ctx, "context", route["tokens"], ex)
+            if w is not None:
+                return w
+        return None
 
     async def _prefill_once(self, request: Request, path: str, payload: dict, w: WorkerRef,
                             deadline: float) -> tuple[dict, float]:

@@ -14,6 +14,9 @@ no request running or waiting and no KV block in use (`vllm:num_requests_running
 for QUIET_S, at most drain_timeout_sec, then stops the server (SIGTERM, then SIGKILL to its process group) and
 exits 0 (the drain: worker_cluster.wait_quiet, as a kvbridge worker's). A vLLM server that dies is
 unregistered at once and the member exits 1 (`kvbridge serve` restarts it).
+Under `router.policy: kv_aware` it also relays the server's KV events (vllm_kv_relay.py): vLLM publishes them
+on an ipc socket in a private folder, the relay republishes them signed, and the record says where
+(`kv_events`), so the router follows this server's prefix cache as it follows a kvbridge worker's.
 Without `disagg_cluster` it only runs the server. Never sends a request of its own but /health and /metrics.
 """
 
@@ -21,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import os
 import re
+import shutil
 import signal
 import tempfile
 import time
@@ -51,16 +56,47 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
         spec = dataclasses.replace(spec, port=free_port(spec.bind_host or "127.0.0.1"))
     announce(port_file, spec.port)
     log_path = os.path.join(tempfile.gettempdir(), f"vllm-{spec.name}-{spec.port}.log")
-    server = VllmServer(server_spec(cfg, spec, token), log_path)
+    instance = f"{spec.name}-{uuid.uuid4().hex[:12]}"
+    vspec, relay = server_spec(cfg, spec, token), None
+    if cfg.cluster is not None and cfg.router.policy == "kv_aware":
+        vspec, relay = _relay(cfg, spec, vspec, instance)
+    server = VllmServer(vspec, log_path)
     print(f"[{spec.name}] starting a {spec.role} vLLM server at {spec.url} (its output: {log_path})", flush=True)
-    server.start()
     try:
-        return asyncio.run(_member(cfg, spec, server))
+        server.start()
+        return asyncio.run(_member(cfg, spec, server, instance, relay))
     finally:
         server.stop()
+        if relay is not None:
+            relay[0].close()
+            shutil.rmtree(relay[1], ignore_errors=True)
 
 
-async def _member(cfg, spec, server) -> int:
+def _relay(cfg, spec, vspec, instance: str):
+    """The KV-event relay of a server (started before it, so no batch is missed): (its VllmServerSpec with
+    --kv-events-config and an explicit --block-size, (relay, its private folder, what the record advertises))."""
+    from .kv_worker import advertised, kv_events_settings
+    from .vllm_kv_relay import DEFAULT_BLOCK_SIZE, VllmKvRelay, kv_events_config
+
+    folder = tempfile.mkdtemp(prefix="kvb-ev-")  # 0700: only this user reaches vLLM's unauthenticated PUB
+    if len(folder) > 80:  # an ipc path has at most 107 bytes
+        shutil.rmtree(folder, ignore_errors=True)
+        folder = tempfile.mkdtemp(prefix="kvb-ev-", dir="/tmp")
+    source = f"ipc://{folder}/vllm-kv-events"
+    block_size = vspec.block_size or DEFAULT_BLOCK_SIZE
+    settings = kv_events_settings(cfg, spec, instance, folder)
+    try:
+        relay = VllmKvRelay(settings, source, cfg.model_name, block_size)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    info = advertised(settings, spec.host, 10.0)
+    vspec = dataclasses.replace(vspec, block_size=block_size, extra_args=(
+        *vspec.extra_args, "--kv-events-config", json.dumps(kv_events_config(source))))
+    return vspec, (relay, folder, info)
+
+
+async def _member(cfg, spec, server, instance: str, relay) -> int:
     from ..integrations.vllm.launch import health
     from .worker_cluster import wait_quiet
 
@@ -68,7 +104,7 @@ async def _member(cfg, spec, server) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    registrar = _registrar(cfg, spec) if cfg.cluster is not None else None
+    registrar = _registrar(cfg, spec, instance, relay[2] if relay else None) if cfg.cluster is not None else None
     task = asyncio.create_task(registrar.run()) if registrar is not None else None
     ready = False
     try:
@@ -113,14 +149,15 @@ async def _member(cfg, spec, server) -> int:
             await registrar.store.close()
 
 
-def _registrar(cfg, spec):
-    """The vLLM server's registration: its URL, role and parallelism; no endpoints, capacity or layout."""
+def _registrar(cfg, spec, instance: str, kv_events: dict | None):
+    """The vLLM server's registration: its URL, role and parallelism, and where its KV events are relayed (under
+    kv_aware); no endpoints, capacity or layout."""
     from .registry.records import WorkerRecord
     from .worker_cluster import cluster_registrar
 
     return cluster_registrar(cfg, WorkerRecord(cfg.cluster.name, spec.name, spec.role, spec.url, cfg.model_name,
-                                               f"{spec.name}-{uuid.uuid4().hex[:12]}", time.time_ns(),
-                                               tp=spec.tp, pp=spec.pp))
+                                               instance, time.time_ns(), tp=spec.tp, pp=spec.pp,
+                                               kv_events=kv_events))
 
 
 def _pin(server) -> None:

@@ -60,17 +60,21 @@ class WorkerRecord:
     tp: int = 1
     pp: int = 1
     layout: dict | None = None
+    kv_events: dict | None = None  # a vLLM server's relayed KV events {pub, replay, incarnation[, curve_server_key]}
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["endpoints"] = list(self.endpoints)
+        if self.kv_events is None:  # optional: a record without it reads as before (older routers included)
+            del d["kv_events"]
         return d
 
 
 _FIELDS: dict[str, tuple] = {"cluster": (str,), "worker_id": (str,), "role": (str,), "url": (str,),
                              "model": (str,), "incarnation": (str,), "started_ns": (int,),
                              "endpoints": (list,), "capacity_tokens": (int,), "tp": (int,), "pp": (int,),
-                             "layout": (dict, type(None))}
+                             "layout": (dict, type(None)), "kv_events": (dict, type(None))}
+_KV_EVENTS_KEYS = ("pub", "replay", "incarnation", "curve_server_key")
 
 
 def registry_key(token: str, cluster: str) -> bytes:
@@ -140,7 +144,7 @@ def _record(store_key: str, body: dict) -> WorkerRecord:
     if bad:
         raise RegistrationRefused("malformed", f"{store_key}: record.{bad[0]}: unknown field")
     for k, types in _FIELDS.items():
-        if k not in body and k not in ("endpoints", "capacity_tokens", "tp", "pp", "layout"):
+        if k not in body and k not in ("endpoints", "capacity_tokens", "tp", "pp", "layout", "kv_events"):
             raise RegistrationRefused("malformed", f"{store_key}: record.{k}: missing")
         v = body.get(k)
         if k in body and (isinstance(v, bool) or not isinstance(v, types)):
@@ -154,4 +158,10 @@ def _record(store_key: str, body: dict) -> WorkerRecord:
     eps = body.get("endpoints", [])
     if not all(isinstance(e, str) for e in eps):
         raise RegistrationRefused("malformed", f"{store_key}: record.endpoints: expected strings")
+    kv = body.get("kv_events")
+    if kv is not None and (set(kv) - set(_KV_EVENTS_KEYS) or not all(isinstance(kv.get(k), str) and
+                                                                      0 < len(kv[k]) <= 200 for k in kv)
+                           or not all(k in kv for k in _KV_EVENTS_KEYS[:3])):
+        raise RegistrationRefused("malformed", f"{store_key}: record.kv_events: expected pub, replay and "
+                                               f"incarnation (and curve_server_key) as short strings")
     return WorkerRecord(**{**body, "endpoints": tuple(eps)})

@@ -120,6 +120,18 @@ def test_a_record_is_accepted_only_with_the_deployments_signature_under_its_own_
                                                              KEY).value)
 
 
+def test_a_vllm_servers_relayed_kv_events_ride_in_its_record_signed_and_checked():
+    k, kv = worker_key("c1", "ctx-a"), {"pub": "tcp://127.0.0.1:5", "replay": "tcp://127.0.0.1:6",
+                                        "incarnation": "ctx-a-1"}
+    assert "kv_events" not in _rec().to_json()  # absent unless set: a record reads as before
+    assert decode(k, encode(_rec(kv_events=kv), KEY), KEY).kv_events == kv
+    tampered = encode(_rec(kv_events=kv), KEY).replace("127.0.0.1:5", "10.6.6.6:5")
+    assert pytest.raises(RegistrationRefused, decode, k, tampered, KEY).value.reason == "forged"
+    for bad in ({"pub": "tcp://x:1"}, {**kv, "extra": "x"}, {**kv, "pub": 5}, {**kv, "replay": "r" * 300}):
+        with pytest.raises(RegistrationRefused, match="record.kv_events: expected pub, replay and incarnation"):
+            decode(k, encode(_rec(kv_events=bad), KEY), KEY)
+
+
 def _cfg(cluster: dict, **top) -> dict:
     return {"model": MODEL, "router": {"port": 22110}, "disagg_cluster": cluster, "context_servers": {},
             "generation_servers": {}, **top}

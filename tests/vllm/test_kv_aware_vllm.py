@@ -1,0 +1,116 @@
+"""`policy: kv_aware` over real vLLM servers: each `kvbridge worker` of an `engine: vllm` group relays its
+server's own KV events (serving/vllm_kv_relay.py), signed, and the router routes by them.
+
+Two prefill servers and one decode server join a deployment whose router is the registry, speculative
+entries off (`spec_ttl_s: 0`: only the servers' own events count). For two prefixes in turn: a prompt is
+routed somewhere; once that server's relayed blocks reach the router's index, a second prompt sharing the
+prefix goes to the same server, the decision names the prefix's tokens as held there and nowhere else, and
+vLLM's own prefix-cache counter on that server rises by at least those tokens (the KV the router counted on
+was really there). Then the server holding the last prefix leaves by SIGTERM: its blocks leave the index, and
+the prompt goes to the other. Every answer equals that other server's own (it computes and decodes alone).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+
+from ..serving.cluster import TOKEN, start_process
+from ..serving.members import Deployment
+from .conftest import needs_vllm
+
+pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+BLOCK = 128  # vLLM's default on CPU, which the relay passes to it explicitly
+MAX_TOKENS = 6
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(7 * k + 13 * seed * seed + 5) % 500 + 3 for k in range(n)]
+
+
+def _config() -> dict:
+    return {"model": "tiny-llama", "startup_timeout_s": 600,
+            "vllm": {"kv_connector": "KVBridgeConnector", "max_model_len": 1024, "cpus": "auto"},
+            "router": {"port": 0, "request_timeout_s": 240, "health_interval_s": 1, "policy": "kv_aware",
+                       "kv_aware": {"spec_ttl_s": 0}},
+            "disagg_cluster": {"heartbeat_interval_sec": 1, "inactive_interval_sec": 4, "drain_timeout_sec": 60},
+            "context_servers": {"engine": "vllm", "instances": 2},
+            "generation_servers": {"engine": "vllm", "instances": 1}}
+
+
+def _index_blocks(router: str) -> dict[str, float]:
+    text = httpx.get(router + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^kvbridge_router_kv_index_blocks\{worker="([^"]+)"\} (\S+)$', text, re.MULTILINE)}
+
+
+def _prefix_hits(url: str) -> float:
+    """vLLM's vllm:prefix_cache_hits_total (tokens served from its prefix cache)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$",
+                                                      text, re.MULTILINE))
+
+
+def _wait(cond, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        time.sleep(0.2)
+
+
+def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_model, tmp_path, monkeypatch):
+    short = tempfile.mkdtemp(prefix="kvb-")  # vLLM's ipc sockets live under TMPDIR: keep the path short
+    monkeypatch.setenv("TMPDIR", short)
+    dep = Deployment(tmp_path, _config())
+    try:
+        for role, name, index in (("context", "p-a", 0), ("context", "p-b", 1), ("generation", "d-a", 0)):
+            dep.procs[name] = start_process(["worker", "--config", dep.worker_config, "--role", role, "--index",
+                                             str(index), "--name", name], dep.log(name))
+        dep.wait_healthy("p-a", "p-b", "d-a", timeout=400)
+        _wait(lambda: set(_index_blocks(dep.router)) >= {"p-a", "p-b", "d-a"}, "the router follows all three")
+        urls = {n: dep.url(n) for n in ("p-a", "p-b")}
+        client = openai.OpenAI(base_url=dep.router + "/v1", api_key="unused", timeout=240, max_retries=0)
+        answers: list[tuple[list[int], str]] = []
+
+        def ask(p: list[int]) -> dict:
+            out = client.completions.create(model="tiny-llama", prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+            answers.append((p, out.choices[0].text))
+            return out.model_extra["kvbridge"]
+
+        for seed in (1, 2):
+            before = _index_blocks(dep.router)
+            first = _prompt(seed, 3 * BLOCK + 20)
+            held = ask(first)["route"]["context"]["worker"]
+            other = ({"p-a", "p-b"} - {held}).pop()
+            _wait(lambda: _index_blocks(dep.router).get(held, 0) >= before[held] + 3, f"{held}'s blocks indexed")
+            hits0 = _prefix_hits(urls[held])
+            second = first[:3 * BLOCK] + _prompt(seed + 10, 30)  # the same three blocks, another tail
+            got = ask(second)
+            ctx = got["route"]["context"]
+            assert ctx["worker"] == held and got["context_worker"] == held, got
+            assert ctx["hit_tokens"] == 3 * BLOCK, ctx
+            assert ctx["candidates"][other]["hit_tokens"] == 0, ctx
+            assert _prefix_hits(urls[held]) - hits0 >= 3 * BLOCK, "the router counted on KV vLLM did not reuse"
+
+        dep.procs[held].terminate()  # leaves: its blocks leave the index, its prompt goes to the other
+        dep.wait(lambda b: held not in b["cluster"]["workers"], f"{held} unregistered", 60)
+        assert dep.procs[held].wait(120) == 0, dep.tail(held)
+        _wait(lambda: held not in _index_blocks(dep.router), f"{held} out of the index")
+        got = ask(second)
+        assert got["route"]["context"]["worker"] == other and got["route"]["context"]["hit_tokens"] == 0, got
+        # every answer equals the remaining prefill server's own (asked last: its cache took no part above)
+        alone = openai.OpenAI(base_url=urls[other] + "/v1", api_key=TOKEN, timeout=240)
+        for p, text in answers:
+            want = alone.completions.create(model="tiny-llama", prompt=p, max_tokens=MAX_TOKENS,
+                                            temperature=0).choices[0].text
+            assert text == want, f"{len(p)}-token prompt: {text!r} through the router, {want!r} alone"
+    finally:
+        dep.stop()
+        shutil.rmtree(short, ignore_errors=True)
+    assert "Traceback" not in dep.router_log()
