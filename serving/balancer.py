@@ -68,7 +68,7 @@ class WorkerRef:
     in_flight: int = 0
     last_error: str = "not checked yet"
     capacity_tokens: int | None = None  # tokens its KV pool holds (from /health; None: not known)
-    kv_events: dict | None = None  # a vLLM server's relayed KV events, from its registration (vllm_kv_relay.py)
+    kv_events: dict | None = None  # a vLLM server's relayed KV events, from its registration
 
     @classmethod
     def of(cls, spec: ServerSpec) -> "WorkerRef":

@@ -243,10 +243,10 @@ def parse_config(d: Any) -> ServeConfig:
 
         cluster = parse_cluster(top["disagg_cluster"], router.host, router.port)
     if router.policy == "kv_aware" and groups["context"][0].engine == "vllm" and cluster is None:
-        raise ServeConfigError("router.policy: kv_aware over vLLM servers (engine: vllm) needs disagg_cluster: "
-                               "each server then runs under a `kvbridge worker` that relays vLLM's KV events, "
-                               "signed, and registers where they are (`disagg_cluster: {}`: the router is the "
-                               "registry)")
+        raise ServeConfigError("router.policy: kv_aware over vLLM servers (engine: vllm) needs "
+                               "disagg_cluster: each server then runs under a `kvbridge worker` that relays "
+                               "vLLM's KV events, signed, and registers where they are "
+                               "(`disagg_cluster: {}`: the router is the registry)")
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
                        groups["generation"], router, startup, max_tokens, _copy(top), **_operations(top), **inflight,
                        cluster=cluster)

@@ -226,7 +226,7 @@ class VllmBackend:
                     pre.cancel()
 
     def _early_kv(self, route: dict):
-        """kv_aware's picks for early decode: (prefill server, decode server, the undo of the prefill's load)."""
+        """kv_aware's picks for early decode: (prefill server, decode server, the prefill load's undo)."""
         kv = self.r.kv
         ctx_w, route["context"] = kv.pick(self.r.ctx, "context", route["tokens"])
         if ctx_w is None:
@@ -285,8 +285,8 @@ class VllmBackend:
 
     def _pick_prefill(self, body: dict, tried: set[str], avoid: set[str],
                       route: dict | None) -> WorkerRef | None:
-        """A prefill server not tried yet (one not in `avoid` if any is left): by the policy, or under kv_aware
-        by the KV each holds (the decision goes into `route`)."""
+        """A prefill server not tried yet (one not in `avoid` if any is left): by the policy, or under
+        kv_aware by the KV each holds (the decision goes into `route`)."""
         if route is None:
             key = routing_key(body)
             return self.r.ctx.pick(tried | avoid, key) or self.r.ctx.pick(tried, key)

@@ -89,7 +89,7 @@ class VllmKvMirror:
         self.root = root_key(fp)
         self.listener = None  # the publisher's KVEventLog
         self._by_hash: dict[bytes | int, bytes] = {}        # vLLM hash -> kvbridge key
-        self._blocks: dict[bytes, list] = {}                # key -> [parent, tokens, vLLM hashes mapping to it]
+        self._blocks: dict[bytes, list] = {}                # key -> [parent, tokens, its vLLM hashes]
         self.skipped = 0                                     # blocks not indexed (see the module's note)
 
     def __len__(self) -> int:
@@ -219,7 +219,8 @@ class VllmKvRelay:
         seq = int.from_bytes(frames[1], "big")
         if self._last_seq and seq != self._last_seq + 1:  # dropped (or a restarted publisher): start clean
             self.stats["gaps"] += 1
-            log.warning("vLLM kv events: batch %d after %d; the relayed cache starts over", seq, self._last_seq)
+            log.warning("vLLM kv events: batch %d after %d; the relayed cache starts over", seq,
+                        self._last_seq)
             self.mirror.clear()
         self._last_seq = seq
         try:

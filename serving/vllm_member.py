@@ -74,7 +74,7 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
 
 def _relay(cfg, spec, vspec, instance: str):
     """The KV-event relay of a server (started before it, so no batch is missed): (its VllmServerSpec with
-    --kv-events-config and an explicit --block-size, (relay, its private folder, what the record advertises))."""
+    --kv-events-config and an explicit --block-size, (relay, its private folder, what the record says))."""
     from .kv_worker import advertised, kv_events_settings
     from .vllm_kv_relay import DEFAULT_BLOCK_SIZE, VllmKvRelay, kv_events_config
 
@@ -104,7 +104,8 @@ async def _member(cfg, spec, server, instance: str, relay) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    registrar = _registrar(cfg, spec, instance, relay[2] if relay else None) if cfg.cluster is not None else None
+    registrar = (_registrar(cfg, spec, instance, relay[2] if relay else None) if cfg.cluster is not None
+                 else None)
     task = asyncio.create_task(registrar.run()) if registrar is not None else None
     ready = False
     try:
@@ -150,8 +151,8 @@ async def _member(cfg, spec, server, instance: str, relay) -> int:
 
 
 def _registrar(cfg, spec, instance: str, kv_events: dict | None):
-    """The vLLM server's registration: its URL, role and parallelism, and where its KV events are relayed (under
-    kv_aware); no endpoints, capacity or layout."""
+    """The vLLM server's registration: its URL, role and parallelism, and where its KV events are relayed
+    (under kv_aware); no endpoints, capacity or layout."""
     from .registry.records import WorkerRecord
     from .worker_cluster import cluster_registrar
 

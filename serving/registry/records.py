@@ -60,7 +60,7 @@ class WorkerRecord:
     tp: int = 1
     pp: int = 1
     layout: dict | None = None
-    kv_events: dict | None = None  # a vLLM server's relayed KV events {pub, replay, incarnation[, curve_server_key]}
+    kv_events: dict | None = None  # a vLLM server's relayed KV events: pub, replay, incarnation[, curve key]
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -128,7 +128,7 @@ def test_a_vllm_servers_relayed_kv_events_ride_in_its_record_signed_and_checked(
     tampered = encode(_rec(kv_events=kv), KEY).replace("127.0.0.1:5", "10.6.6.6:5")
     assert pytest.raises(RegistrationRefused, decode, k, tampered, KEY).value.reason == "forged"
     for bad in ({"pub": "tcp://x:1"}, {**kv, "extra": "x"}, {**kv, "pub": 5}, {**kv, "replay": "r" * 300}):
-        with pytest.raises(RegistrationRefused, match="record.kv_events: expected pub, replay and incarnation"):
+        with pytest.raises(RegistrationRefused, match="record.kv_events: expected pub, replay and"):
             decode(k, encode(_rec(kv_events=bad), KEY), KEY)
 
 

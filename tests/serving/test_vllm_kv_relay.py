@@ -1,6 +1,6 @@
-"""The relay of vLLM's KV events (serving/vllm_kv_relay.py): keys equal the router's own chain keys, what token
--only keys cannot name is left out, a gap or a malformed batch starts the relayed cache over, bad fields are
-named; and through real ZeroMQ (a PUB standing in for vLLM's, fed hostile input) the router's subscriber
+"""The relay of vLLM's KV events (serving/vllm_kv_relay.py): keys equal the router's own chain keys, what
+token-only keys cannot name is left out, a gap or a malformed batch starts the relayed cache over, bad fields
+are named; and through real ZeroMQ (a PUB standing in for vLLM's, fed hostile input) the router's subscriber
 (kv_subscriber.py, ZAP with the deployment's token) ends with exactly what the relay mirrors. A real vLLM
 server feeds the relay in tests/vllm/test_kv_aware_vllm.py."""
 
@@ -15,8 +15,13 @@ import pytest
 import zmq
 from kvbridge import codec
 from kvbridge.errors import ProtocolError
-from kvbridge.executor.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, decode_batch, \
-    derive_secret
+from kvbridge.executor.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    KVEventLog,
+    decode_batch,
+    derive_secret,
+)
 from kvbridge.executor.prefix_tree import chain_keys, root_key
 from kvbridge.serving.kv_index import KvIndex
 from kvbridge.serving.kv_subscriber import KvEventsClient
@@ -149,7 +154,7 @@ def test_the_router_ends_with_what_the_relay_mirrors_through_gaps_and_hostile_fr
         pub.send_multipart([b"", b"short"])                           # hostile frames: counted, skipped
         pub.send_multipart([b"", (seq + 1).to_bytes(8, "big"), b"\xc1not msgpack"])
         _wait(lambda: relay.stats["rejected"] == 2, "two frames refused")
-        assert len(relay.mirror) == 0  # a refused batch may have been half applied: the relayed cache restarts
+        assert len(relay.mirror) == 0  # a refused batch may be half applied: the relayed cache restarts
         _wait(lambda: client.index.blocks_of("p-a") == {}, "the router told so")
         _send(pub, seq + 2, [_stored([9], None, toks[12:16])])
         _send(pub, seq + 7, [_stored([10], None, toks[16:20])])       # four lost: the relay starts over
@@ -162,4 +167,4 @@ def test_the_router_ends_with_what_the_relay_mirrors_through_gaps_and_hostile_fr
         relay.close()
         pub.close(0)
         ctx.term()
-        assert root_key(FP)  # (the fingerprint is one kv_events.check_deterministic accepts: the relay started)
+        assert root_key(FP)  # (a fingerprint kv_events.check_deterministic accepts: the relay started)

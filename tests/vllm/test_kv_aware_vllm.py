@@ -39,7 +39,8 @@ def _config() -> dict:
             "vllm": {"kv_connector": "KVBridgeConnector", "max_model_len": 1024, "cpus": "auto"},
             "router": {"port": 0, "request_timeout_s": 240, "health_interval_s": 1, "policy": "kv_aware",
                        "kv_aware": {"spec_ttl_s": 0}},
-            "disagg_cluster": {"heartbeat_interval_sec": 1, "inactive_interval_sec": 4, "drain_timeout_sec": 60},
+            "disagg_cluster": {"heartbeat_interval_sec": 1, "inactive_interval_sec": 4,
+                               "drain_timeout_sec": 60},
             "context_servers": {"engine": "vllm", "instances": 2},
             "generation_servers": {"engine": "vllm", "instances": 1}}
 
@@ -70,8 +71,8 @@ def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_mo
     dep = Deployment(tmp_path, _config())
     try:
         for role, name, index in (("context", "p-a", 0), ("context", "p-b", 1), ("generation", "d-a", 0)):
-            dep.procs[name] = start_process(["worker", "--config", dep.worker_config, "--role", role, "--index",
-                                             str(index), "--name", name], dep.log(name))
+            dep.procs[name] = start_process(["worker", "--config", dep.worker_config, "--role", role,
+                                             "--index", str(index), "--name", name], dep.log(name))
         dep.wait_healthy("p-a", "p-b", "d-a", timeout=400)
         _wait(lambda: set(_index_blocks(dep.router)) >= {"p-a", "p-b", "d-a"}, "the router follows all three")
         urls = {n: dep.url(n) for n in ("p-a", "p-b")}
@@ -79,7 +80,8 @@ def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_mo
         answers: list[tuple[list[int], str]] = []
 
         def ask(p: list[int]) -> dict:
-            out = client.completions.create(model="tiny-llama", prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+            out = client.completions.create(model="tiny-llama", prompt=p, max_tokens=MAX_TOKENS,
+                                            temperature=0)
             answers.append((p, out.choices[0].text))
             return out.model_extra["kvbridge"]
 
@@ -88,7 +90,8 @@ def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_mo
             first = _prompt(seed, 3 * BLOCK + 20)
             held = ask(first)["route"]["context"]["worker"]
             other = ({"p-a", "p-b"} - {held}).pop()
-            _wait(lambda: _index_blocks(dep.router).get(held, 0) >= before[held] + 3, f"{held}'s blocks indexed")
+            _wait(lambda: _index_blocks(dep.router).get(held, 0) >= before[held] + 3,
+                  f"{held}'s blocks indexed")
             hits0 = _prefix_hits(urls[held])
             second = first[:3 * BLOCK] + _prompt(seed + 10, 30)  # the same three blocks, another tail
             got = ask(second)
@@ -96,7 +99,7 @@ def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_mo
             assert ctx["worker"] == held and got["context_worker"] == held, got
             assert ctx["hit_tokens"] == 3 * BLOCK, ctx
             assert ctx["candidates"][other]["hit_tokens"] == 0, ctx
-            assert _prefix_hits(urls[held]) - hits0 >= 3 * BLOCK, "the router counted on KV vLLM did not reuse"
+            assert _prefix_hits(urls[held]) - hits0 >= 3 * BLOCK, "the router counted on KV vLLM did not use"
 
         dep.procs[held].terminate()  # leaves: its blocks leave the index, its prompt goes to the other
         dep.wait(lambda b: held not in b["cluster"]["workers"], f"{held} unregistered", 60)

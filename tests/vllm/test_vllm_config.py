@@ -32,7 +32,7 @@ def _cfg(**over) -> dict:
     ({"context_servers": {"vllm": {}, "urls": ["127.0.0.1:1"]},
       "generation_servers": {"urls": ["127.0.0.1:2"]}},
      "context_servers.vllm: only for engine: vllm"),
-    ({"router": {"policy": "kv_aware"}}, "router.policy: kv_aware over vLLM servers"),  # (without disagg_cluster)
+    ({"router": {"policy": "kv_aware"}}, "router.policy: kv_aware over vLLM servers"),  # (no disagg_cluster)
 ])
 def test_a_bad_vllm_config_is_refused_naming_the_key(change, named):
     with pytest.raises(ServeConfigError, match=named.replace(".", r"\.")):
