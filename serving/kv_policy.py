@@ -47,7 +47,7 @@ from .curve_keys import expected_server_keys, uses_curve
 from .kv_index import KvIndex
 from .kv_subscriber import KvEventsClient
 
-__all__ = ["DEFAULTS", "KvRouting", "parse_settings", "shown"]
+__all__ = ["DEFAULTS", "KvRouting", "given_tokens", "parse_settings", "shown"]
 
 log = logging.getLogger("kvbridge.serving.kv_events")
 
@@ -60,6 +60,16 @@ DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5, "reques
 def shown(route: dict) -> dict:
     """What the answer's `kvbridge` field shows of a request's routing ({"route": decisions}, no token ids)."""
     return {"route": {k: v for k, v in route.items() if k != "tokens"}}
+
+
+def given_tokens(body: dict) -> list[int] | None:
+    """A prompt the client gave as token ids (also as a list of one such list); None for any other prompt."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+        return prompt
+    return None
 
 
 def parse_settings(v: Any) -> dict:
@@ -157,8 +167,9 @@ class KvRouting:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, list) and all(type(t) is int and t >= 0 for t in prompt):
-            return prompt
+        given = given_tokens(body)
+        if given is not None:
+            return given
         try:
             if self._codec is None:
                 from .text import TextCodec

@@ -23,6 +23,9 @@ hops at once under a handle and secret it mints (kvbridge/integrations/vllm/para
 pulls each layer as the prefill's forward writes it. A prefill that fails cancels the decode; a decode that
 fails before its first token, or an engine that changed, falls back to the sequential protocol above.
 
+Under `policy: kv_aware` both hops go where the prompt's KV sits, by the events each server's member relays
+(vllm_kv_relay.py); a text prompt's token ids come from vLLM's own /tokenize (vllm_tokens.py).
+
 Owns no worker pools, admission or metrics (the Router's, router.py) and never imports vLLM or the
 connector: `kv_transfer_params` pass through unread.
 """
@@ -44,6 +47,7 @@ from .balancer import WorkerRef, routing_key
 from .fanout import Part
 from .inflight import in_flight
 from .kv_policy import shown
+from .vllm_tokens import prompt_tokens
 from .protocol import ApiError
 from .relay import RERUN_CODES, Relay, context_send, from_worker, json_or_none
 
@@ -135,7 +139,9 @@ class VllmBackend:
     async def run_part(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
         """Prefill, then decode; a decode hop that fails before its first token runs the choice again from
         another prefill server. Returns the answer (dict) or, streaming, a Relay of event objects."""
-        route = {"policy": "kv_aware", "tokens": self.r.kv.tokens(body)} if self.r.kv is not None else None
+        route = None
+        if self.r.kv is not None:  # kv_aware: the prompt's token ids as vLLM sees them, then the picks
+            route = {"policy": "kv_aware", "tokens": await prompt_tokens(self, body, deadline)}
         if self.r.rc.overlap:
             got = await self._early(request, path, body, stream, deadline, route)
             if got is not None:

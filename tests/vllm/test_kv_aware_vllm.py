@@ -2,16 +2,17 @@
 server's own KV events (serving/vllm_kv_relay.py), signed, and the router routes by them.
 
 Two prefill servers and one decode server join a deployment whose router is the registry, speculative
-entries off (`spec_ttl_s: 0`: only the servers' own events count). For two prefixes in turn: a prompt is
-routed somewhere; once that server's relayed blocks reach the router's index, a second prompt sharing the
-prefix goes to the same server, the decision names the prefix's tokens as held there and nowhere else, and
-vLLM's own prefix-cache counter on that server rises by at least those tokens (the KV the router counted on
-was really there). Then the server holding the last prefix leaves by SIGTERM: its blocks leave the index, and
-the prompt goes to the other. Every answer equals that other server's own (it computes and decodes alone).
+entries off (`spec_ttl_s: 0`: only the servers' own events count). For three kinds of prompt in turn (token
+ids, text, chat messages: the router has text and chats tokenized by vLLM's own /tokenize): one is routed;
+once that server's relayed blocks reach the router's index, a second prompt sharing the prefix goes to the
+same server, the decision names the prefix's whole blocks as held there and nowhere else, and vLLM's own
+prefix-cache counter on that server rises by at least those tokens (the KV the router counted on was really
+there). Then the server holding the last prefix leaves by SIGTERM: its blocks leave the index, and the prompt
+goes to the other. Every answer equals that other server's own (it computes and decodes alone).
 """
-
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import tempfile
@@ -43,6 +44,41 @@ def _config() -> dict:
                                "drain_timeout_sec": 60},
             "context_servers": {"engine": "vllm", "instances": 2},
             "generation_servers": {"engine": "vllm", "instances": 1}}
+
+
+def _words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    words = ("river", "stone", "light", "paper", "north", "seven", "glass", "quiet", "amber", "field")
+    return " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(n))
+
+
+def _pairs() -> list[tuple[dict, dict]]:
+    """(first, second) requests sharing a long prefix: token ids, text, and chat messages (a long system
+    message: vLLM's chat template renders both the same up to the user's turn)."""
+    ids = _prompt(1, 3 * BLOCK + 20)
+    text = _words(2, 120)
+    system = {"role": "system", "content": _words(3, 110)}
+    return [({"prompt": ids}, {"prompt": ids[:3 * BLOCK] + _prompt(11, 30)}),
+            ({"prompt": text}, {"prompt": text + " " + _words(12, 8)}),
+            ({"messages": [system, {"role": "user", "content": _words(4, 6)}]},
+             {"messages": [system, {"role": "user", "content": _words(13, 9)}]})]
+
+
+def _tokenize(url: str, req: dict) -> list[int]:
+    """The request's prompt as that vLLM server tokenizes it (its own /tokenize; token ids as they are)."""
+    if isinstance(req.get("prompt"), list):
+        return req["prompt"]
+    r = httpx.post(url + "/tokenize", json={"model": "tiny-llama", **req},
+                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 200, r.text[:500]
+    return r.json()["tokens"]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _index_blocks(router: str) -> dict[str, float]:
@@ -77,29 +113,36 @@ def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_mo
         _wait(lambda: set(_index_blocks(dep.router)) >= {"p-a", "p-b", "d-a"}, "the router follows all three")
         urls = {n: dep.url(n) for n in ("p-a", "p-b")}
         client = openai.OpenAI(base_url=dep.router + "/v1", api_key="unused", timeout=240, max_retries=0)
-        answers: list[tuple[list[int], str]] = []
+        answers: list[tuple[dict, str]] = []
 
-        def ask(p: list[int]) -> dict:
-            out = client.completions.create(model="tiny-llama", prompt=p, max_tokens=MAX_TOKENS,
-                                            temperature=0)
-            answers.append((p, out.choices[0].text))
+        def ask(req: dict) -> dict:
+            if "messages" in req:
+                out = client.chat.completions.create(model="tiny-llama", max_tokens=MAX_TOKENS, temperature=0,
+                                                     **req)
+                text = out.choices[0].message.content
+            else:
+                out = client.completions.create(model="tiny-llama", max_tokens=MAX_TOKENS, temperature=0,
+                                                **req)
+                text = out.choices[0].text
+            answers.append((req, text))
             return out.model_extra["kvbridge"]
 
-        for seed in (1, 2):
+        for first, second in _pairs():  # token ids, text, chat messages: each pair shares a prefix
+            shared = _common(_tokenize(urls["p-a"], first), _tokenize(urls["p-a"], second))
+            want_hit = BLOCK * (shared // BLOCK)
+            assert want_hit >= 2 * BLOCK, want_hit
             before = _index_blocks(dep.router)
-            first = _prompt(seed, 3 * BLOCK + 20)
             held = ask(first)["route"]["context"]["worker"]
             other = ({"p-a", "p-b"} - {held}).pop()
-            _wait(lambda: _index_blocks(dep.router).get(held, 0) >= before[held] + 3,
+            _wait(lambda: _index_blocks(dep.router).get(held, 0) >= before[held] + want_hit // BLOCK,
                   f"{held}'s blocks indexed")
             hits0 = _prefix_hits(urls[held])
-            second = first[:3 * BLOCK] + _prompt(seed + 10, 30)  # the same three blocks, another tail
             got = ask(second)
             ctx = got["route"]["context"]
             assert ctx["worker"] == held and got["context_worker"] == held, got
-            assert ctx["hit_tokens"] == 3 * BLOCK, ctx
+            assert ctx["hit_tokens"] == want_hit, (list(first), ctx)  # the router keyed it as vLLM did
             assert ctx["candidates"][other]["hit_tokens"] == 0, ctx
-            assert _prefix_hits(urls[held]) - hits0 >= 3 * BLOCK, "the router counted on KV vLLM did not use"
+            assert _prefix_hits(urls[held]) - hits0 >= want_hit, "the router counted on KV vLLM did not use"
 
         dep.procs[held].terminate()  # leaves: its blocks leave the index, its prompt goes to the other
         dep.wait(lambda b: held not in b["cluster"]["workers"], f"{held} unregistered", 60)
@@ -109,10 +152,14 @@ def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_mo
         assert got["route"]["context"]["worker"] == other and got["route"]["context"]["hit_tokens"] == 0, got
         # every answer equals the remaining prefill server's own (asked last: its cache took no part above)
         alone = openai.OpenAI(base_url=urls[other] + "/v1", api_key=TOKEN, timeout=240)
-        for p, text in answers:
-            want = alone.completions.create(model="tiny-llama", prompt=p, max_tokens=MAX_TOKENS,
-                                            temperature=0).choices[0].text
-            assert text == want, f"{len(p)}-token prompt: {text!r} through the router, {want!r} alone"
+        for req, text in answers:
+            if "messages" in req:
+                want = alone.chat.completions.create(model="tiny-llama", max_tokens=MAX_TOKENS, temperature=0,
+                                                     **req).choices[0].message.content
+            else:
+                want = alone.completions.create(model="tiny-llama", max_tokens=MAX_TOKENS, temperature=0,
+                                                **req).choices[0].text
+            assert text == want, f"{list(req)}: {text!r} through the router, {want!r} alone"
     finally:
         dep.stop()
         shutil.rmtree(short, ignore_errors=True)
