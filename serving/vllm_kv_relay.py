@@ -204,7 +204,13 @@ class VllmKvRelay:
                             frames = self._sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_frames(frames)
+                        try:
+                            self._on_frames(frames)
+                        except Exception:  # noqa: BLE001 - a bug on odd input must not end the relay
+                            log.exception("vLLM kv events: a batch could not be applied; the relayed cache "
+                                          "starts over")
+                            self.stats["rejected"] += 1
+                            self.mirror.clear()
                 self.publisher.flush()  # (also answers the router's dumps)
         except zmq.ZMQError as e:
             if not self._stop.is_set():
