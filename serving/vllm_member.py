@@ -70,6 +70,9 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
         if relay is not None:
             relay[0].close()
             shutil.rmtree(relay[1], ignore_errors=True)
+            print(f"[{spec.name}] its KV events relayed: {relay[0].stats['batches']} batches, "
+                  f"{relay[0].stats['gaps']} gaps, {relay[0].stats['rejected']} refused, "
+                  f"{relay[0].mirror.skipped} blocks not indexed", flush=True)
 
 
 def _relay(cfg, spec, vspec, instance: str):
