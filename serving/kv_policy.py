@@ -67,7 +67,7 @@ def given_tokens(body: dict) -> list[int] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and all(type(t) is int and t >= 0 for t in prompt):
         return prompt
     return None
 
@@ -164,12 +164,12 @@ class KvRouting:
     # --- one request -------------------------------------------------------------------------------------
     def tokens(self, body: dict) -> list[int] | None:
         """The prompt's token ids as the workers will see them (None: cannot tell)."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
         given = given_tokens(body)
         if given is not None:
             return given
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
         try:
             if self._codec is None:
                 from .text import TextCodec

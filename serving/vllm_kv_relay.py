@@ -204,13 +204,7 @@ class VllmKvRelay:
                             frames = self._sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        try:
-                            self._on_frames(frames)
-                        except Exception:  # noqa: BLE001 - a bug on odd input must not end the relay
-                            log.exception("vLLM kv events: a batch could not be applied; the relayed cache "
-                                          "starts over")
-                            self.stats["rejected"] += 1
-                            self.mirror.clear()
+                        self._on_frames(frames)
                 self.publisher.flush()  # (also answers the router's dumps)
         except zmq.ZMQError as e:
             if not self._stop.is_set():
@@ -235,9 +229,10 @@ class VllmKvRelay:
                 raise ProtocolError("vLLM kv event batch: expected [ts, events, data_parallel_rank]")
             for i, ev in enumerate(batch[1]):
                 self.mirror.apply(ev, i)
-        except ProtocolError as e:
+        except Exception as e:  # noqa: BLE001 - malformed, or a bug on odd input: never the relay's end
             self.stats["rejected"] += 1
-            log.warning("vLLM kv events: a batch refused (%s); the relayed cache starts over", e)
+            log.warning("vLLM kv events: a batch refused (%s); the relayed cache starts over", e,
+                        exc_info=not isinstance(e, ProtocolError))
             self.mirror.clear()  # part of it may have been applied: nothing known is trusted
             return
         self.stats["batches"] += 1

@@ -34,6 +34,7 @@ import signal
 import tempfile
 import time
 import uuid
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -68,16 +69,22 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
     finally:
         server.stop()
         if relay is not None:
-            relay[0].close()
-            shutil.rmtree(relay[1], ignore_errors=True)
-            print(f"[{spec.name}] its KV events relayed: {relay[0].stats['batches']} batches, "
-                  f"{relay[0].stats['gaps']} gaps, {relay[0].stats['rejected']} refused, "
-                  f"{relay[0].mirror.skipped} blocks not indexed", flush=True)
+            relay.relay.close()
+            shutil.rmtree(relay.folder, ignore_errors=True)
+            st = relay.relay.stats
+            print(f"[{spec.name}] its KV events relayed: {st['batches']} batches, {st['gaps']} gaps, "
+                  f"{st['rejected']} refused, {relay.relay.mirror.skipped} blocks not indexed", flush=True)
+
+
+class _Relay(NamedTuple):
+    relay: Any      # vllm_kv_relay.VllmKvRelay
+    folder: str     # its private folder (vLLM's ipc socket, the endpoint file)
+    info: dict      # what the record advertises: {pub, replay, incarnation[, curve_server_key]}
 
 
 def _relay(cfg, spec, vspec, instance: str):
     """The KV-event relay of a server (started before it, so no batch is missed): (its VllmServerSpec with
-    --kv-events-config and an explicit --block-size, (relay, its private folder, what the record says))."""
+    --kv-events-config and an explicit --block-size, a _Relay)."""
     from .kv_worker import advertised, kv_events_settings
     from .vllm_kv_relay import DEFAULT_BLOCK_SIZE, VllmKvRelay, kv_events_config
 
@@ -96,10 +103,10 @@ def _relay(cfg, spec, vspec, instance: str):
     info = advertised(settings, spec.host, 10.0)
     vspec = dataclasses.replace(vspec, block_size=block_size, extra_args=(
         *vspec.extra_args, "--kv-events-config", json.dumps(kv_events_config(source))))
-    return vspec, (relay, folder, info)
+    return vspec, _Relay(relay, folder, info)
 
 
-async def _member(cfg, spec, server, instance: str, relay) -> int:
+async def _member(cfg, spec, server, instance: str, relay: _Relay | None) -> int:
     from ..integrations.vllm.launch import health
     from .worker_cluster import wait_quiet
 
@@ -107,7 +114,7 @@ async def _member(cfg, spec, server, instance: str, relay) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    registrar = (_registrar(cfg, spec, instance, relay[2] if relay else None) if cfg.cluster is not None
+    registrar = (_registrar(cfg, spec, instance, relay.info if relay else None) if cfg.cluster is not None
                  else None)
     task = asyncio.create_task(registrar.run()) if registrar is not None else None
     ready = False
