@@ -28,7 +28,7 @@ class Comm:
     Args:
         layout: the executor's layout (TP/PP sizes; rank = pp_rank * tp + tp_rank).
         rank: this rank.
-        port: the TCP store port on 127.0.0.1 (rank 0 hosts it).
+        port: the rendezvous TCPStore's port on `host`, hosted by the parent (launch.rendezvous_store).
         device: the rank's device; "cuda:*" selects NCCL for tensors, else gloo.
         timeout_s: bound on init and on every collective wait.
     """
@@ -44,8 +44,8 @@ class Comm:
         self.enabled = self.world > 1
         if not self.enabled:
             return
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=self.world,
-                                timeout=self.timeout)
+        store = dist.TCPStore(host, port, None, False, self.timeout)  # a client: the parent hosts it
+        dist.init_process_group(backend, store=store, rank=rank, world_size=self.world, timeout=self.timeout)
         self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
             else dist.group.WORLD
         self.tp_group = None

@@ -1,4 +1,4 @@
-"""Spawning rank processes: a free port, the spawn context, and tearing everything down on failure.
+"""Spawning rank processes: the rendezvous store, the spawn context, and tearing everything down on failure.
 
 Owns only the processes it starts: it ends them through their own handles (terminate, then kill), never by
 name. Every join has a deadline.
@@ -10,7 +10,7 @@ import multiprocessing as mp
 import socket
 import time
 
-__all__ = ["free_port", "spawn_ranks", "stop_processes"]
+__all__ = ["free_port", "rendezvous_store", "spawn_ranks", "stop_processes"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -18,6 +18,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def rendezvous_store(timeout_s: float, host: str = "127.0.0.1"):
+    """A torch.distributed TCPStore hosted by this process on a port the kernel picks (bound, so no race).
+
+    The ranks connect to it as clients (`Comm(store_port=...)`); it lives as long as the returned object.
+    Picking a free port first and letting rank 0 bind it later lost the port now and then to another process
+    (EADDRINUSE at init_process_group).
+    """
+    from datetime import timedelta
+    from torch.distributed import TCPStore
+    return TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def spawn_ranks(world: int, target, args_for_rank) -> tuple[list[mp.process.BaseProcess], list, list]:

@@ -48,3 +48,18 @@ def test_replicated_kv_head_when_tp_exceeds_kv_heads():
     tokens, kv = _run("seeded:tiny-mqa", 2, 1)   # read_kv checks both ranks hold the same replica
     assert tokens == ref
     torch.testing.assert_close(kv, ref_kv, rtol=1e-4, atol=1e-4)
+
+
+def test_the_rendezvous_store_is_bound_by_the_parent_before_any_rank_starts():
+    """The ranks' TCPStore is hosted by the parent on a port the kernel picked and bound at once: no port is
+    picked first and bound later by rank 0 (which lost it to another process now and then: EADDRINUSE)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from kvbridge.executor.launch import rendezvous_store
+    store = rendezvous_store(10)
+    assert store.port > 0
+    client = TCPStore("127.0.0.1", store.port, None, False, timedelta(seconds=10))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
