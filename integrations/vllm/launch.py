@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -190,6 +192,7 @@ class VllmServer:
         self.log_path = str(log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{spec.port}.log")
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
+        self._rpc_dir: str | None = None  # vLLM's ipc sockets and temp files (removed when the server stops)
 
     @property
     def url(self) -> str:
@@ -204,6 +207,9 @@ class VllmServer:
     def start(self) -> "VllmServer":
         """Start the process in a new process group (returns at once; wait_healthy() waits)."""
         argv, env = self.spec.popen_args()
+        if "VLLM_RPC_BASE_PATH" not in env:  # else vLLM leaves its ipc sockets and its torch.distributed init
+            self._rpc_dir = _rpc_folder()     # file (vllm_dist_*) in the temp folder for good, per engine
+            env["VLLM_RPC_BASE_PATH"] = env["TMPDIR"] = self._rpc_dir
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.spec.command())}\n".encode())
@@ -242,6 +248,7 @@ class VllmServer:
         if self.proc is not None:
             _killpg(self.pgid, signal.SIGKILL)
             self.proc.wait(30)
+            self._forget_sockets()
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the group, up to `grace_s` for every process of it to exit, then SIGKILL what is left."""
@@ -260,6 +267,12 @@ class VllmServer:
         deadline = time.monotonic() + 10
         while group_pids(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
+        self._forget_sockets()
+
+    def _forget_sockets(self) -> None:
+        d, self._rpc_dir = self._rpc_dir, None
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
 
     def tail(self, n: int = 20) -> str:
         """The last lines of the server's log, for an error message."""
@@ -275,6 +288,15 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _rpc_folder() -> str:
+    """A 0700 folder for one server's ipc sockets and temp files, short enough for a Unix socket's path."""
+    d = tempfile.mkdtemp(prefix="kvb-vllm-")
+    if len(d) > 60:  # + "/" + a uuid4 (36)
+        os.rmdir(d)
+        d = tempfile.mkdtemp(prefix="kvb-vllm-", dir="/tmp")
+    return d
 
 
 def health(url: str, timeout: float = 2.0) -> bool:

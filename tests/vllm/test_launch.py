@@ -29,9 +29,20 @@ def server(tiny_model, tmp_path_factory):
         srv.wait_healthy(300)
         yield srv
     finally:
-        pgid = srv.pgid
+        pgid, sockets = srv.pgid, srv._rpc_dir
         srv.stop()
         assert group_pids(pgid) == [], f"processes of the server's group outlived stop(): {group_pids(pgid)}"
+        assert sockets and not os.path.exists(sockets), "vLLM's ipc sockets' folder outlived stop()"
+
+
+def test_vllms_ipc_sockets_sit_in_the_servers_own_folder(server):
+    """vLLM names an ipc socket per engine under VLLM_RPC_BASE_PATH and a torch.distributed init file in the
+    temp folder (/tmp by default) and leaves them behind; each server gets a 0700 folder for both, removed by
+    stop()."""
+    folder = server._rpc_dir
+    assert folder and os.stat(folder).st_mode & 0o777 == 0o700
+    names = os.listdir(folder)
+    assert any(n.count("-") == 4 for n in names) and any(n.startswith("vllm_dist_") for n in names), names
 
 
 def test_the_openai_client_gets_text_chat_and_streams(server):
