@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvbridge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     target = SUBCOMMANDS[name][0]
-    if name == "serve" and "--check" in rest:  # validate a config and print its deployment (kvbridge.trtllm)
-        target, rest = "kvbridge.trtllm.check:main", [a for a in rest if a != "--check"]
+    if name == "serve" and "--check" in rest:  # validate a config and print its deployment
+        target, rest = "kvbridge.serving.check:main", [a for a in rest if a != "--check"]
     mod, _, fn = target.partition(":")
     return int(getattr(importlib.import_module(mod), fn)(rest) or 0)
 

@@ -46,16 +46,11 @@ from .balancer import Pool, WorkerRef
 from .curve_keys import expected_server_keys, uses_curve
 from .kv_index import KvIndex
 from .kv_subscriber import KvEventsClient
+from .router_spec import KV_AWARE_DEFAULTS
 
-__all__ = ["DEFAULTS", "KvRouting", "given_tokens", "parse_settings", "shown"]
+__all__ = ["KvRouting", "given_tokens", "shown"]
 
 log = logging.getLogger("kvbridge.serving.kv_events")
-
-DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5, "request_weight": 1.0,
-                              "pull_weight": 1.0, "decode_weight": 2.0, "spec_ttl_s": 2.0,
-                              "max_index_entries": 1_000_000, "replay_timeout_s": 5.0,
-                              "local_prefill_tokens": 0}
-
 
 def shown(route: dict) -> dict:
     """What the answer's `kvbridge` field shows of a request's routing ({"route": decisions}, no token ids)."""
@@ -70,24 +65,6 @@ def given_tokens(body: dict) -> list[int] | None:
     if isinstance(prompt, list) and all(type(t) is int and t >= 0 for t in prompt):
         return prompt
     return None
-
-
-def parse_settings(v: Any) -> dict:
-    """router.kv_aware, validated (every value a number >= 0; the caps > 0)."""
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise ServeConfigError("router.kv_aware: expected a mapping")
-    out = {}
-    for k, x in v.items():
-        if k not in DEFAULTS:
-            raise ServeConfigError(f"router.kv_aware.{k}: unknown key (known: {sorted(DEFAULTS)})")
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0:
-            raise ServeConfigError(f"router.kv_aware.{k}: expected a number >= 0, got {x!r}")
-        if k in ("max_index_entries", "replay_timeout_s") and x <= 0:
-            raise ServeConfigError(f"router.kv_aware.{k}: must be > 0")
-        out[k] = x
-    return out
 
 
 @functools.cache
@@ -111,7 +88,7 @@ class KvRouting:
             raise ServeConfigError("router.policy kv_aware needs the deployment's internal token (the KV events "
                                    "are signed with a key derived from it): set KVBRIDGE_INTERNAL_TOKEN or "
                                    "internal_token")
-        self.s = {**DEFAULTS, **(cfg.router.kv_aware or {})}
+        self.s = {**KV_AWARE_DEFAULTS, **(cfg.router.kv_aware or {})}
         self.index = KvIndex(int(self.s["max_index_entries"]), float(self.s["spec_ttl_s"]))
         self.client = KvEventsClient(self.index, derive_secret(token), float(self.s["replay_timeout_s"]),
                                      require_curve=uses_curve(cfg))

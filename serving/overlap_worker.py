@@ -29,11 +29,9 @@ request's KV and grant nothing else (transceiver/handles.py). Never frees KV its
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -43,50 +41,14 @@ from ..executor.transceiver_hook import disagg_params
 from ..transceiver import DisaggParams
 from .overlap_router import NDJSON
 from .context_side import _context_answer, _need_context, _prompt_ids, _sampling, _seed
+from .prefetches import Prefetched
 from .protocol import ApiError, DisaggRequest, parse_disagg, parse_request
 
 log = logging.getLogger("kvbridge.serving.overlap")
 
-__all__ = ["Prefetches", "context_early", "prefetch", "join", "claim", "release_prefetch", "timing_extra"]
+__all__ = ["context_early", "prefetch", "join", "claim", "release_prefetch", "timing_extra"]
 
 CLAIM_SLACK_S = 10.0  # a prefetch waits for its claim at most the context hop's bound plus this
-
-
-@dataclass
-class _Prefetched:
-    rid: int
-    secret: bytes
-    key: tuple  # (prompt, max_tokens, sampling): a claim must match
-    deadline: float
-    joined: int | None = None  # the first token, once POST /internal/join gave it
-
-
-class Prefetches:
-    """handle -> a prefetched generation-only request waiting for its first token. Event loop only."""
-
-    def __init__(self) -> None:
-        self._by_handle: dict[int, _Prefetched] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_handle)
-
-    def add(self, handle: int, p: _Prefetched) -> None:
-        self._by_handle[handle] = p
-
-    def get(self, handle: int, secret: bytes) -> _Prefetched | None:
-        """The prefetch of `handle` if `secret` is its secret (constant time); else None."""
-        p = self._by_handle.get(handle)
-        return p if p is not None and hmac.compare_digest(p.secret, secret) else None
-
-    def take(self, handle: int, secret: bytes) -> _Prefetched | None:
-        """`get`, removed from the table."""
-        p = self.get(handle, secret)
-        return None if p is None else self._by_handle.pop(handle)
-
-    def expired(self, now: float) -> list[int]:
-        """Executor ids of the prefetches whose deadline passed, removed."""
-        gone = [h for h, p in self._by_handle.items() if p.deadline <= now]
-        return [self._by_handle.pop(h).rid for h in gone]
 
 
 # --- context worker ---------------------------------------------------------------------------------------
@@ -173,7 +135,7 @@ async def prefetch(st, body: Any, deadline: float) -> dict[str, Any]:
         raise be.error(e, "prefetch") from None
     until = min(deadline, time.monotonic() + cfg.router.context_timeout_s + CLAIM_SLACK_S)
     st.prefetched.add(params.ctx_request_id,
-                      _Prefetched(rid, params.secret, (tuple(prompt), req.max_tokens, sampling), until))
+                      Prefetched(rid, params.secret, (tuple(prompt), req.max_tokens, sampling), until))
     st.record_handle(params.ctx_request_id, rid)
     return {"prefetched": True}
 
@@ -248,13 +210,6 @@ def release_prefetch(st, d: Any) -> bool:
         return False
     st.backend.abort(p.rid)
     return True
-
-
-def expire(st) -> None:
-    """Abort the prefetches nobody claimed in time (the housekeeping loop calls it)."""
-    for rid in st.prefetched.expired(time.monotonic()):
-        log.info("%s: prefetched request %d was not claimed in time; aborted", st.spec.name, rid)
-        st.backend.abort(rid)
 
 
 def timing_extra(extra: dict[str, Any], done) -> None:

@@ -13,7 +13,12 @@ from ..errors import ServeConfigError
 from .config_keys import get_key as _get
 from .config_keys import known_keys as _known
 
-__all__ = ["POLICIES", "RouterSpec", "api_keys", "parse_router"]
+__all__ = ["KV_AWARE_DEFAULTS", "POLICIES", "RouterSpec", "api_keys", "parse_kv_aware", "parse_router"]
+
+KV_AWARE_DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5, "request_weight": 1.0,
+                                       "pull_weight": 1.0, "decode_weight": 2.0, "spec_ttl_s": 2.0,
+                                       "max_index_entries": 1_000_000, "replay_timeout_s": 5.0,
+                                       "local_prefill_tokens": 0}
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
@@ -58,7 +63,7 @@ def parse_router(d: dict) -> RouterSpec:
                    health_failures=_get(d, "health_failures", int, "router", 3),
                    connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
                    api_keys=api_keys(d.get("api_keys", [])),
-                   overlap=_get(d, "overlap", bool, "router", True), kv_aware=_kv_aware(d.get("kv_aware")))
+                   overlap=_get(d, "overlap", bool, "router", True), kv_aware=parse_kv_aware(d.get("kv_aware")))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:
@@ -72,10 +77,22 @@ def parse_router(d: dict) -> RouterSpec:
     return r if r.bind_host else RouterSpec(**{**r.__dict__, "bind_host": r.host})
 
 
-def _kv_aware(v: Any) -> dict:
-    from .kv_policy import parse_settings  # checked here, so a bad setting stops `serve --check`
-
-    return parse_settings(v)
+def parse_kv_aware(v: Any) -> dict:
+    """router.kv_aware, validated (every value a number >= 0; the caps > 0)."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ServeConfigError("router.kv_aware: expected a mapping")
+    out = {}
+    for k, x in v.items():
+        if k not in KV_AWARE_DEFAULTS:
+            raise ServeConfigError(f"router.kv_aware.{k}: unknown key (known: {sorted(KV_AWARE_DEFAULTS)})")
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0:
+            raise ServeConfigError(f"router.kv_aware.{k}: expected a number >= 0, got {x!r}")
+        if k in ("max_index_entries", "replay_timeout_s") and x <= 0:
+            raise ServeConfigError(f"router.kv_aware.{k}: must be > 0")
+        out[k] = x
+    return out
 
 
 def api_keys(v: Any) -> tuple[str, ...]:

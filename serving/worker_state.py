@@ -20,7 +20,7 @@ from ..executor.transceiver_hook import context_request_of
 from ..transceiver import DisaggParams
 from .backend import Backend
 from .config import ServeConfig, ServerSpec
-from .overlap_worker import Prefetches, expire
+from .prefetches import Prefetches
 from .protocol import ApiError
 from .text import TextCodec
 
@@ -117,8 +117,10 @@ async def housekeeping(st: WorkerState, on_fatal) -> None:
         await asyncio.sleep(0.5)
         if st.spec.role == "context":
             st.backend.collect_released()
-        else:
-            expire(st)
+        else:  # prefetches nobody claimed in time are aborted
+            for rid in st.prefetched.expired(time.monotonic()):
+                log.info("%s: prefetched request %d was not claimed in time; aborted", st.spec.name, rid)
+                st.backend.abort(rid)
         err = st.backend.ex.error
         if err:
             st.failed = err

@@ -7,7 +7,6 @@ Modules:
     connector         KvCacheConnectorScheduler/Worker (built from llm_args) on kvbridge's executor
     persistent        PersistentKvCacheConnector: upstream's example connector, rewritten without pickle
     serve_config      a `trtllm-serve disaggregated -c` config translated into kvbridge's serving config
-    check             `kvbridge serve --check CONFIG`
 
 Sits beside serving: it may import executor, transceiver, formatter and agents; nothing below imports it.
 """

@@ -14,10 +14,10 @@ import sys
 import yaml
 
 from ..errors import KvBridgeError, ServeConfigError
-from ..serving.agent_check import check_agents
-from ..serving.config import ServeConfig, ServerSpec, load_config
 from ..transceiver.upstream import ENV_SWITCHES
-from .serve_config import is_trtllm_serve_config
+from ..trtllm.serve_config import is_trtllm_serve_config
+from .agent_check import check_agents
+from .config import ServeConfig, ServerSpec, load_config
 
 __all__ = ["main", "describe"]
 
