@@ -1,7 +1,7 @@
 """kvbridge.executor: a small, honest reference engine to produce and consume real, sharded KV caches.
 
 Modules (lowest first):
-    kv_cache_manager  the paged pool of one rank (TensorRT-LLM's KVCacheManager interface) and pinning
+XX
     kv_io             a request's KV out of / into pools, sharded and assembled across ranks (tests, tools)
     config            model shapes, seeded presets, the KV layout of a model under a TP/PP split
     weights           seeded weights and TP/PP sharding; gguf_model / hf_model / sources: other weights
@@ -15,5 +15,6 @@ Modules (lowest first):
     worker, launch    the rank processes and their step loop
     runtime           `Executor`: the in-process handle that launches ranks and drives the engine
     generate          the `kvbridge generate` command
+Its paged KV pool is kvbridge.kvcache (shared with TensorRT-LLM's names and the router's index).
 Imports nothing above it (transceiver code reaches the executor through hooks.py, never the other way round).
 """

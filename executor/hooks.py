@@ -50,7 +50,7 @@ from ..formatter.layout import KVLayout
 from ..transceiver.stats import TransferStats
 from .config import ModelConfig
 from .strict import Wire, wf
-from .kv_cache_manager import KVCacheManager
+from ..kvcache.manager import KVCacheManager
 
 __all__ = ["RankHook", "RankContext", "load_hook", "HookTally", "HookReport", "Agreed", "REPORT_KINDS",
            "validate_report", "exchange_reports"]

@@ -30,7 +30,7 @@ import xxhash
 
 from ..errors import ExecutorError
 from ..formatter.layout import KVLayout
-from .kv_cache_manager import KVCacheManager
+from ..kvcache.manager import KVCacheManager
 from .kv_io import gather_blocks
 from .strict import Wire, need, wf
 

@@ -13,7 +13,7 @@ sits. The shape is vLLM's (`vllm/distributed/kv_events.py`), so a vLLM-side subs
 decoding our bytes with vLLM's own `KVEventBatch`; older vLLM sent events as tagged arrays, which
 `decode_batch` also reads).
 
-A block hash is the prefix tree's chained key (prefix_tree.py: blake2b over the parent key and the block's
+A block hash is the prefix tree's chained key (kvcache/prefix_tree.py: blake2b over the parent key and the block's
 tokens as little-endian int64, the chain rooted at a layout/model fingerprint): the same on every process
 and host, never Python's `hash`. `parent_block_hash` is None for a prompt's first block (its parent is the
 fingerprint's root). One BlockStored carries a run of chained blocks (each the parent of the next).
@@ -38,7 +38,7 @@ from typing import Any
 
 from .. import codec
 from ..errors import ExecutorError, ProtocolError
-from .prefix_tree import KEY_VERSION, chain_keys, root_key
+from ..kvcache.prefix_tree import KEY_VERSION, chain_keys, root_key
 
 __all__ = [
     "KV_EVENTS_VERSION",

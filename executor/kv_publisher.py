@@ -44,7 +44,7 @@ from .kv_events import (
     sign,
     subscriber_password,
 )
-from .prefix_tree import PrefixTree
+from ..kvcache.prefix_tree import PrefixTree
 
 __all__ = ["ZAP_DOMAIN", "ZAP_USER", "KVEventPublisher"]
 

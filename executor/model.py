@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..formatter.layout import KVLayout
 from .config import ModelConfig
-from .kv_cache_manager import KVCacheManager
+from ..kvcache.manager import KVCacheManager
 
 __all__ = ["StepBatch", "StageModel"]
 

@@ -18,7 +18,7 @@ import torch
 from ..errors import ExecutorError, KVCacheExhausted
 from . import events as E
 from . import pipe_messages as pm
-from .kv_cache_manager import TORCH_DTYPES
+from ..kvcache.manager import TORCH_DTYPES
 from .kv_check import RankDigest
 
 __all__ = ["RankReplies", "raise_refusal"]

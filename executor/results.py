@@ -34,7 +34,7 @@ class ExecutorConfig:
             KvConnectorConfig.persistent("/data/kv", max_bytes=8 << 30): prompts' KV saved to and loaded
             from a folder shared across executors and restarts.
         enable_block_reuse: keep finished requests' full KV blocks cached and start requests whose prompt
-            prefix is cached on those blocks (kv_cache_manager.py); serving turns it on by default.
+            prefix is cached on those blocks (kvcache/manager.py); serving turns it on by default.
         stream_layers: layer-wise streaming (streaming.py; needs a rank hook that streams, the transceiver's):
             0 = off, a context-only request is published once its prefill is done; N > 0 = it is published
             when its blocks are allocated and every rank marks its local layers ready every N layers as the

@@ -30,7 +30,7 @@ from . import pipe_messages as pm
 from . import plan as P
 from .plan import BatchRow, StepPlan
 from .hooks import HookReport, RankContext, exchange_reports, load_hook, validate_report
-from .kv_cache_manager import TORCH_DTYPES, KVCacheManager
+from ..kvcache.manager import TORCH_DTYPES, KVCacheManager
 from .kv_check import DigestBook
 from .kv_io import gather_blocks, scatter_blocks
 from .leader import leader_loop

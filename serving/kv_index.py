@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..executor.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from ..executor.prefix_tree import chain_keys
+from ..kvcache.prefix_tree import chain_keys
 
 __all__ = ["KvIndex", "WorkerBlocks"]
 

@@ -12,7 +12,7 @@ __all__ = ["Prefetched", "Prefetches"]
 
 @dataclass
 class Prefetched:
-    """One prefetched generation-only request: its executor id, secret, what a claim must match, its deadline."""
+    """A prefetched generation-only request: executor id, secret, what a claim must match, deadline."""
 
     rid: int
     secret: bytes

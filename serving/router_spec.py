@@ -63,7 +63,8 @@ def parse_router(d: dict) -> RouterSpec:
                    health_failures=_get(d, "health_failures", int, "router", 3),
                    connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
                    api_keys=api_keys(d.get("api_keys", [])),
-                   overlap=_get(d, "overlap", bool, "router", True), kv_aware=parse_kv_aware(d.get("kv_aware")))
+                   overlap=_get(d, "overlap", bool, "router", True),
+                   kv_aware=parse_kv_aware(d.get("kv_aware")))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:

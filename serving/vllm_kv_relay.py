@@ -38,7 +38,7 @@ import zmq
 from .. import codec
 from ..errors import ProtocolError
 from ..executor.kv_publisher import KVEventPublisher
-from ..executor.prefix_tree import block_key, root_key
+from ..kvcache.prefix_tree import block_key, root_key
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "VllmKvMirror", "VllmKvRelay", "fingerprint", "kv_events_config"]
 

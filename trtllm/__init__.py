@@ -4,11 +4,12 @@ Modules:
     llm_request       LlmRequest (the fields kvbridge reads) and LlmRequestState, upstream names
     kv_cache_manager  KVCacheManager with upstream's constructor and scheduled-batch methods
     transceiver       KvCacheTransceiver with upstream's method set and state moves
-    connector         KvCacheConnectorScheduler/Worker (built from llm_args) on kvbridge's executor
-    persistent        PersistentKvCacheConnector: upstream's example connector, rewritten without pickle
     serve_config      a `trtllm-serve disaggregated -c` config translated into kvbridge's serving config
 
-Sits beside serving: it may import executor, transceiver, formatter and agents; nothing below imports it.
+An engine adapter: sits on transceiver, kvcache, formatter and agents, and never imports the reference
+executor (nor serving). TensorRT-LLM's KV Cache Connector API, which runs connectors written for TensorRT-LLM
+inside the reference executor, is the executor's: kvbridge.executor.connector.trtllm_api (and its example,
+trtllm_example).
 """
 
 from importlib import import_module
@@ -21,12 +22,6 @@ _WHERE = {
     "Mapping": ".kv_cache_manager", "ScheduledRequests": ".kv_cache_manager",
     "LlmRequest": ".llm_request", "LlmRequestState": ".llm_request", "LlmRequestType": ".llm_request",
     "KvCacheTransceiver": ".transceiver", "create_kv_cache_transceiver": ".transceiver",
-    "KvCacheConnectorScheduler": ".connector", "KvCacheConnectorWorker": ".connector",
-    "LlmArgs": ".connector",
-    "RequestData": ".connector", "SchedulerOutput": ".connector", "kv_connector_config": ".connector",
-    "mpi_rank": ".connector",
-    "PersistentKvCacheConnectorLeader": ".persistent", "PersistentKvCacheConnectorWorker": ".persistent",
-    "PersistentKvCacheConnectorMetadata": ".persistent",
 }
 __all__ = sorted(_WHERE)
 

@@ -2,7 +2,7 @@
 
 Owns the translation only: `KvCacheConfig`, `CacheType` and `Mapping` (upstream names) into a KVLayout and a
 pool size, and scheduled batches of LlmRequests into the (request id, token count) lists of
-`executor/kv_cache_manager.py`, which it wraps (`impl`) and never changes. Never runs the model and never
+`kvcache/manager.py`, which it wraps (`impl`) and never changes. Never runs the model and never
 moves KV; a refused call (pool exhausted, unknown request) leaves the manager as it was.
 
     prepare_resources(scheduled_batch)   context requests get blocks for their prompt; DISAGG_GENERATION_INIT
@@ -23,9 +23,9 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import KVCacheError
-from ..executor.kv_cache_manager import TORCH_DTYPES
-from ..executor.kv_cache_manager import KVCacheManager as _Impl
 from ..formatter.layout import KVLayout, KVShape, ParallelSplit
+from ..kvcache.manager import TORCH_DTYPES
+from ..kvcache.manager import KVCacheManager as _Impl
 from .llm_request import LlmRequest, LlmRequestState
 
 __all__ = ["CacheType", "KVCacheManager", "KvCacheConfig", "Mapping", "ScheduledRequests"]

@@ -10,6 +10,8 @@ Modules:
     store       the persistent store's folder: probes, recency, LRU eviction under a bound
     persistent  the persistent store connector (on the file agent, agents/file_agent.py)
     trtllm      the same connector for TensorRT-LLM's LLM(kv_connector_config=...) (untested there)
+    trtllm_api  the other way round: connectors written for TensorRT-LLM (built from llm_args) run here
+    trtllm_example  TensorRT-LLM's example PersistentKvCacheConnector, rewritten without pickle
 """
 
 from .base import (

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from ...errors import ExecutorError
-from ..kv_cache_manager import KVCacheManager
+from ...kvcache.manager import KVCacheManager
 from ..plan import BatchRow
 from .base import ConnectorMetadata, ConnectorRequest, KvConnectorScheduler, RequestData, SchedulerOutput
 from .factory import check_spec, load_class, make_context

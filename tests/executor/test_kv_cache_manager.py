@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbridge.errors import KVCacheError, KVCacheExhausted
-from kvbridge.executor.kv_cache_manager import KVCacheManager, SeqState
+from kvbridge.kvcache.manager import KVCacheManager, SeqState
 from kvbridge.formatter.layout import KVLayout, KVShape, ParallelSplit
 
 

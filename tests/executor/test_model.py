@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbridge.executor.config import kv_layout_for, parse_seeded_spec
-from kvbridge.executor.kv_cache_manager import KVCacheManager
+from kvbridge.kvcache.manager import KVCacheManager
 from kvbridge.executor.model import StageModel, StepBatch
 from kvbridge.executor.weights import SeededWeights, stage_weights
 from kvbridge.formatter.layout import ParallelSplit

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from kvbridge.errors import KVCacheError, KVCacheExhausted
-from kvbridge.executor import prefix_tree
-from kvbridge.executor.kv_cache_manager import KVCacheManager
+from kvbridge.kvcache import prefix_tree
+from kvbridge.kvcache.manager import KVCacheManager
 from kvbridge.formatter.layout import KVLayout, KVShape, ParallelSplit
 
 TPB = 4

@@ -9,7 +9,7 @@ import random
 
 import pytest
 from kvbridge.executor.kv_events import BlockStored, KVEventBatch
-from kvbridge.executor.prefix_tree import chain_keys
+from kvbridge.kvcache.prefix_tree import chain_keys
 
 from .cluster import MODEL, PATIENT, TOKEN
 

@@ -29,7 +29,7 @@ from kvbridge.executor.kv_events import (
     parse_topic,
     subscriber_password,
 )
-from kvbridge.executor.prefix_tree import chain_keys
+from kvbridge.kvcache.prefix_tree import chain_keys
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 from kvbridge.serving.kv_index import KvIndex
 from kvbridge.serving.kv_subscriber import KvEventsClient
@@ -207,7 +207,7 @@ def test_a_subscriber_without_the_token_is_refused_at_the_handshake(tmp_path):
 
 def test_block_hashes_are_the_same_in_two_processes_and_equal_the_reference_vector(tmp_path, client):
     fp, toks, tpb, want = REFERENCE
-    code = ("import sys; from kvbridge.executor.prefix_tree import chain_keys; "
+    code = ("import sys; from kvbridge.kvcache.prefix_tree import chain_keys; "
             "print(','.join(k.hex() for k in chain_keys(sys.argv[1], list(range(40)), 4)))")
     outs = []
     for seed in ("1", "2"):  # a different Python hash seed each: Python's hash() would differ

@@ -110,7 +110,7 @@ def test_kv_aware_settings_are_checked_by_name():
 
 def test_the_cost_prefers_the_cached_worker_until_its_load_outweighs_the_cache(monkeypatch):
     from kvbridge.executor.kv_events import BlockStored, KVEventBatch
-    from kvbridge.executor.prefix_tree import chain_keys
+    from kvbridge.kvcache.prefix_tree import chain_keys
     from kvbridge.serving.auth import TOKEN_ENV
     from kvbridge.serving.balancer import Pool, WorkerRef
     from kvbridge.serving.config import parse_config

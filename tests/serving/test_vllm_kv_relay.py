@@ -22,7 +22,7 @@ from kvbridge.executor.kv_events import (
     decode_batch,
     derive_secret,
 )
-from kvbridge.executor.prefix_tree import chain_keys, root_key
+from kvbridge.kvcache.prefix_tree import chain_keys, root_key
 from kvbridge.serving.kv_index import KvIndex
 from kvbridge.serving.kv_subscriber import KvEventsClient
 from kvbridge.serving.vllm_kv_relay import VllmKvMirror, VllmKvRelay, fingerprint

@@ -9,7 +9,7 @@ kvbridge's executor through two adapters, which the executor config names:
 Owns: the upstream base classes, the `LlmArgs` view built from the executor config (model, parallel sizes,
 kv_cache_config.tokens_per_block, the connector's args), `mpi_rank()`, the adapters, and carrying
 `build_connector_meta`'s result to the ranks. That result may be any plain data (None, bool, int, float, str,
-bytes, lists, tuples, dicts) or dataclasses of the connector's own module or kvbridge.trtllm, nested; it
+bytes, lists, tuples, dicts) or dataclasses of the connector's own module or this one, nested; it
 crosses processes as msgpack and is rebuilt on every rank (tuples arrive as lists). Anything else is refused
 with the type's name: nothing is pickled. `scheduler_output` is upstream's SchedulerOutput: new_requests carry
 every token reported so far (a loaded prefix included), as upstream does.
@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ExecutorError, ProtocolError
-from ..executor.connector.base import (ConnectorContext, ConnectorMetadata, KvConnectorConfig,
+from ...errors import ExecutorError, ProtocolError
+from ...trtllm.kv_cache_manager import KvCacheConfig
+from .base import (ConnectorContext, ConnectorMetadata, KvConnectorConfig,
                                        KvConnectorScheduler, KvConnectorWorker, RequestData, SchedulerOutput)
-from .kv_cache_manager import KvCacheConfig
 
 __all__ = ["KvCacheConnectorScheduler", "KvCacheConnectorWorker", "LlmArgs", "RequestData", "SchedulerOutput",
            "TrtllmSchedulerAdapter", "TrtllmWorkerAdapter", "decode_meta", "encode_meta",
@@ -258,7 +258,7 @@ class TrtllmWorkerAdapter(KvConnectorWorker):
         _RANK[0] = ctx.rank
         cls = _load(ctx, "worker", KvCacheConnectorWorker)
         sched_mod = str(ctx.args.get("trtllm_module"))
-        self._modules = frozenset({cls.__module__, sched_mod, __name__, "kvbridge.trtllm.persistent"})
+        self._modules = frozenset({cls.__module__, sched_mod, __name__, f"{__package__}.trtllm_example"})
         self.inner = cls(_llm_args(ctx))
 
     def bind_connector_meta(self, metadata: ConnectorMetadata | None) -> None:

@@ -13,11 +13,12 @@ import pytest
 from kvbridge.errors import ExecutorError, ProtocolError
 from kvbridge.executor.connector.base import RequestData, SchedulerOutput
 from kvbridge.executor.runtime import Executor, ExecutorConfig
-from kvbridge.trtllm.connector import decode_meta, encode_meta, kv_connector_config
-from kvbridge.trtllm.persistent import PersistentKvCacheConnectorMetadata
+from kvbridge.executor.connector.trtllm_api import decode_meta, encode_meta, kv_connector_config
+from kvbridge.executor.connector.trtllm_example import PersistentKvCacheConnectorMetadata
 
 PROMPT = list(range(30, 67))  # 37 tokens: 4 full blocks of 8 before the last token
-MODULES = frozenset({"kvbridge.trtllm.persistent"})
+EXAMPLE = "kvbridge.executor.connector.trtllm_example"
+MODULES = frozenset({EXAMPLE})
 
 
 @dataclasses.dataclass
@@ -34,7 +35,7 @@ def _pool_full(ex: Executor, timeout: float = 60) -> list[int]:
 
 
 def _config(root) -> ExecutorConfig:
-    conn = kv_connector_config("kvbridge.trtllm.persistent", "PersistentKvCacheConnectorLeader",
+    conn = kv_connector_config(EXAMPLE, "PersistentKvCacheConnectorLeader",
                                "PersistentKvCacheConnectorWorker", root=str(root))
     return ExecutorConfig(model="seeded:tiny3", num_blocks=32, tokens_per_block=8, kv_connector_config=conn)
 
@@ -66,14 +67,14 @@ def test_metadata_is_plain_data_or_dataclasses_of_allowed_modules():
     with pytest.raises(ProtocolError, match="is not a dataclass of"):
         decode_meta(encode_meta(Foreign()), MODULES)  # a class outside the connector's modules is not built
     with pytest.raises(ProtocolError, match="is not a dataclass with fields"):
-        decode_meta({"__kvbridge_dataclass__": "kvbridge.trtllm.persistent:block_keys", "fields": {}}, MODULES)
+        decode_meta({"__kvbridge_dataclass__": f"{EXAMPLE}:block_keys", "fields": {}}, MODULES)
 
 
 def test_the_adapter_gives_new_requests_their_tokens_from_the_start_as_upstream_does(tmp_path):
     from kvbridge.executor.connector.base import ConnectorContext, ConnectorRequest
-    from kvbridge.trtllm.connector import TrtllmSchedulerAdapter
+    from kvbridge.executor.connector.trtllm_api import TrtllmSchedulerAdapter
 
-    spec = kv_connector_config("kvbridge.trtllm.persistent", "PersistentKvCacheConnectorLeader",
+    spec = kv_connector_config(EXAMPLE, "PersistentKvCacheConnectorLeader",
                                "PersistentKvCacheConnectorWorker", root=str(tmp_path))
     import torch
 

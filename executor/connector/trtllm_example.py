@@ -2,8 +2,8 @@
 written for kvbridge from its description, without pickle: each block is a safetensors file.
 
     ExecutorConfig(kv_connector_config=kv_connector_config(
-        "kvbridge.trtllm.persistent", "PersistentKvCacheConnectorLeader", "PersistentKvCacheConnectorWorker",
-        root="/data/kv"))                       # or CONNECTOR_CACHE_FOLDER=/data/kv, upstream's variable
+        "kvbridge.executor.connector.trtllm_example", "PersistentKvCacheConnectorLeader",
+        "PersistentKvCacheConnectorWorker", root="/data/kv"))   # or CONNECTOR_CACHE_FOLDER=/data/kv, upstream's
 
 Owns the folder's naming and the leader/worker bookkeeping. A full block of a finished request is saved as
 `<root>/<key>.r<rank>.safetensors` (one file per rank's shard; key: sha256 chained over the namespace and
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import ExecutorError
-from .connector import KvCacheConnectorScheduler, KvCacheConnectorWorker, LlmArgs, SchedulerOutput, mpi_rank
+from ...errors import ExecutorError
+from .trtllm_api import KvCacheConnectorScheduler, KvCacheConnectorWorker, LlmArgs, SchedulerOutput, mpi_rank
 
 log = logging.getLogger(__name__)
 
