@@ -1,10 +1,12 @@
-"""Helpers shared by the benchmarks: position-dependent patterns, a result table, JSON output."""
+"""Helpers shared by the benchmarks (and tests): position-dependent patterns, a result table, JSON output,
+samples read from a Prometheus /metrics text."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import time
 from typing import Any
 
@@ -37,3 +39,27 @@ def write_json(path: str | None, rows: list[dict[str, Any]]) -> None:
 
 def machine() -> str:
     return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}"
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? (\S+)(?: -?\d+)?$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample named exactly `name` in a Prometheus exposition text."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) == name:
+            out.append((dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of every sample named `name` (a counter over all its label sets)."""
+    return sum(v for _, v in metric_samples(text, name))
+
+
+def metric_by(text: str, name: str, label: str) -> dict[str, float]:
+    """label value -> sample value for the samples named `name` (one per value of `label`)."""
+    return {labels[label]: v for labels, v in metric_samples(text, name) if label in labels}

@@ -11,12 +11,18 @@ after the reads and compare, so a row is `ok` only if every byte arrived (the ha
 
     python -m kvbridge.bench.direct_gpu [--agent cuda_ipc] [--requests 4] [--option post_chunk=8192] [--json P]
         [--gen-option 1:launch_on=peer]   # an agent option for one generation rank only
+        [--spread]                        # every rank on a GPU of its own (needs ctx_tp + gen_tp GPUs)
+
+Placement: by default (two GPUs) the context ranks share GPU1 and the generation ranks GPU0, so a split
+with two ranks on one side has two processes taking turns on one GPU. `--spread` puts generation rank r on
+GPU r and context rank r on GPU gen_tp + r, as a deployment with a GPU per rank has them (rows say
+`placement`).
 
 Each rank process freezes its start-up heap once ready, as kvbridge's serving processes do (`gcheap`): the two
 generation ranks of TP1 -> TP2 run the same code in step, and an unfrozen heap gave both a full collection in the
 same request (one 188 GB/s row of 2026-11-26).
 
-Needs 2 GPUs with peer access (torch with CUDA).
+Needs 2 GPUs with peer access (torch with CUDA); `--spread` needs ctx_tp + gen_tp.
 """
 
 from __future__ import annotations
@@ -131,14 +137,23 @@ def _gen_cfg(cfg: dict, agent: str, per_rank: dict[int, dict]) -> dict:
     return {**cfg, "rank_options": {r: {agent: dict(o)} for r, o in per_rank.items()}}
 
 
+def placement(ctx_tp: int, gen_tp: int, spread: bool) -> tuple[list[int], list[int]]:
+    """(context ranks' GPUs, generation ranks' GPUs): shared (GPU1 / GPU0) or one GPU per rank."""
+    if spread:
+        return [gen_tp + r for r in range(ctx_tp)], list(range(gen_tp))
+    return [1] * ctx_tp, [0] * gen_tp
+
+
 def run_split(ctx_tp: int, gen_tp: int, cfg: dict, requests: int, cpu: bool = False,
-              gen_options: dict[int, dict] | None = None) -> list[dict]:
+              gen_options: dict[int, dict] | None = None, spread: bool = False) -> list[dict]:
     from kvbridge.transceiver import DisaggParams
 
     inst = f"direct-ctx-{time.monotonic_ns()}"
     gen_cfg = _gen_cfg(cfg, cfg["agents"][0], gen_options or {})
-    ctx = [_Proc("context", ctx_tp, r, -1 if cpu else 1, inst, cfg) for r in range(ctx_tp)]
-    gen = [_Proc("generation", gen_tp, r, -1 if cpu else 0, "direct-gen", gen_cfg) for r in range(gen_tp)]
+    ctx_gpus, gen_gpus = placement(ctx_tp, gen_tp, spread)
+    ctx = [_Proc("context", ctx_tp, r, -1 if cpu else ctx_gpus[r], inst, cfg) for r in range(ctx_tp)]
+    gen = [_Proc("generation", gen_tp, r, -1 if cpu else gen_gpus[r], "direct-gen", gen_cfg)
+           for r in range(gen_tp)]
     rows = []
     try:
         endpoints = tuple(p.ready().hello for p in ctx)
@@ -159,6 +174,7 @@ def run_split(ctx_tp: int, gen_tp: int, cfg: dict, requests: int, cpu: bool = Fa
             nbytes = sum(r["nbytes"] for r in res) if ok else 0
             read_ms = max(r["timings_ms"]["read"] for r in res) if ok else float("nan")
             rows.append({"ctx_tp": ctx_tp, "gen_tp": gen_tp, "agent": cfg["agents"][0], "request": rid, "ok": ok,
+                         "placement": {"ctx_gpus": ctx_gpus, "gen_gpus": gen_gpus},
                          "bytes": nbytes, "fragments": sum(r["fragments"] for r in res) if ok else 0,
                          "read_ms": round(read_ms, 3), "gbps": round(nbytes / read_ms / 1e6, 1) if ok else 0.0,
                          "timings_ms": [{k: round(v, 3) for k, v in r["timings_ms"].items()} for r in res if r],
@@ -187,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-option", action="append", default=[],
                     help="RANK:key=value, an agent option for that generation rank only (repeatable)")
     ap.add_argument("--cpu", action="store_true", help="pools in host memory (a smoke run of the harness)")
+    ap.add_argument("--spread", action="store_true",
+                    help="every rank on a GPU of its own (ctx_tp + gen_tp GPUs)")
     ap.add_argument("--json", help="append the rows here (JSON lines)")
     args = ap.parse_args(argv)
     cfg = {"agents": (args.agent,), "transfer_timeout_s": 120, "lease_s": 60, "heartbeat_s": 1, "verify": True}
@@ -201,12 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for split in args.splits.split(","):
         c, g = (int(x) for x in split.split(":"))
-        rows += run_split(c, g, cfg, args.requests, args.cpu, gen_options)  # ranks >= g have none to take it
+        # (a --gen-option for a rank >= g has no rank to take it)
+        rows += run_split(c, g, cfg, args.requests, args.cpu, gen_options, args.spread)
     for c, g in {(r["ctx_tp"], r["gen_tp"]) for r in rows}:
         later = [r for r in rows if (r["ctx_tp"], r["gen_tp"]) == (c, g) and r["request"] > 1 and r["ok"]]
         if later:
             best = min(later, key=lambda r: r["read_ms"])
-            print(f"ctx TP{c} -> gen TP{g} {args.agent} {args.option} {args.gen_option}: best read "
+            print(f"ctx TP{c} -> gen TP{g} {args.agent} {args.option} {args.gen_option} "
+                  f"{'spread' if args.spread else 'shared'}: best read "
                   f"{best['read_ms']} ms = {best['gbps']} GB/s; all: {[r['gbps'] for r in later]}", flush=True)
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:

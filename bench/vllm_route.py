@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from .common import machine, table, write_json
+from .common import machine, metric_by, metric_sum, table, write_json
 from .plot import save_plot
 from .prefix import _pct
 
@@ -66,11 +65,7 @@ def _workload(p: dict, seed: int, kind: str) -> list[list[int]]:
 def _cache_counters(url: str) -> tuple[float, float]:
     """(prefix-cache queries, hits) in tokens, from a vLLM server's /metrics."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    got = {}
-    for kind in ("queries", "hits"):
-        got[kind] = sum(float(m.group(1)) for m in re.finditer(
-            rf"^vllm:prefix_cache_{kind}_total(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
-    return got["queries"], got["hits"]
+    return metric_sum(text, "vllm:prefix_cache_queries_total"), metric_sum(text, "vllm:prefix_cache_hits_total")
 
 
 def _ask(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, str]:
@@ -97,8 +92,7 @@ def _ask(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, str]
 def _index_blocks(router: str) -> dict[str, int]:
     """Blocks the router's KV index holds of each server it follows (kv_aware only)."""
     text = httpx.get(router + "/metrics", timeout=10).text
-    return {m.group(1): int(float(m.group(2))) for m in re.finditer(
-        r'^kvbridge_router_kv_index_blocks\{worker="([^"]+)"\} (\S+)$', text, re.MULTILINE)}
+    return {w: int(v) for w, v in metric_by(text, "kvbridge_router_kv_index_blocks", "worker").items()}
 
 
 def _wait_followed(router: str, names: list[str], timeout: float = 120) -> None:

@@ -52,6 +52,7 @@ __all__ = ["KvRouting", "given_tokens", "shown"]
 
 log = logging.getLogger("kvbridge.serving.kv_events")
 
+
 def shown(route: dict) -> dict:
     """What the answer's `kvbridge` field shows of a request's routing ({"route": decisions}, no token ids)."""
     return {"route": {k: v for k, v in route.items() if k != "tokens"}}

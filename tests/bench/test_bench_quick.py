@@ -186,3 +186,22 @@ def test_every_bench_the_docs_name_has_a_quick_test():
         path, func = test.split("::")
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
             assert re.search(rf"^def {func}\(", f.read(), re.M), f"{name}: {test} does not exist"
+
+
+def test_metric_samples_read_prometheus_text_as_vllm_and_the_router_write_it():
+    from kvbridge.bench.common import metric_by, metric_samples, metric_sum
+
+    text = "\n".join([
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
+        "# TYPE vllm:prefix_cache_hits_total counter",
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-llama"} 384.0',
+        'vllm:prefix_cache_hits_total{engine="1",model_name="tiny-llama"} 16.0',
+        'vllm:prefix_cache_hits_created{engine="0",model_name="tiny-llama"} 1.7e+09',
+        'kvbridge_router_kv_index_blocks{worker="p-a"} 3.0',
+        'kvbridge_router_kv_index_blocks{worker="d \\"a\\""} 1.0',
+        "plain_gauge 2.5 1700000000000",
+    ])
+    assert metric_sum(text, "vllm:prefix_cache_hits_total") == 400.0
+    assert metric_by(text, "kvbridge_router_kv_index_blocks", "worker") == {"p-a": 3.0, 'd \\"a\\"': 1.0}
+    assert metric_samples(text, "plain_gauge") == [({}, 2.5)]
+    assert metric_samples(text, "vllm:prefix_cache") == []

@@ -25,3 +25,10 @@ def test_a_malformed_rank_option_is_refused_naming_it(bad, capsys):
     with pytest.raises(SystemExit):
         direct_gpu.main(["--gen-option", bad, "--cpu"])
     assert f"--gen-option wants RANK:key=value, got {bad!r}" in capsys.readouterr().err
+
+
+def test_spread_gives_every_rank_a_gpu_of_its_own_and_the_default_shares_two():
+    assert direct_gpu.placement(1, 2, spread=True) == ([2], [0, 1])
+    assert direct_gpu.placement(2, 1, spread=True) == ([1, 2], [0])
+    assert direct_gpu.placement(1, 2, spread=False) == ([1], [0, 0])
+    assert direct_gpu.placement(2, 1, spread=False) == ([1, 1], [0])

@@ -6,10 +6,11 @@ routed to it. Real router and worker processes; every answer equals aggregated d
 from __future__ import annotations
 
 import random
-import re
 
 import httpx
 import pytest
+
+from kvbridge.bench.common import metric_by
 
 from .cluster import reference
 from .etcd_server import EtcdServer
@@ -22,9 +23,7 @@ ANSWER = 4
 
 def _blocks(router: str) -> dict[str, float]:
     """kvbridge_router_kv_index_blocks per worker, from the router's /metrics."""
-    text = httpx.get(router + "/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r'^kvbridge_router_kv_index_blocks\{worker="([^"]+)"\} (\S+)$', text, re.MULTILINE)}
+    return metric_by(httpx.get(router + "/metrics", timeout=10).text, "kvbridge_router_kv_index_blocks", "worker")
 
 
 def _ask(router: str, prompt: list[int]) -> dict:

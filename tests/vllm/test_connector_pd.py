@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from kvbridge.bench.common import metric_sum
+
 from .pd import Cell, Servers, completion, decode, digests, prefill, prompt, skip_reason, stream_tokens, tokens
 from .pd import describe_of, early_pair, wait_log, wait_no_blocks_held
 
@@ -247,5 +249,4 @@ def prefix_cache_hits(url: str) -> float:
 
 def metric(url: str, name: str) -> float:
     """The sum of a vLLM server's Prometheus samples named `name`."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return metric_sum(httpx.get(url + "/metrics", timeout=30).text, name)

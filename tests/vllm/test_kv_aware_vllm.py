@@ -13,7 +13,6 @@ goes to the other. Every answer equals that other server's own (it computes and 
 from __future__ import annotations
 
 import random
-import re
 import shutil
 import tempfile
 import time
@@ -21,6 +20,8 @@ import time
 import httpx
 import openai
 import pytest
+
+from kvbridge.bench.common import metric_by, metric_sum
 
 from ..serving.cluster import TOKEN, start_process
 from ..serving.members import Deployment
@@ -82,16 +83,12 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def _index_blocks(router: str) -> dict[str, float]:
-    text = httpx.get(router + "/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r'^kvbridge_router_kv_index_blocks\{worker="([^"]+)"\} (\S+)$', text, re.MULTILINE)}
+    return metric_by(httpx.get(router + "/metrics", timeout=10).text, "kvbridge_router_kv_index_blocks", "worker")
 
 
 def _prefix_hits(url: str) -> float:
     """vLLM's vllm:prefix_cache_hits_total (tokens served from its prefix cache)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$",
-                                                      text, re.MULTILINE))
+    return metric_sum(httpx.get(url + "/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
 
 
 def _wait(cond, what: str, timeout: float = 60) -> None:
