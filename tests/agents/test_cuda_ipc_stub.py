@@ -263,3 +263,56 @@ def test_launch_on_accepts_only_local_or_peer():
     with cuda_stub.installed():
         with pytest.raises(AgentError, match="launch_on must be 'local' or 'peer', got 'remote'"):
             create_agent("cuda_ipc", "bad-launch", launch_on="remote")
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_streams_put_two_peers_kernels_on_two_streams_and_every_byte_lands(streams):
+    """`streams=2`: a reader of two peers (generation TP1 pulling context TP2) launches each peer's kernels on a
+    stream of its own, so both halves copy at once; `streams=1` keeps one stream for every kernel."""
+    from kvbridge.bench import cuda_stub
+
+    with cuda_stub.installed() as stub:
+        stub.run_kernels = True
+        local = create_agent("cuda_ipc", "two-local", streams=streams)
+        peers = [create_agent("cuda_ipc", f"two-peer{i}") for i in range(2)]
+        dst = stub.device_buffer(SIZE, 0)
+        srcs = [stub.device_buffer(SIZE, 1) for _ in peers]
+        for i, src in enumerate(srcs):
+            src[:] = (np.arange(SIZE, dtype=np.int64) * (7919 + i) + 13 * i + 1) % 251
+        regs = [local.register_memory(MemoryRegion(int(dst.ctypes.data), SIZE, MemoryKind.VRAM, 0))]
+        regs += [p.register_memory(MemoryRegion(int(s.ctypes.data), SIZE, MemoryKind.VRAM, 1)) for p, s in
+                 zip(peers, srcs)]
+        try:
+            names = [local.connect(p.metadata()) for p in peers]
+            half = SIZE // 2
+            rng = np.random.default_rng(5)
+            stub.launches.clear()
+            handles, want = [], np.zeros(SIZE, dtype=np.uint8)
+            for i, (name, src) in enumerate(zip(names, srcs)):
+                so, do = rng.permutation(64)[:32] * 1024, i * half + rng.permutation(32)[:32] * 1024
+                lens = np.full(32, 1024)
+                handles.append(local.read(name, DescriptorList(int(dst.ctypes.data) + do, lens, MemoryKind.VRAM, 0),
+                                          DescriptorList(int(src.ctypes.data) + so, lens, MemoryKind.VRAM, 1)))
+                for d, s in zip(do, so):
+                    want[d:d + 1024] = src[s:s + 1024]
+            for h in handles:
+                h.wait(5.0)
+                h.release()
+            np.testing.assert_array_equal(dst, want)
+            used = [launch.stream for launch in stub.launches]
+            assert len(used) == 2 and (used[0] is not used[1]) == (streams == 2)
+            assert local.kernel_devices == [0]
+        finally:
+            for r in regs:
+                r.release()
+            for a in (local, *peers):
+                a.close()
+
+
+def test_streams_must_be_a_count_from_1_to_8():
+    from kvbridge.bench import cuda_stub
+
+    with cuda_stub.installed():
+        for bad in (0, 9, True, "2"):
+            with pytest.raises(AgentError, match="streams must be a number of CUDA streams from 1 to 8"):
+                create_agent("cuda_ipc", "bad-streams", streams=bad)
