@@ -67,11 +67,6 @@ class CudaIpcAgent(TransferAgent):
             share one GPU and read from another set one of them to "peer": their kernels then run on two GPUs
             at once instead of taking turns on the shared one (`docs/limits.md`). Costs a CUDA context and the
             kernel on the peer's GPU in this process.
-        streams: CUDA streams per GPU that runs kernels (default 1: one stream orders every kernel). With 2 or
-            more, the transfers of different peers go out on different streams (peer i, in the order they
-            connected, on stream i mod streams), so a reader of two peers (a generation rank of TP1 pulling
-            from context TP2) copies both halves at once instead of one after the other; pair it with
-            `max_blocks` near the SM count / streams, or the first kernel holds every SM until it ends.
     Raises:
         AgentError: if CUDA Python bindings, an NVIDIA driver or a GPU is missing, or a knob is out of range.
 
@@ -96,13 +91,11 @@ class CudaIpcAgent(TransferAgent):
     def __init__(self, name: str, *, chunk: int | None = None, max_blocks: int | None = None,
                  kernel: CopyKernel = CopyKernel.ANY, timing: bool = False, post_chunk: int | None = None,
                  side_upload: bool = True, post_grow: bool | None = None, grid_kernel: bool | None = None,
-                 launch_on: str = "local", streams: int = 1) -> None:
+                 launch_on: str = "local") -> None:
         tuning = CopyTuning(kernel, chunk, max_blocks)  # checked before anything is loaded
         if launch_on not in ("local", "peer"):
             raise AgentError(f"launch_on must be 'local' or 'peer', got {launch_on!r}")
-        if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 8:
-            raise AgentError(f"streams must be a number of CUDA streams from 1 to 8, got {streams!r}")
-        self._launch_on, self._streams, self._connected = launch_on, streams, 0
+        self._launch_on = launch_on
         if post_chunk is not None:
             if isinstance(post_chunk, bool) or not isinstance(post_chunk, int) or post_chunk < 1:
                 raise AgentError(f"post_chunk must be a positive number of descriptors, got {post_chunk!r}")
@@ -124,7 +117,7 @@ class CudaIpcAgent(TransferAgent):
         self._host = drv.host_identity()
         self._exports: dict[int, tuple] = {}
         self._remote: dict[str, _Peer] = {}
-        self._engines: dict[tuple[int, int], Engine] = {}  # (device, stream lane) -> its engine
+        self._engines: dict[int, Engine] = {}
         self._ipc_lock = threading.RLock()  # this agent's own tables (the base class keeps its lock to itself)
 
     @property
@@ -137,12 +130,6 @@ class CudaIpcAgent(TransferAgent):
         if not isinstance(value, CopyTuning):
             raise AgentError(f"tuning must be a CopyTuning, got {type(value).__name__}")
         self._tuning = value
-
-    @property
-    def kernel_devices(self) -> list[int]:
-        """The GPUs (this process's ordinals) that have run or set up this agent's copy kernels so far."""
-        with self._ipc_lock:
-            return sorted({device for device, _lane in self._engines})
 
     # --- memory ---------------------------------------------------------------------------------------
     def _register(self, region: MemoryRegion, key: int) -> None:
@@ -184,8 +171,6 @@ class CudaIpcAgent(TransferAgent):
                             f"{self._host[0]!r} (boot id {self._host[1] or '?'}): CUDA IPC reaches only GPUs "
                             "of the same host; use the 'nixl' agent across hosts")
         peer = _Peer(name, _parse_regions(name, payload.get("regions")), proc == drv.PROCESS_TOKEN)
-        with self._ipc_lock:
-            peer.lane, self._connected = self._connected % self._streams, self._connected + 1
         try:  # open the handles and build the kernel now, not on the first transfer
             remotes = sorted({r[2] for r in peer.regions}) if self._launch_on == "peer" else [None]
             for dev in sorted({r.device for r in self.registered_regions()}):
@@ -227,20 +212,19 @@ class CudaIpcAgent(TransferAgent):
             e.defer(one_done)
 
     # --- transfers ------------------------------------------------------------------------------------
-    def _engine(self, device: int, lane: int = 0) -> Engine:
+    def _engine(self, device: int) -> Engine:
         with self._ipc_lock:
-            e = self._engines.get((device, lane))
+            e = self._engines.get(device)
             if e is None:
-                e = Engine(drv.Device.get(device), self._timing, self._side_upload)
-                self._engines[(device, lane)] = e
+                e = self._engines[device] = Engine(drv.Device.get(device), self._timing, self._side_upload)
             return e
 
     def _kernel_engine(self, p: _Peer, local_device: int, remote_device: int | None) -> Engine:
         """The engine whose GPU runs a transfer's kernel (`launch_on`): the local device's, or the one of the peer's
         `remote_device`, given access to ours (`remote_device` is unused, and may be None, for "local")."""
         if self._launch_on == "local":
-            return self._engine(local_device, p.lane)
-        engine = self._engine(p.ordinal_of(remote_device), p.lane)
+            return self._engine(local_device)
+        engine = self._engine(p.ordinal_of(remote_device))
         engine.dev.enable_peer_access(drv.Device.get(local_device))
         return engine
 

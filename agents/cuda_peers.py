@@ -25,7 +25,6 @@ class _Peer:
 
     def __init__(self, name: str, regions: list[tuple], same_process: bool) -> None:
         self.name = name
-        self.lane = 0  # which of the agent's streams per GPU carries this peer's kernels (`streams`)
         self.regions = regions  # (addr, length, device, pci, handle, offset)
         self.same_process = same_process
         self.table = FastRegionTable()

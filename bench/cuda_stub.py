@@ -60,7 +60,6 @@ class Launch:
     def __init__(self, name: bytes, grid: int, args: tuple[int, ...], table: np.ndarray, at: float) -> None:
         self.name, self.grid, self.args, self.table, self.at = name, grid, args, table, at
         self.device: int | None = None  # the device of the context current at the launch
-        self.stream = None  # the stream it was launched on (an opaque handle: compare by identity)
 
     @property
     def n(self) -> int:
@@ -283,7 +282,7 @@ class Stub:
 
         @counted
         def cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-            stub._launch(fn.name, int(gx), int(params), stream)
+            stub._launch(fn.name, int(gx), int(params))
             return (ok,)
 
         ns = types.SimpleNamespace(**{k: v for k, v in locals().items() if k.startswith("cu")})
@@ -301,11 +300,10 @@ class Stub:
         """The device of the current context (None: no context current)."""
         return int(self._ctx[-1].device) if self._ctx else None
 
-    def _launch(self, name: bytes, grid: int, params: int, stream=None) -> None:
+    def _launch(self, name: bytes, grid: int, params: int) -> None:
         at = time.perf_counter()
         if not (self.record_tables or self.run_kernels):  # timing: the launch's time only
             self.launches.append(Launch(name, grid, (), None, at))
-            self.launches[-1].stream = stream
             return
         grid_kernel = name.startswith(b"kvb_grid")
         nargs = 6 if grid_kernel else 5
@@ -323,7 +321,7 @@ class Stub:
         if self.record_tables or self.run_kernels:
             table = np.frombuffer((ctypes.c_int64 * words).from_address(table_ptr), dtype=np.int64).copy()
         launch = Launch(name, grid, args, table, at)
-        launch.device, launch.stream = self.current_device(), stream
+        launch.device = self.current_device()
         self.launches.append(launch)
         if self.run_kernels:
             for s, d, ln in zip(*(a.tolist() for a in launch.fragments())):

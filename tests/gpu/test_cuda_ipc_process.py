@@ -128,7 +128,7 @@ def test_launch_on_peer_runs_the_kernel_on_the_peers_gpu_and_reads_and_writes_by
                        DescriptorList(addr + src, np.full(n, 4096), MemoryKind.VRAM, 1))
         h.wait(30.0)
         h.release()
-        assert agent.kernel_devices == ([0] if launch_on == "local" else [1])
+        assert sorted(agent._engines) == ([0] if launch_on == "local" else [1])
         remote = gpu_pattern(NBYTES, "cuda:0", seed=9)
         inv = torch.empty(n, dtype=torch.int64)
         inv[torch.from_numpy(dst) // 4096] = torch.from_numpy(src) // 4096

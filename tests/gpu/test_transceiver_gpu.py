@@ -66,7 +66,7 @@ def _rank(conn, role: str, layout_wire: dict, rank: int, device: int, instance: 
             outside = ~torch.isin(owner, torch.as_tensor(blocks, device=pool.device))
             untouched = bool(torch.equal(pool[outside], before[outside]))
             ipc = tr.pool.agents.get("cuda_ipc")  # which GPUs ran this rank's copy kernels (launch_on)
-            conn.send({**r.__dict__, "untouched": untouched, "kernel_gpus": ipc.kernel_devices if ipc else []})
+            conn.send({**r.__dict__, "untouched": untouched, "kernel_gpus": sorted(ipc._engines) if ipc else []})
         elif cmd == "status":
             conn.send(tr.sender.pinned)
         elif cmd == "exit":
