@@ -184,6 +184,7 @@ class VllmKvRelay:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        self._sub.setsockopt(zmq.RCVHWM, 100000)  # as vLLM's PUB: the default 1,000 would drop a burst
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(source)  # before vLLM binds: ZeroMQ connects when it does, so no batch is missed
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvbridge-vllm-kv-relay")
