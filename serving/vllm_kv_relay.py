@@ -19,9 +19,12 @@ event's token_ids and its parent's key, and keeps vLLM hash -> key for the remov
 
 Not indexed (token-only keys would claim them wrongly): blocks with extra keys (LoRA, multimodal, a cache
 salt, prompt embeddings), those of a KV cache group other than the first, those of another block size, and
-those whose parent the relay never saw. A gap in vLLM's sequence numbers (a batch dropped) clears the mirror
-and says so (AllBlocksCleared): the router then under-estimates this server, a worse route, never a wrong
-one, until new stores arrive. Malformed input is counted and skipped, never raised into the loop.
+those whose parent the relay never saw. A gap in vLLM's sequence numbers (a batch dropped) is filled from
+vLLM's replay socket (a ROUTER on another ipc socket of the same folder, its last 10,000 batches): the
+missing batches are applied in order and their copies arriving later on the SUB are skipped. A replay that
+does not answer within REPLAY_TIMEOUT_S, or no longer holds the first missing batch, clears the mirror and
+says so (AllBlocksCleared): the router then under-estimates this server, a worse route, never a wrong one,
+until new stores arrive. Malformed input is counted and skipped, never raised into the loop.
 
 One thread, the relay's: it waits on the SUB (bounded), applies, and flushes the publisher, which also
 answers the router's dumps from `snapshot` on this thread (kv_publisher.KVEventPublisher.flush).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -48,15 +52,19 @@ DEFAULT_BLOCK_SIZE = 128  # vLLM's own on CPU; passed to vLLM explicitly so the 
 POLL_MS = 50
 MAX_BATCH_BYTES = 16 << 20
 MAX_HASH_BYTES = 64
+REPLAY_TIMEOUT_S = 2.0  # one replay request's answer, whole (the relay's thread waits this long at most)
+MAX_REPLAY_BATCHES = 10_000  # vLLM's own replay buffer holds this many
 
 
 def fingerprint(model_name: str, block_size: int) -> str:
     return f"vllm:{model_name}:{int(block_size)}"
 
 
-def kv_events_config(endpoint: str) -> dict:
-    """vLLM's `--kv-events-config` for a server whose events the relay reads at `endpoint` (ipc://)."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": ""}
+def kv_events_config(endpoint: str, replay: str | None = None) -> dict:
+    """vLLM's `--kv-events-config` for a server whose events the relay reads at `endpoint` (ipc://), with its
+    replay socket at `replay` (ipc://) when given."""
+    out = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": ""}
+    return {**out, "replay_endpoint": replay} if replay else out
 
 
 def _hash(v: Any, what: str) -> bytes | int:
@@ -172,15 +180,21 @@ class VllmKvRelay:
             endpoint_file, and curve_secret_key_file under CurveZMQ).
         model_name: the served model name (the fingerprint's).
         block_size: vLLM's --block-size (passed to it explicitly).
+        replay: vLLM's replay socket (ipc://; its `replay_endpoint`), asked for the batches of a gap; None:
+            a gap clears the mirror.
     """
 
-    def __init__(self, settings: dict, source: str, model_name: str, block_size: int) -> None:
+    def __init__(self, settings: dict, source: str, model_name: str, block_size: int,
+                 replay: str | None = None) -> None:
         self.mirror = VllmKvMirror(fingerprint(model_name, block_size), block_size)
         self.publisher = KVEventPublisher(settings, self.mirror, "GPU")
-        self.stats = {"batches": 0, "gaps": 0, "rejected": 0}
-        self._last_seq = 0
+        self.stats = {"batches": 0, "gaps": 0, "rejected": 0, "replayed": 0, "duplicates": 0}
+        self._last_seq: int | None = None
+        self._dups = range(0)  # seqs a replay applied ahead of the SUB: their copies there are skipped
+        self._replay_at = replay
         self._stop = threading.Event()
         self._ctx = zmq.Context()
+        self._dealer: zmq.Socket | None = None
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
@@ -212,20 +226,71 @@ class VllmKvRelay:
                 log.warning("vLLM kv events relay: the subscription failed: %s", e)
         finally:
             self._sub.close(0)
+            if self._dealer is not None:
+                self._dealer.close(0)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats["rejected"] += 1
             return
-        seq = int.from_bytes(frames[1], "big")
-        if self._last_seq and seq != self._last_seq + 1:  # dropped (or a restarted publisher): start clean
-            self.stats["gaps"] += 1
-            log.warning("vLLM kv events: batch %d after %d; the relayed cache starts over", seq,
-                        self._last_seq)
+        seq, last = int.from_bytes(frames[1], "big"), self._last_seq
+        if seq in self._dups:  # a replay applied it already
+            self.stats["duplicates"] += 1
+            return
+        if last is not None and seq != last + 1:
+            if seq > last + 1 and self._fill(last + 1, seq):
+                return
+            self.stats["gaps"] += 1  # dropped and not replayed, or a restarted publisher: start clean
+            log.warning("vLLM kv events: batch %d after %d; the relayed cache starts over", seq, last)
             self.mirror.clear()
         self._last_seq = seq
+        self._apply(frames[2])
+
+    def _fill(self, first: int, seq: int) -> bool:
+        """Batches `first` .. `seq` (and any later one vLLM has) from its replay socket, applied in order;
+        False (nothing applied) when the replay is off, silent, or no longer holds `first`."""
+        got = self._replay(first)
+        if not got or got[0][0] != first or [s for s, _ in got] != list(range(first, first + len(got))) \
+                or got[-1][0] < seq:
+            return False
+        for s, payload in got:
+            self._apply(payload)
+        self._last_seq, self._dups = got[-1][0], range(seq + 1, got[-1][0] + 1)
+        self.stats["replayed"] += len(got)
+        log.info("vLLM kv events: batches %d-%d replayed after a gap", first, got[-1][0])
+        return True
+
+    def _replay(self, first: int) -> list[tuple[int, bytes]] | None:
+        """vLLM's buffered batches from `first` on ((seq, payload), in its order), or None (bounded wait)."""
+        if self._replay_at is None:
+            return None
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+            self._dealer.connect(self._replay_at)
+        self._dealer.send_multipart([b"", first.to_bytes(8, "big")])
+        got: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        while True:
+            left = deadline - time.monotonic()
+            if left > 0 and self._dealer.poll(max(1, int(left * 1000))):
+                frames = self._dealer.recv_multipart()  # [b"", topic, seq, payload]; seq -1: the end
+                if len(frames) == 4 and len(frames[2]) == 8 and len(got) <= MAX_REPLAY_BATCHES:
+                    s = int.from_bytes(frames[2], "big", signed=True)
+                    if s == -1:
+                        return got
+                    got.append((s, frames[3]))
+                    continue
+            # silent, malformed or too long: a later answer to this request must not meet the next one
+            log.warning("vLLM kv events: the replay of batches from %d failed", first)
+            self._dealer.close(0)
+            self._dealer = None
+            return None
+
+    def _apply(self, payload: bytes) -> None:
         try:
-            batch = codec.unpack(frames[2], max_bytes=MAX_BATCH_BYTES, what="vLLM kv event batch")
+            batch = codec.unpack(payload, max_bytes=MAX_BATCH_BYTES, what="vLLM kv event batch")
             if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
                 raise ProtocolError("vLLM kv event batch: expected [ts, events, data_parallel_rank]")
             for i, ev in enumerate(batch[1]):

@@ -72,8 +72,9 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
             relay.relay.close()
             shutil.rmtree(relay.folder, ignore_errors=True)
             st = relay.relay.stats
-            print(f"[{spec.name}] its KV events relayed: {st['batches']} batches, {st['gaps']} gaps, "
-                  f"{st['rejected']} refused, {relay.relay.mirror.skipped} blocks not indexed", flush=True)
+            print(f"[{spec.name}] its KV events relayed: {st['batches']} batches ({st['replayed']} replayed "
+                  f"after a gap), {st['gaps']} gaps that started over, {st['rejected']} refused, "
+                  f"{relay.relay.mirror.skipped} blocks not indexed", flush=True)
 
 
 class _Relay(NamedTuple):
@@ -92,17 +93,17 @@ def _relay(cfg, spec, vspec, instance: str):
     if len(folder) > 80:  # an ipc path has at most 107 bytes
         shutil.rmtree(folder, ignore_errors=True)
         folder = tempfile.mkdtemp(prefix="kvb-ev-", dir="/tmp")
-    source = f"ipc://{folder}/vllm-kv-events"
+    source, replay = f"ipc://{folder}/vllm-kv-events", f"ipc://{folder}/vllm-kv-replay"
     block_size = vspec.block_size or DEFAULT_BLOCK_SIZE
     settings = kv_events_settings(cfg, spec, instance, folder)
     try:
-        relay = VllmKvRelay(settings, source, cfg.model_name, block_size)
+        relay = VllmKvRelay(settings, source, cfg.model_name, block_size, replay)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     info = advertised(settings, spec.host, 10.0)
     vspec = dataclasses.replace(vspec, block_size=block_size, extra_args=(
-        *vspec.extra_args, "--kv-events-config", json.dumps(kv_events_config(source))))
+        *vspec.extra_args, "--kv-events-config", json.dumps(kv_events_config(source, replay))))
     return vspec, _Relay(relay, folder, info)
 
 

@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config, items):
 # servers on the fixed ports the docs show. Every other test is a unit of its own, given to whichever worker
 # is free (tests/vllm's other modules too: they start no engine).
 _VLLM_SERVERS = ("bench_vllm", "bench_vllm_cells", "bench_vllm_route", "connector_early", "connector_faults",
-                 "connector_pd", "kv_aware_vllm", "launch", "serve_vllm", "vllm_members")
+                 "connector_pd", "kv_aware_vllm", "launch", "serve_vllm", "vllm_kv_replay", "vllm_members")
 GROUPS = {**{f"tests/vllm/test_{m}.py": "vllm" for m in _VLLM_SERVERS},
           "tests/docs/test_readme_commands.py": "readme"}
 

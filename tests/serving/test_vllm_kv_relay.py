@@ -1,6 +1,6 @@
 """The relay of vLLM's KV events (serving/vllm_kv_relay.py): keys equal the router's own chain keys, what
-token-only keys cannot name is left out, a gap or a malformed batch starts the relayed cache over, bad fields
-are named; and through real ZeroMQ (a PUB standing in for vLLM's, fed hostile input) the router's subscriber
+token-only keys cannot name is left out, a gap is filled from vLLM's replay socket (else, like a malformed
+batch, it starts the relayed cache over), bad fields are named; and through real ZeroMQ (a PUB standing in for vLLM's, fed hostile input) the router's subscriber
 (kv_subscriber.py, ZAP with the deployment's token) ends with exactly what the relay mirrors. A real vLLM
 server feeds the relay in tests/vllm/test_kv_aware_vllm.py."""
 
@@ -168,3 +168,91 @@ def test_the_router_ends_with_what_the_relay_mirrors_through_gaps_and_hostile_fr
         pub.close(0)
         ctx.term()
         assert root_key(FP)  # (a fingerprint kv_events.check_deterministic accepts: the relay started)
+
+
+class _VllmReplay:
+    """vLLM's replay socket, standing in (fault injection: real vLLM drops no batch on demand): a ROUTER that
+    answers [b"", start] with every buffered batch from `start` on, then vLLM's end marker (seq -1)."""
+
+    def __init__(self, ctx: zmq.Context, path: str) -> None:
+        self.buffer: list[tuple[int, bytes]] = []
+        self.silent = False
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(path)
+
+    def serve_once(self) -> bool:
+        if not self.sock.poll(20):
+            return False
+        client, _, start = self.sock.recv_multipart()
+        if self.silent:
+            return True
+        for seq, payload in self.buffer:
+            if seq >= int.from_bytes(start, "big"):
+                self.sock.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
+        self.sock.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        return True
+
+
+def test_a_gap_is_filled_from_vllms_replay_and_its_copies_skipped_else_the_cache_starts_over(monkeypatch):
+    import threading
+
+    from kvbridge.serving import vllm_kv_relay
+
+    monkeypatch.setattr(vllm_kv_relay, "REPLAY_TIMEOUT_S", 0.5)
+    folder = tempfile.mkdtemp(prefix="kvb-t-")
+    source, replay = f"ipc://{folder}/ev", f"ipc://{folder}/replay"
+    settings = {"secret": SECRET.hex(), "incarnation": "p-a-1", "host": "127.0.0.1",
+                "endpoint_file": os.path.join(folder, "kv-events.json")}
+    relay = VllmKvRelay(settings, source, "tiny", BS, replay)
+    ctx, pub = _pub(source)
+    vllm = _VllmReplay(ctx, replay)
+    stop = threading.Event()
+    server = threading.Thread(target=lambda: [vllm.serve_once() for _ in iter(stop.is_set, True)], daemon=True)
+    server.start()
+
+    def batch(seq: int, events: list, sent: bool = True, kept: bool = True) -> None:
+        payload = codec.pack([time.time(), events, 0])
+        if kept:
+            vllm.buffer.append((seq, payload))
+        if sent:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    try:
+        seq = 0
+        while relay.stats["batches"] == 0:  # until the relay's subscription is up (a PUB drops before that)
+            seq += 1
+            batch(seq, [])
+            time.sleep(0.05)
+            assert seq < 600, "the relay never received a batch"
+        _wait(lambda: relay._last_seq == seq, "the warm-up batches")
+        toks = list(range(100, 124))
+        batch(seq + 1, [_stored([1, 2], None, toks[:8])])
+        batch(seq + 2, [_stored([3], 2, toks[8:12])], sent=False)        # dropped on the way to the relay
+        batch(seq + 3, [_stored([4], 3, toks[12:16])], sent=False)       # not yet sent when the gap is seen
+        batch(seq + 4, [_stored([5], 4, toks[16:20])], sent=False)
+        pub.send_multipart([b"", (seq + 3).to_bytes(8, "big"), vllm.buffer[-2][1]])   # the gap: 2 missing
+        _wait(lambda: relay.stats["replayed"] == 3, "batches seq+2 .. seq+4 replayed")
+        pub.send_multipart([b"", (seq + 4).to_bytes(8, "big"), vllm.buffer[-1][1]])   # its copy, late
+        batch(seq + 5, [_stored([6], 5, toks[20:24])])
+        _wait(lambda: relay.stats["duplicates"] == 1 and len(relay.mirror) == 6, "the copy skipped, 6 blocks")
+        assert relay.stats["gaps"] == 0
+        assert [k for k, _p, _n in relay.mirror.snapshot()] == chain_keys(FP, toks, BS)
+        batch(seq + 6, [_stored([7], None, toks[:4])], sent=False, kept=False)  # gone from vLLM's buffer too
+        batch(seq + 7, [_stored([8], None, toks[4:8])])
+        _wait(lambda: relay.stats["gaps"] == 1 and len(relay.mirror) == 1, "no replay: the cache starts over")
+        vllm.silent = True                                                 # a replay that never answers
+        batch(seq + 9, [_stored([9], None, toks[8:12])])
+        _wait(lambda: relay.stats["gaps"] == 2 and len(relay.mirror) == 1, "a silent replay: bounded, over")
+        vllm.silent = False
+        batch(seq + 10, [_stored([10], 9, toks[12:16])], sent=False)
+        batch(seq + 11, [_stored([11], 10, toks[16:20])])                 # replayed over a new socket
+        _wait(lambda: relay.stats["replayed"] == 5 and len(relay.mirror) == 3, "the next gap filled")
+        assert relay.stats["gaps"] == 2 and relay.stats["rejected"] == 0
+    finally:
+        stop.set()
+        server.join(5)
+        relay.close()
+        pub.close(0)
+        vllm.sock.close(0)
+        ctx.term()
