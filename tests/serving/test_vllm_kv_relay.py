@@ -1,8 +1,9 @@
 """The relay of vLLM's KV events (serving/vllm_kv_relay.py): keys equal the router's own chain keys, what
 token-only keys cannot name is left out, a gap is filled from vLLM's replay socket (else, like a malformed
-batch, it starts the relayed cache over), bad fields are named; and through real ZeroMQ (a PUB standing in for vLLM's, fed hostile input) the router's subscriber
-(kv_subscriber.py, ZAP with the deployment's token) ends with exactly what the relay mirrors. A real vLLM
-server feeds the relay in tests/vllm/test_kv_aware_vllm.py."""
+batch, it starts the relayed cache over), bad fields are named; and through real ZeroMQ (a PUB standing in
+for vLLM's, fed hostile input) the router's subscriber (kv_subscriber.py, ZAP with the deployment's token)
+ends with exactly what the relay mirrors. A real vLLM server feeds the relay in tests/vllm/test_kv_aware_vllm.py
+and answers its replay in tests/vllm/test_vllm_kv_replay.py."""
 
 from __future__ import annotations
 
@@ -208,7 +209,11 @@ def test_a_gap_is_filled_from_vllms_replay_and_its_copies_skipped_else_the_cache
     ctx, pub = _pub(source)
     vllm = _VllmReplay(ctx, replay)
     stop = threading.Event()
-    server = threading.Thread(target=lambda: [vllm.serve_once() for _ in iter(stop.is_set, True)], daemon=True)
+    def serve() -> None:
+        while not stop.is_set():
+            vllm.serve_once()
+
+    server = threading.Thread(target=serve, daemon=True)
     server.start()
 
     def batch(seq: int, events: list, sent: bool = True, kept: bool = True) -> None:
