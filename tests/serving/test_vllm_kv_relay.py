@@ -2,8 +2,8 @@
 token-only keys cannot name is left out, a gap is filled from vLLM's replay socket (else, like a malformed
 batch, it starts the relayed cache over), bad fields are named; and through real ZeroMQ (a PUB standing in
 for vLLM's, fed hostile input) the router's subscriber (kv_subscriber.py, ZAP with the deployment's token)
-ends with exactly what the relay mirrors. A real vLLM server feeds the relay in tests/vllm/test_kv_aware_vllm.py
-and answers its replay in tests/vllm/test_vllm_kv_replay.py."""
+ends with exactly what the relay mirrors. A real vLLM server feeds the relay in
+tests/vllm/test_kv_aware_vllm.py and answers its replay in tests/vllm/test_vllm_kv_replay.py."""
 
 from __future__ import annotations
 
