@@ -54,6 +54,7 @@ MAX_BATCH_BYTES = 16 << 20
 MAX_HASH_BYTES = 64
 REPLAY_TIMEOUT_S = 2.0  # one replay request's answer, whole (the relay's thread waits this long at most)
 MAX_REPLAY_BATCHES = 10_000  # vLLM's own replay buffer holds this many
+MAX_REPLAY_BYTES = 256 << 20  # one replay's answer, all batches together
 
 
 def fingerprint(model_name: str, block_size: int) -> str:
@@ -271,12 +272,14 @@ class VllmKvRelay:
             self._dealer.connect(self._replay_at)
         self._dealer.send_multipart([b"", first.to_bytes(8, "big")])
         got: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        size, deadline = 0, time.monotonic() + REPLAY_TIMEOUT_S
         while True:
             left = deadline - time.monotonic()
             if left > 0 and self._dealer.poll(max(1, int(left * 1000))):
                 frames = self._dealer.recv_multipart()  # [b"", topic, seq, payload]; seq -1: the end
-                if len(frames) == 4 and len(frames[2]) == 8 and len(got) <= MAX_REPLAY_BATCHES:
+                size += sum(len(f) for f in frames)
+                if len(frames) == 4 and len(frames[2]) == 8 and len(got) <= MAX_REPLAY_BATCHES \
+                        and size <= MAX_REPLAY_BYTES:
                     s = int.from_bytes(frames[2], "big", signed=True)
                     if s == -1:
                         return got
