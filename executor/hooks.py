@@ -47,10 +47,10 @@ import torch
 
 from ..errors import ExecutorError, ProtocolError
 from ..formatter.layout import KVLayout
+from ..kvcache.manager import KVCacheManager
 from ..transceiver.stats import TransferStats
 from .config import ModelConfig
 from .strict import Wire, wf
-from ..kvcache.manager import KVCacheManager
 
 __all__ = ["RankHook", "RankContext", "load_hook", "HookTally", "HookReport", "Agreed", "REPORT_KINDS",
            "validate_report", "exchange_reports"]

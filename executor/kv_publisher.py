@@ -35,6 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from .. import codec
 from ..errors import ProtocolError
+from ..kvcache.prefix_tree import PrefixTree
 from .kv_curve import KeyAllow, server_keys, set_server, subscriber_keys
 from .kv_events import (
     KV_EVENTS_VERSION,
@@ -44,7 +45,6 @@ from .kv_events import (
     sign,
     subscriber_password,
 )
-from ..kvcache.prefix_tree import PrefixTree
 
 __all__ = ["ZAP_DOMAIN", "ZAP_USER", "KVEventPublisher"]
 

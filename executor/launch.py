@@ -23,7 +23,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def rendezvous_store(timeout_s: float, host: str = "127.0.0.1"):
     """A torch.distributed TCPStore hosted by this process on a port the kernel picks (bound, so no race).
 
-    The ranks connect to it as clients (`Comm(store_port=...)`); it lives as long as the returned object.
+    The ranks connect to it as clients (`Comm`, given its port); it lives as long as the returned object.
     Picking a free port first and letting rank 0 bind it later lost the port now and then to another process
     (EADDRINUSE at init_process_group).
     """

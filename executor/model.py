@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..formatter.layout import KVLayout
-from .config import ModelConfig
 from ..kvcache.manager import KVCacheManager
+from .config import ModelConfig
 
 __all__ = ["StepBatch", "StageModel"]
 

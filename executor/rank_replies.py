@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ExecutorError, KVCacheExhausted
+from ..kvcache.manager import TORCH_DTYPES
 from . import events as E
 from . import pipe_messages as pm
-from ..kvcache.manager import TORCH_DTYPES
 from .kv_check import RankDigest
 
 __all__ = ["RankReplies", "raise_refusal"]

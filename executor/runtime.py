@@ -33,9 +33,9 @@ import torch
 from .. import codec
 from ..errors import ExecutorError
 from ..formatter.layout import KVLayout
+from ..kvcache.manager import TORCH_DTYPES
 from .config import ModelConfig
 from .connector.factory import connector_wire
-from ..kvcache.manager import TORCH_DTYPES
 from .kv_check import KVDigest, merge
 from .kv_io import assemble, shard_of
 from .launch import rendezvous_store, spawn_ranks, stop_processes

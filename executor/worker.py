@@ -24,13 +24,13 @@ from .. import codec
 from ..errors import ExecutorError
 from ..formatter.layout import ParallelSplit
 from ..gcheap import freeze_startup_heap
+from ..kvcache.manager import TORCH_DTYPES, KVCacheManager
 from .comm import Comm
 from .config import kv_layout_for
 from . import pipe_messages as pm
 from . import plan as P
 from .plan import BatchRow, StepPlan
 from .hooks import HookReport, RankContext, exchange_reports, load_hook, validate_report
-from ..kvcache.manager import TORCH_DTYPES, KVCacheManager
 from .kv_check import DigestBook
 from .kv_io import gather_blocks, scatter_blocks
 from .leader import leader_loop
