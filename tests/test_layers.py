@@ -24,27 +24,33 @@ def _rank(part: str) -> int:
     return BASE.get(part, LAYER.get(part, 99))
 
 
+def _first_part(parts: list[str]) -> str:
+    """The layer-level name of a kvbridge module path; a name of the root package itself (`from . import
+    __version__`) is its __init__."""
+    head = parts[0]
+    return head if (ROOT / head).is_dir() or (ROOT / f"{head}.py").exists() else "__init__"
+
+
 def _imports(path: Path) -> list[tuple[str, int]]:
-    """(first part of each kvbridge module it imports, line)."""
-    rel = path.relative_to(ROOT).with_suffix("")
-    package = list(rel.parts[:-1])
+    """(first part of each kvbridge module it imports, line), relative and absolute, lazy ones too."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])
     out = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets: list[list[str]] = []
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
-                names = ([*base, *node.module.split(".")] if node.module else
-                         [*base, node.names[0].name])
-                if names:  # a name of the root package itself (`from . import __version__`) is its __init__
-                    first = names[0] if (ROOT / names[0]).is_dir() or (ROOT / f"{names[0]}.py").exists() \
-                        else "__init__"
-                    out.append((first, node.lineno))
-            elif node.module and node.module.split(".")[0] == "kvbridge" and "." in node.module:
-                out.append((node.module.split(".")[1], node.lineno))
+                base = package[:len(package) - (node.level - 1)]
+                mod = [*base, *node.module.split(".")] if node.module else base
+            else:
+                dotted = (node.module or "").split(".")
+                mod = dotted[1:] if dotted[0] == "kvbridge" else None
+            if mod:
+                targets = [mod]
+            elif mod is not None:  # `from . import a, b` at the root, or `from kvbridge import a, b`
+                targets = [[a.name] for a in node.names]
         elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.startswith("kvbridge."):
-                    out.append((a.name.split(".")[1], node.lineno))
+            targets = [a.name.split(".")[1:] for a in node.names if a.name.startswith("kvbridge.")]
+        out += [(_first_part(t), node.lineno) for t in targets]
     return out
 
 
