@@ -86,13 +86,11 @@ class _Relay(NamedTuple):
 def _relay(cfg, spec, vspec, instance: str):
     """The KV-event relay of a server (started before it, so no batch is missed): (its VllmServerSpec with
     --kv-events-config and an explicit --block-size, a _Relay)."""
+    from ..integrations.vllm.launch import socket_folder
     from .kv_worker import advertised, kv_events_settings
     from .vllm_kv_relay import DEFAULT_BLOCK_SIZE, VllmKvRelay, kv_events_config
 
-    folder = tempfile.mkdtemp(prefix="kvb-ev-")  # 0700: only this user reaches vLLM's unauthenticated PUB
-    if len(folder) > 80:  # an ipc path has at most 107 bytes
-        shutil.rmtree(folder, ignore_errors=True)
-        folder = tempfile.mkdtemp(prefix="kvb-ev-", dir="/tmp")
+    folder = socket_folder("kvb-ev-", 80)  # 0700: only this user reaches vLLM's unauthenticated PUB
     source, replay = f"ipc://{folder}/vllm-kv-events", f"ipc://{folder}/vllm-kv-replay"
     block_size = vspec.block_size or DEFAULT_BLOCK_SIZE
     settings = kv_events_settings(cfg, spec, instance, folder)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VllmServerSpec", "VllmServer", "VllmStartError", "vllm_python", "vllm_missing", "free_port",
-           "group_pids", "pin_group", "parse_cpus", "health", "PYTHON_ENV"]
+           "socket_folder", "group_pids", "pin_group", "parse_cpus", "health", "PYTHON_ENV"]
 
 PYTHON_ENV = "KVBRIDGE_VLLM_PYTHON"
 _REPO = Path(__file__).resolve().parents[2]
@@ -208,7 +208,7 @@ class VllmServer:
         """Start the process in a new process group (returns at once; wait_healthy() waits)."""
         argv, env = self.spec.popen_args()
         if "VLLM_RPC_BASE_PATH" not in env:  # else vLLM leaves its ipc sockets and its torch.distributed init
-            self._rpc_dir = _rpc_folder()     # file (vllm_dist_*) in the temp folder for good, per engine
+            self._rpc_dir = socket_folder("kvb-vllm-", 60)  # file (vllm_dist_*) in /tmp for good; + a uuid4
             env["VLLM_RPC_BASE_PATH"] = env["TMPDIR"] = self._rpc_dir
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -290,12 +290,13 @@ class VllmServer:
         self.stop()
 
 
-def _rpc_folder() -> str:
-    """A 0700 folder for one server's ipc sockets and temp files, short enough for a Unix socket's path."""
-    d = tempfile.mkdtemp(prefix="kvb-vllm-")
-    if len(d) > 60:  # + "/" + a uuid4 (36)
+def socket_folder(prefix: str, max_len: int) -> str:
+    """A new 0700 folder for ipc sockets: in the temp folder, or in /tmp where that path is longer than
+    `max_len` (a Unix socket's path has at most 107 bytes, the socket's own name included)."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    if len(d) > max_len:
         os.rmdir(d)
-        d = tempfile.mkdtemp(prefix="kvb-vllm-", dir="/tmp")
+        d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     return d
 
 
