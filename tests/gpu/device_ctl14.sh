@@ -4,7 +4,8 @@
 # object). Alternates the code at .base/kvbridge (`git archive 880420e`, carried as an ignored path) and this
 # checkout, three rounds in one lease: `kvbridge bench control --gens 1` (latency and throughput), then the
 # throughput phase alone (20,000 requests at 64 in flight after a 300-request warm-up, bench/control.py's
-# `_ContextRank`). From the repo root with $OUT set; carry .whl, .whl-serving and .base:
+# `_ContextRank`, driven by tests/gpu/control_throughput.py). From the repo root with $OUT set; carry .whl,
+# .whl-serving and .base:
 #   mkdir -p .base/kvbridge && git archive 880420e | tar -x -C .base/kvbridge
 # Everything lands in $OUT/ctl14.tar.gz.
 set -u
@@ -13,23 +14,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/pp && ln -sfn $PWD /tmp/pp/kvbridge
 NEW=/tmp/site:/tmp/pp BASE=/tmp/site:$PWD/.base
 R=/tmp/ctl14 && mkdir -p $R
-cat > $R/thr.py <<'PY'
-import json, sys, time
-from kvbridge.bench import control as c
-if __name__ == "__main__":
-    n = int(sys.argv[1])
-    rank = c._ContextRank(1, "nixl")
-    try:
-        rank.measure(300, 8, 120)
-        rank.gen_timings(); g0, c0 = rank.gen_cpu_s, time.process_time()
-        _, s = rank.measure(n, 64, 600)
-        ctx = time.process_time() - c0
-        rank.gen_timings(); gen = rank.gen_cpu_s - g0
-    finally:
-        end = rank.close()
-    print(json.dumps({"req_per_s": round(n / s), "gen_cpu_us": round(gen / n * 1e6), "ctx_cpu_us": round(ctx / n * 1e6),
-                      "ok": end["gen_failed"] == 0 and end["ctx_pinned_at_end"] == 0, "src": c.__file__}))
-PY
 { nproc; nvidia-smi -L; date -u; } | tee $R/env.txt
 for round in 1 2 3; do
   for side in base new; do
@@ -38,7 +22,7 @@ for round in 1 2 3; do
     PYTHONPATH=$PP timeout 150 python3 -m kvbridge.cli bench control --gens 1 --requests 3000 --window 64 \
       --json $R/control_${side}_$round.json 2>&1 | tail -1
     echo "== round $round $side throughput"
-    PYTHONPATH=$PP timeout 150 python3 $R/thr.py 20000 2>&1 | tail -1 | tee $R/thr_${side}_$round.json
+    PYTHONPATH=$PP timeout 150 python3 $PWD/tests/gpu/control_throughput.py 20000 2>&1 | tail -1 | tee $R/thr_${side}_$round.json
   done
 done
 tar -czf $OUT/ctl14.tar.gz -C $R .
