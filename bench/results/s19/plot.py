@@ -1,10 +1,14 @@
 """bench/results/s19: the 1 GiB direct path with a GPU per rank and with the two-GPU placement (spread/, 4x H100),
 and the two-stream experiment (streams/, another 4x H100 host) of bench/RESULTS.md "Session 16". Writes s19.json
-(per cell: every later request's GB/s, min, median, max, how many reach 300) and s19.png.
+(per cell: every later request's GB/s, min, median, max, how many reach 300) and s19.png; and, from the py-spy
+profiles in profile/, the share of the GIL time of the generation rank's main steps (profile.json +
+profile.png).
 
     .venv/bin/python bench/results/s19/plot.py        (from the repo root; reads the .jsonl files below it)
 """
 
+import collections
+import gzip
 import json
 import os
 import statistics
@@ -48,5 +52,36 @@ def main() -> None:
         print(n, {k: s[k] for k in ("min", "median", "max", "at_least_300", "requests", "all_ok")})
 
 
+STEPS = ["IOThread._run", "Handshake._send_fetch", "Pull.post_ready_layers", "NixlAgent._post",
+         "Receiver._step_confirm", "Receiver._complete", "_gen_main", "DisaggParams.from_dict", "Histogram.observe"]
+
+
+def profile() -> None:
+    """Share (%) of the sampled GIL time spent inside each step (py-spy raw: `frame;frame;... count` lines)."""
+    shares = {}
+    for name in ("h100_prof_gil_1", "h100_prof_gil_2", "box_prof_gil"):
+        total, inside = 0, collections.Counter()
+        with gzip.open(os.path.join(HERE, "profile", f"{name}.txt.gz"), "rt") as f:
+            for line in f:
+                stack, _, n = line.rstrip().rpartition(" ")
+                total += int(n)
+                for fn in {frame.split(" (")[0] for frame in stack.split(";")}:
+                    inside[fn] += int(n)
+        shares[name] = {fn: round(100 * inside[fn] / total, 1) for fn in STEPS}
+
+    def draw(fig):
+        ax = fig.subplots()
+        for i, (name, sh) in enumerate(shares.items()):
+            ax.bar([x + 0.27 * (i - 1) for x in range(len(STEPS))], [sh[fn] for fn in STEPS], 0.27, label=name)
+        ax.set_xticks(range(len(STEPS)), STEPS, fontsize=7, rotation=20, ha="right")
+        ax.set(ylabel="% of the GIL time (inclusive)")
+        ax.legend(fontsize=8)
+
+    save_plot(os.path.join(HERE, "profile.png"), draw, "generation rank at 64 in flight: where the GIL time goes")
+    with open(os.path.join(HERE, "profile.json"), "w") as f:
+        json.dump(shares, f, indent=1)
+
+
 if __name__ == "__main__":
     main()
+    profile()
