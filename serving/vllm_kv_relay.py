@@ -241,9 +241,9 @@ class VllmKvRelay:
         if last is not None and seq != last + 1:
             if seq > last + 1 and self._fill(last + 1, seq):
                 return
-            self.stats["gaps"] += 1  # dropped and not replayed, or a restarted publisher: start clean
+            self.mirror.clear()  # dropped and not replayed, or a restarted publisher: start clean
+            self.stats["gaps"] += 1  # (after the clear, as for a refused batch)
             log.warning("vLLM kv events: batch %d after %d; the relayed cache starts over", seq, last)
-            self.mirror.clear()
         self._last_seq = seq
         self._apply(frames[2])
 
@@ -298,9 +298,9 @@ class VllmKvRelay:
             for i, ev in enumerate(batch[1]):
                 self.mirror.apply(ev, i)
         except Exception as e:  # noqa: BLE001 - malformed, or a bug on odd input: never the relay's end
-            self.stats["rejected"] += 1
+            self.mirror.clear()  # part of it may have been applied: nothing known is trusted
+            self.stats["rejected"] += 1  # counted after the clear: whoever sees the count sees the cleared cache
             log.warning("vLLM kv events: a batch refused (%s); the relayed cache starts over", e,
                         exc_info=not isinstance(e, ProtocolError))
-            self.mirror.clear()  # part of it may have been applied: nothing known is trusted
             return
         self.stats["batches"] += 1
