@@ -35,7 +35,6 @@ import glob
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 import httpx
 
 from ..integrations.vllm.launch import VllmServer, VllmServerSpec, VllmStartError, health, vllm_missing
+from ..netaddr import free_port
 from ..serving.vllm_backend import decode_body, prefill_body, stream_error
 from .common import machine, table, write_json
 from .vllm_outcome import LOGPROB_TOL, Answer, Outcome, classify, combine, log_reason
@@ -219,20 +219,9 @@ def request(client: httpx.Client, P: VllmServer, D: VllmServer, logs: _Logs, pro
     return Answer(tokens, logprobs, r.status_code, kv_equal=kv_equal, kv_detail=kv_detail), sent
 
 
-_PORTS = iter(range(47000, 48000, 2))  # this bench's range; even numbers: NIXL's TP2 side channel uses +1
-
-
 def _port() -> int:
-    """A free port of 47000-47999 (its odd neighbour free too), never the same twice in one run."""
-    for p in _PORTS:
-        try:
-            for q in (p, p + 1):
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port left in 47000-47999")
+    """A free port whose neighbour is free too (NIXL's TP2 side channel uses port + 1), below the ephemeral range."""
+    return free_port(span=2)
 
 
 def _failed(P: VllmServer, D: VllmServer, a: Answer) -> Answer:

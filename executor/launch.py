@@ -7,17 +7,9 @@ name. Every join has a deadline.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 
-__all__ = ["free_port", "rendezvous_store", "spawn_ranks", "stop_processes"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (for torch.distributed's store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["rendezvous_store", "spawn_ranks", "stop_processes"]
 
 
 def rendezvous_store(timeout_s: float, host: str = "127.0.0.1"):

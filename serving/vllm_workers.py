@@ -186,7 +186,7 @@ def server_spec(cfg, s, token: str | None) -> VllmServerSpec:
                           max_model_len=v["max_model_len"], max_num_seqs=v["max_num_seqs"],
                           gpu_memory_utilization=v["gpu_memory_utilization"], dtype=v["dtype"],
                           enforce_eager=v["enforce_eager"], cpus=bind, pin=v["pin"], api_key=token,
-                          side_channel_port=free_port(), extra_args=tuple(extra),
+                          side_channel_port=free_port(span=s.tp), extra_args=tuple(extra),
                           env=tuple(sorted(v["env"].items())))
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ...netaddr import free_port
 
 __all__ = ["VllmServerSpec", "VllmServer", "VllmStartError", "vllm_python", "vllm_missing", "free_port",
            "socket_folder", "group_pids", "pin_group", "parse_cpus", "health", "PYTHON_ENV"]
@@ -85,13 +86,6 @@ def parse_cpus(bind: str) -> list[int]:
                                  f"rank)")
             cores.update(range(int(lo), int(hi if sep else lo) + 1))
     return sorted(cores)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now (the kernel's pick; vLLM needs a number, not port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
