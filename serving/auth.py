@@ -4,8 +4,10 @@ Owns two ASGI middlewares and the rules for where a process may listen without t
     InternalAuth  on every worker: a call without the deployment's internal token (header X-KVBridge-Token)
                   gets 401 before any work (the body is not even read); GET /health is the one exception
                   and the worker shows its detail only to callers that carry the token (`authenticated`).
-    ApiKeyAuth    on the router: with API keys configured, /v1/* needs `Authorization: Bearer <key>`;
-                  anything else gets an OpenAI-style 401.
+    ApiKeyAuth    on the router: with API keys configured, /v1/* and /metrics need `Authorization: Bearer
+                  <key>` (else an OpenAI-style 401); /health answers everyone, in detail only with a key
+                  (`key_ok`); the registry routes of a router that is the registry check their own proof.
+A router with no API keys listens only on loopback unless `router.insecure: true` (`check_router_bind`).
 Tokens and keys are compared with hmac.compare_digest. The token comes from the environment
 (KVBRIDGE_INTERNAL_TOKEN, how `kvbridge serve` hands it to its children) or the config's `internal_token`
 (workers on other hosts); API keys from `router.api_keys`, `--api-key` or KVBRIDGE_API_KEY (comma-separated).
@@ -26,14 +28,16 @@ from ..netaddr import is_loopback
 log = logging.getLogger("kvbridge.serving.auth")
 
 __all__ = ["TOKEN_HEADER", "TOKEN_ENV", "API_KEY_ENV", "new_token", "internal_token", "internal_headers",
-           "api_keys", "is_loopback", "check_worker_bind", "InternalAuth", "ApiKeyAuth", "authenticated",
-           "install_api_keys"]
+           "api_keys", "is_loopback", "check_worker_bind", "check_router_bind", "InternalAuth", "ApiKeyAuth",
+           "authenticated", "key_ok", "install_api_keys"]
 
 TOKEN_HEADER = "X-KVBridge-Token"
 TOKEN_ENV = "KVBRIDGE_INTERNAL_TOKEN"
 API_KEY_ENV = "KVBRIDGE_API_KEY"
 _SCOPE_KEY = "kvbridge_internal_ok"
+_KEY_SCOPE = "kvbridge_api_key_ok"
 _OPEN_PATHS = frozenset({"/health"})
+_KEYED = ("/v1/", "/metrics")  # the router's paths a key guards (prefixes)
 
 
 def new_token() -> str:
@@ -76,9 +80,31 @@ def check_worker_bind(name: str, bind_host: str, token: str | None, insecure: bo
                 "; insecure: true in the config" if insecure else "")
 
 
+def check_router_bind(bind_host: str, keys: tuple[str, ...], insecure: bool) -> None:
+    """Refuse a router with no API keys on a non-loopback address unless `router.insecure: true`.
+
+    Raises:
+        ServeConfigError: no keys and a non-loopback bind_host without `router.insecure: true`.
+    """
+    if keys or is_loopback(bind_host):
+        return
+    if not insecure:
+        raise ServeConfigError(
+            f"the router would listen on {bind_host} with no API keys: anyone who reaches it could use the "
+            f"model and read the deployment's metrics. Set router.api_keys (or --api-key, {API_KEY_ENV}), bind "
+            f"127.0.0.1, or set router: {{insecure: true}} to accept that")
+    log.warning("router: listening on %s with no API keys (router.insecure: true): anyone who reaches it can "
+                "use the model", bind_host)
+
+
 def authenticated(request) -> bool:
     """Whether the request carried the right internal token (True where the worker has no token)."""
     return bool(request.scope.get(_SCOPE_KEY, False))
+
+
+def key_ok(request) -> bool:
+    """Whether the request carried one of the router's API keys (True where the router has none)."""
+    return bool(request.scope.get(_KEY_SCOPE, True))
 
 
 def _header(scope, name: bytes) -> str:
@@ -127,7 +153,8 @@ class InternalAuth:
 
 
 class ApiKeyAuth:
-    """ASGI middleware of the router: with keys configured, /v1/* needs `Authorization: Bearer <key>`.
+    """ASGI middleware of the router: with keys configured, /v1/* and /metrics need `Authorization: Bearer
+    <key>`; every request is marked with whether it carried one (`key_ok`: /health's detail).
 
     Args:
         app: the ASGI application behind it.
@@ -139,7 +166,7 @@ class ApiKeyAuth:
         self.keys = tuple(keys)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not self.keys or not str(scope.get("path", "")).startswith("/v1/"):
+        if scope["type"] != "http" or not self.keys:
             await self.app(scope, receive, send)
             return
         auth = _header(scope, b"authorization")
@@ -148,7 +175,8 @@ class ApiKeyAuth:
         if scheme.lower() == "bearer" and given.strip():
             for k in self.keys:  # every key compared, so timing does not tell which one nearly matched
                 ok |= _same(given.strip(), k)
-        if not ok:
+        scope[_KEY_SCOPE] = ok
+        if not ok and str(scope.get("path", "")).startswith(_KEYED):
             why = "missing" if not auth else "not a valid API key"
             await _reply_401(send, f"Authorization: Bearer <API key> is {why}", "invalid_api_key",
                              [(b"www-authenticate", b"Bearer")])
@@ -157,10 +185,7 @@ class ApiKeyAuth:
 
 
 def install_api_keys(app, cfg, keys: tuple[str, ...]) -> None:
-    """Put ApiKeyAuth in front of the router; warn when a non-loopback router has no keys."""
+    """Put ApiKeyAuth in front of the router; refuse a non-loopback router with no keys (`check_router_bind`)."""
+    check_router_bind(cfg.router.bind_host, keys, cfg.router.insecure)
     if keys:
         app.add_middleware(ApiKeyAuth, keys=keys)
-    elif not is_loopback(cfg.router.bind_host):
-        log.warning("router: listening on %s with no API keys: anyone who reaches it can use the model "
-                    "(set router.api_keys, --api-key or %s)", cfg.router.bind_host, API_KEY_ENV)
-

@@ -17,6 +17,7 @@ config_keys.py's.
     router: {host: 127.0.0.1, port: 8000, policy: round_robin, api_keys: []}  # policy: or least_loaded,
                                         # prefix_aware, kv_aware (+ kv_aware: {...}: docs/routing.md;
                                         # local_prefill_tokens: 0, opt-in: docs/routing-cost.md)
+                                        # insecure: true lets it listen beyond loopback with no api_keys
     internal_token: null       # workers on other hosts: the deployment's token (or KVBRIDGE_INTERNAL_TOKEN)
     insecure: false            # true: a worker without a token may listen on a non-loopback address
     keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)

@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import KvBridgeError, ServingError
-from .auth import TOKEN_ENV, TOKEN_HEADER, internal_token, new_token
+from .auth import TOKEN_ENV, TOKEN_HEADER, check_router_bind, internal_token, new_token
+from .auth import api_keys as router_keys
 
 __all__ = ["Cluster", "main", "die_with_parent"]
 
@@ -81,6 +82,7 @@ class Cluster:
         try:
             self.token = token or internal_token(cfg) or new_token()
             self.cfg = _with_curve_keys(cfg.with_api_keys(tuple(api_keys)), self.run_dir)
+            check_router_bind(self.cfg.router.bind_host, router_keys(self.cfg), self.cfg.router.insecure)
             self.config_path = os.path.join(self.run_dir, "config.yaml")
             self._write_config()
             os.makedirs(os.path.join(self.run_dir, "tmp"), mode=0o700, exist_ok=True)

@@ -35,7 +35,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .auth import api_keys, install_api_keys, internal_headers
+from .auth import api_keys, install_api_keys, internal_headers, key_ok
 from .balancer import WorkerRef, routing_key
 from .config import ServeConfig
 from .engines import engine_backend
@@ -103,7 +103,7 @@ class Router:
                     self.kv.close()
 
         app = FastAPI(title="kvbridge router", docs_url=None, redoc_url=None, lifespan=lifespan)
-        install_api_keys(app, self.cfg, api_keys(self.cfg))  # /v1/* needs a key when any is configured
+        install_api_keys(app, self.cfg, api_keys(self.cfg))  # /v1/*, /metrics: a key when any is set
         app.add_exception_handler(ApiError, _api_error)
         app.add_exception_handler(Exception, _unexpected)
         app.get("/health")(self.health)
@@ -121,8 +121,10 @@ class Router:
         app.state.pools = (self.ctx, self.gen)
         return app
 
-    async def health(self) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
         ok = any(w.healthy for w in self.ctx.workers) and any(w.healthy for w in self.gen.workers)
+        if not key_ok(request):  # a probe without the key learns up or down, nothing of the deployment
+            return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
         body = {"status": "ok" if ok else "unavailable", "model": self.cfg.model_name,
                 "policy": self.rc.policy,
                 "context_workers": {w.name: w.healthy for w in self.ctx.workers},

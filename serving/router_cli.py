@@ -31,10 +31,12 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     from ..errors import KvBridgeError
     from ..gcheap import freeze_startup_heap
+    from .auth import api_keys, check_router_bind
     from .config import load_config
 
     try:
         cfg = load_config(a.config).with_api_keys(tuple(a.api_key))
+        check_router_bind(cfg.router.bind_host, api_keys(cfg), cfg.router.insecure)  # before its port is bound
     except KvBridgeError as e:
         print(f"kvbridge router: {e}", file=sys.stderr)
         return 2

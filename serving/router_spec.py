@@ -23,7 +23,7 @@ KV_AWARE_DEFAULTS: dict[str, float] = {"prefill_weight": 1.0, "load_weight": 0.5
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 _ROUTER = {"host", "port", "bind_host", "policy", "request_timeout_s", "context_timeout_s",
            "health_interval_s", "health_timeout_s", "health_failures", "connect_timeout_s", "api_keys",
-           "overlap", "kv_aware"}
+           "overlap", "kv_aware", "insecure"}
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,10 @@ class RouterSpec:
     health_timeout_s: float = 5.0      # one /health probe's deadline (serving/health.py)
     health_failures: int = 3           # consecutive missed probes before a worker is out (refused: at once)
     connect_timeout_s: float = 5.0     # opening a connection to a worker
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/* needs one of them (empty: open)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1/*, /metrics need one (empty: open)
     overlap: bool = True               # tell the generation side of a request when its prefill starts
     kv_aware: dict = field(default_factory=dict)  # policy kv_aware's settings (serving/kv_policy.py)
+    insecure: bool = False             # true: no API keys on a non-loopback bind_host (else refused)
 
     @property
     def url(self) -> str:
@@ -64,7 +65,8 @@ def parse_router(d: dict) -> RouterSpec:
                    connect_timeout_s=_get(d, "connect_timeout_s", float, "router", 5.0),
                    api_keys=api_keys(d.get("api_keys", [])),
                    overlap=_get(d, "overlap", bool, "router", True),
-                   kv_aware=parse_kv_aware(d.get("kv_aware")))
+                   kv_aware=parse_kv_aware(d.get("kv_aware")),
+                   insecure=_get(d, "insecure", bool, "router", False))
     if r.policy not in POLICIES:
         raise ServeConfigError(f"router.policy: {r.policy!r} is not one of {POLICIES}")
     if not 0 <= r.port < 65536:

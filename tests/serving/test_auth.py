@@ -13,6 +13,8 @@ import openai
 import pytest
 
 from kvbridge.serving.auth import TOKEN_ENV, TOKEN_HEADER
+from kvbridge.serving.config import parse_config
+from kvbridge.serving.router import build_router
 
 from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, config, launch, wait_pool_full
 from .conftest import MAX_TOKENS
@@ -94,7 +96,28 @@ def test_the_router_takes_the_right_api_key_and_refuses_a_wrong_one(cluster, wan
         assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
     r = httpx.post(base + "/completions", json={"prompt": PROMPTS[1], "max_tokens": 2}, timeout=30)
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-    assert httpx.get(cluster.router_url + "/health", timeout=30).status_code == 200  # probes need no key
+    r = httpx.get(cluster.router_url + "/health", timeout=30)  # probes need no key, and learn up or down only
+    assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+    full = httpx.get(cluster.router_url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert full.json()["context_workers"] == {"ctx0": True}, full.text
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        r = httpx.get(cluster.router_url + "/metrics", headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    r = httpx.get(cluster.router_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200 and "kvbridge_router_" in r.text
+
+
+def test_a_router_without_api_keys_refuses_to_listen_beyond_loopback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "KVBRIDGE_API_KEY"}
+    router = {"port": 0, "bind_host": "0.0.0.0"}
+    path = config(tmp_path, "open", {**CFG, "router": router})
+    r = subprocess.run([sys.executable, "-m", "kvbridge.cli", "router", "--config", path, "--port-file",
+                        str(tmp_path / "port")], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "would listen on 0.0.0.0 with no API keys" in r.stderr and "insecure: true" in r.stderr, r.stderr
+    assert not (tmp_path / "port").exists()
+    for opened in ({"insecure": True}, {"api_keys": [KEY]}):  # said so, or keys: it builds
+        build_router(parse_config({**CFG, "router": {**router, **opened}}))
 
 
 def test_a_worker_without_a_token_refuses_to_listen_beyond_loopback(tmp_path):
