@@ -19,7 +19,7 @@ config_keys.py's.
                                         # local_prefill_tokens: 0, opt-in: docs/routing-cost.md)
                                         # insecure: true lets it listen beyond loopback with no api_keys
     internal_token: null       # workers on other hosts: the deployment's token (or KVBRIDGE_INTERNAL_TOKEN)
-    insecure: false            # true: a worker without a token may listen on a non-loopback address
+    insecure: false            # true: a worker without a token, or a vLLM server, may listen beyond loopback
     keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)
     on_worker_exit: restart    # or stop: `kvbridge serve` stops everything when a worker dies
     role_grace_s: 120          # serve exits 1 once a role had no live worker this long
@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 
 from ..errors import KvBridgeError, ServeConfigError
+from ..netaddr import is_loopback
 from ..transceiver.config import TransceiverConfig
 from .config_keys import config_map as _map
 from .config_keys import copy_tree as _copy
@@ -248,9 +249,25 @@ def parse_config(d: Any) -> ServeConfig:
                                "disagg_cluster: each server then runs under a `kvbridge worker` that relays "
                                "vLLM's KV events, signed, and registers where they are "
                                "(`disagg_cluster: {}`: the router is the registry)")
+    ops = _operations(top)
+    if groups["context"][0].engine == "vllm" and not ops["insecure"]:
+        _vllm_on_loopback([*groups["context"], *groups["generation"]])
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
-                       groups["generation"], router, startup, max_tokens, _copy(top), **_operations(top), **inflight,
+                       groups["generation"], router, startup, max_tokens, _copy(top), **ops, **inflight,
                        cluster=cluster)
+
+
+def _vllm_on_loopback(servers) -> None:
+    """vLLM's --api-key (the deployment's token) guards /v1/* only: its /invocations runs completions, and
+    /tokenize, /metrics, /scale_elastic_ep answer, for anyone. So kvbridge starts vLLM servers on loopback only,
+    unless the config accepts that with `insecure: true`."""
+    for s in servers:
+        if not is_loopback(s.bind_host or s.host):
+            raise ServeConfigError(
+                f"{s.name}: a vLLM server would listen on {s.bind_host or s.host}, where its routes outside /v1/* "
+                f"take no key (vLLM's /invocations runs completions for anyone; /tokenize, /metrics and "
+                f"/scale_elastic_ep answer too). Bind it to 127.0.0.1 (bind_host) with the router on its host, or "
+                f"set insecure: true to accept that (a firewall or a private network in front of it)")
 
 
 def _operations(top: dict) -> dict[str, Any]:

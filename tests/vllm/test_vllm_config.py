@@ -39,6 +39,18 @@ def test_a_bad_vllm_config_is_refused_naming_the_key(change, named):
         parse_config(_cfg(**change))
 
 
+@pytest.mark.parametrize("where", [{"bind_host": "0.0.0.0"}, {"urls": ["10.0.0.2:26302"]}])
+def test_a_vllm_server_beyond_loopback_is_refused_unless_the_config_accepts_it(where):
+    """vLLM's --api-key guards /v1/* only (its /invocations runs completions without it): kvbridge starts vLLM
+    servers on loopback unless `insecure: true` says a firewall or private network stands in front."""
+    gen = {"engine": "vllm", "urls": ["127.0.0.1:26302"], **where}
+    with pytest.raises(ServeConfigError, match=r"gen0: a vLLM server would listen on (0\.0\.0\.0|10\.0\.0\.2)"
+                                               r".*/invocations runs completions.*insecure: true"):
+        parse_config(_cfg(generation_servers=gen))
+    cfg = parse_config(_cfg(generation_servers=gen, insecure=True))
+    assert server_spec(cfg, cfg.generation[0], "tok").host in ("0.0.0.0", "10.0.0.2")
+
+
 def test_each_server_gets_its_role_connector_cores_and_token_out_of_argv():
     cfg = parse_config(_cfg())
     assert cfg.engine == "vllm" and cfg.generation[0].vllm["cpus"] == "auto"
