@@ -66,6 +66,16 @@ def test_v1_needs_the_api_key_and_health_does_not(server):
     assert r.status_code == 401
 
 
+def test_outside_v1_vllm_serves_without_the_key(server):
+    """Why kvbridge starts vLLM servers on loopback only (serving/config.py `_vllm_on_loopback`): vLLM checks its
+    API key on /v1/* alone, so its /invocations runs a completion for a caller without it. If a vLLM release
+    closes these routes, this test fails, and the rule can be relaxed."""
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    r = httpx.post(server.url + "/invocations", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    assert httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": "x"}, timeout=30).status_code == 200
+
+
 def test_every_thread_of_the_server_is_pinned_to_its_core(server):
     pids = group_pids(server.pgid)
     assert len(pids) >= 2  # the API server and its engine core at least
