@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import secrets
 import threading
 import time
 from contextlib import contextmanager
@@ -133,8 +134,8 @@ class _Request:
 class _PeerLink:
     """The requesting side towards one peer: a queue, a worker thread and (at most) one connection."""
 
-    def __init__(self, agent: "ConnectionAgent", peer: str, endpoint: dict[str, Any]) -> None:
-        self.agent, self.peer, self.endpoint = agent, peer, endpoint
+    def __init__(self, agent: "ConnectionAgent", peer: str, endpoint: dict[str, Any], key: bytes) -> None:
+        self.agent, self.peer, self.endpoint, self.key = agent, peer, endpoint, key
         self._cv = threading.Condition()
         self._queue: collections.deque[_Request] = collections.deque()
         self._stopping: str | None = None
@@ -204,6 +205,13 @@ class _PeerLink:
             self._drop_connection()
             until = min(deadline, time.monotonic() + self.agent.connect_timeout)
             conn = self.agent.connection_class.establish(self.endpoint, until, self.agent.options)
+            try:  # the proof the server asks of a new connection (conn_wire.py): its challenge, our answer
+                frame = np.empty(wire.CHALLENGE_SIZE, dtype=np.uint8)
+                conn.recv(frame, until)
+                conn.send(wire.answer(self.key, frame), until)
+            except BaseException:
+                conn.close()
+                raise
             with self._cv:
                 self._conn = conn
         return conn
@@ -289,6 +297,7 @@ class ConnectionAgent(TransferAgent):
         self.transfer_timeout = float(transfer_timeout)
         self.connect_timeout = float(connect_timeout)
         self._options = dict(options)
+        self.connection_key = secrets.token_bytes(wire.KEY_BYTES)  # a connection's proof (conn_wire.py)
         self._links: dict[str, _PeerLink] = {}
         self._links_lock = threading.Lock()  # not the base lock: deregistration holds that while it waits
         self._serve_cv = threading.Condition()
@@ -332,17 +341,23 @@ class ConnectionAgent(TransferAgent):
 
     # --- peers ---------------------------------------------------------------------------------------
     def _metadata(self) -> bytes:
-        return seal(self.agent_kind, self.name, {"endpoint": self._listener.endpoint()})
+        # The connection key travels with the endpoint: whoever was handed this metadata (the transceiver hands
+        # it only to authenticated peers) may connect; anyone else who finds the port is refused.
+        return seal(self.agent_kind, self.name, {"endpoint": self._listener.endpoint(),
+                                                 "key": self.connection_key})
 
     def _connect(self, peer_metadata: bytes) -> str:
         name, payload = open_envelope(peer_metadata, self.agent_kind)
         endpoint = field(payload, "endpoint", dict)
         self.connection_class.check_endpoint(endpoint)
+        key = field(payload, "key", bytes)
+        if len(key) != wire.KEY_BYTES:
+            raise PeerError(f"peer metadata: key of {len(key)} bytes, expected {wire.KEY_BYTES}")
         if name == self.name:
             raise PeerError(f"peer metadata carries this agent's own name {name!r}; names must be unique")
         with self._links_lock:
             old = self._links.pop(name, None)
-            self._links[name] = _PeerLink(self, name, endpoint)
+            self._links[name] = _PeerLink(self, name, endpoint, key)
         if old is not None:
             old.stop(f"peer {name!r} re-connected with new metadata")
         return name

@@ -1,5 +1,8 @@
 """The serving side of a ConnectionAgent: accepts peers and answers their READ/WRITE requests.
 
+A new connection first gets a challenge and must answer it with the agent's connection key (conn_wire.py),
+which only peers handed this agent's metadata know; one that does not is closed before any request is read.
+
 Owns the accept thread and one thread per accepted connection. A request is answered only after every
 range in it passed this agent's RegionTable check (kind, device, bounds); otherwise the peer gets an ERROR
 response naming the bad descriptor (its transfer fails with TransferFailed) and the connection stays in
@@ -32,6 +35,7 @@ __all__ = ["Server", "ServedAgent", "SLICE"]
 log = logging.getLogger(__name__)
 
 SLICE = 0.2  # seconds between checks for stop() while idle
+PROOF_TIMEOUT = 5.0  # seconds a new connection has to answer the challenge
 
 
 class ServedAgent(Protocol):
@@ -39,6 +43,7 @@ class ServedAgent(Protocol):
 
     name: str
     transfer_timeout: float  # seconds one request may take from its arrival
+    connection_key: bytes    # what a new connection must prove it knows (conn_wire.py, proof)
 
     def serving(self) -> AbstractContextManager[None]:
         """Held while the serving thread touches registered memory; deregistration waits for it."""
@@ -83,6 +88,8 @@ class Server:
 
     def _serve(self, key: int, conn: Connection) -> None:
         try:
+            if not self._proven(conn):
+                return
             while not self._stopping.is_set():
                 if conn.poll(SLICE):
                     self._one_request(conn)
@@ -100,6 +107,19 @@ class Server:
                 conn.close()
             except Exception:  # noqa: BLE001
                 pass
+
+    def _proven(self, conn: Connection) -> bool:
+        """Challenge a new connection; True once it answered with this agent's key (within PROOF_TIMEOUT)."""
+        deadline = time.monotonic() + min(PROOF_TIMEOUT, self._agent.transfer_timeout)
+        frame = wire.challenge()
+        conn.send(frame, deadline)
+        got = np.empty(wire.PROOF_SIZE, dtype=np.uint8)
+        conn.recv(got, deadline)
+        if wire.proven(self._agent.connection_key, frame, got):
+            return True
+        log.warning("%s: refused a connection that did not prove it holds this agent's metadata (a caller that "
+                    "found the port, not a peer)", self._agent.name)
+        return False
 
     def _one_request(self, conn: Connection) -> None:
         head = np.empty(wire.Request.SIZE, dtype=np.uint8)

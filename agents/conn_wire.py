@@ -5,12 +5,19 @@ Every frame from a peer is checked here (magic, version, op, memory kind, counts
 one raises ProtocolError naming the field. Nothing here is pickled or evaluated; descriptors travel as the
 raw bytes of two int64 arrays.
 
+    proof    = on every new connection, before any request: the server sends CHALLENGE (magic, version, 32
+               random bytes), the requester answers PROOF_SIZE bytes, HMAC-SHA256 of the challenge under the
+               server agent's connection key (32 random bytes in its metadata, which only the peers it was
+               handed to know); a wrong or late answer closes the connection before any request is read
     request  = REQUEST header, then one message of 16 * ndesc bytes: ndesc addrs, ndesc lengths (int64 LE)
     response = RESPONSE header, then (status ERROR only) one message of `detail` bytes of UTF-8 text
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import struct
 from dataclasses import dataclass
 
@@ -20,10 +27,11 @@ from ..errors import ProtocolError
 from .base import DescriptorList, MemoryKind
 
 __all__ = ["Request", "Response", "READ", "WRITE", "OK", "DONE", "ERROR", "MAX_DESCRIPTORS",
-           "MAX_ERROR_BYTES", "encode_descriptors", "decode_descriptors"]
+           "MAX_ERROR_BYTES", "encode_descriptors", "decode_descriptors", "KEY_BYTES", "CHALLENGE_SIZE",
+           "PROOF_SIZE", "challenge", "answer", "proven"]
 
 MAGIC = b"KVBC"
-VERSION = 1
+VERSION = 2  # 2: the connection proof
 READ, WRITE = 1, 2
 # OK: data follows (READ) or send it (WRITE); DONE: the WRITE landed; ERROR: text follows
 OK, DONE, ERROR = 0, 1, 2
@@ -35,6 +43,10 @@ _KIND_CODES = {v: k for k, v in _KINDS.items()}
 _OPS = {READ: "READ", WRITE: "WRITE"}
 
 _REQ = struct.Struct("<4sHBBIQQQ")   # magic, version, op, kind, device, req_id, ndesc, nbytes
+_CHALLENGE = struct.Struct("<4sH32s")  # magic, version, nonce
+KEY_BYTES = 32
+CHALLENGE_SIZE, PROOF_SIZE = _CHALLENGE.size, hashlib.sha256().digest_size
+_PROOF_LABEL = b"kvbridge connection proof v2\0"
 _RESP = struct.Struct("<4sHBBIQ")    # magic, version, status, 0, detail (error text bytes), req_id
 
 
@@ -150,3 +162,20 @@ def encode_error(text: str) -> np.ndarray:
 
 def decode_error(buf: np.ndarray) -> str:
     return bytes(buf).decode("utf-8", "replace")
+
+
+def challenge() -> np.ndarray:
+    """A fresh CHALLENGE frame (the server's first bytes on a new connection)."""
+    return _as_array(_CHALLENGE.pack(MAGIC, VERSION, os.urandom(32)))
+
+
+def answer(key: bytes, frame) -> np.ndarray:
+    """The requester's PROOF for a CHALLENGE frame from the server whose connection key is `key`."""
+    _check_head(frame, _CHALLENGE, "connection challenge")
+    return _as_array(hmac.new(key, _PROOF_LABEL + bytes(frame), hashlib.sha256).digest())
+
+
+def proven(key: bytes, frame, proof) -> bool:
+    """Whether `proof` answers the CHALLENGE `frame` under `key` (compared in constant time)."""
+    want = hmac.new(key, _PROOF_LABEL + bytes(frame), hashlib.sha256).digest()
+    return hmac.compare_digest(bytes(proof), want)

@@ -176,6 +176,10 @@ def test_metadata_from_the_wrong_kind_or_with_a_bad_endpoint_is_refused():
             tcp.connect(seal("tcp", "p", {"endpoint": {"host": "127.0.0.1", "port": 0}}))
         with pytest.raises(PeerError, match="host"):
             tcp.connect(seal("tcp", "p", {"endpoint": {"host": 5, "port": 80}}))
+        with pytest.raises(PeerError, match="key"):  # the connection key the server will ask to be proven
+            tcp.connect(seal("tcp", "p", {"endpoint": {"host": "127.0.0.1", "port": 80}}))
+        with pytest.raises(PeerError, match="key of 3 bytes"):
+            tcp.connect(seal("tcp", "p", {"endpoint": {"host": "127.0.0.1", "port": 80}, "key": b"abc"}))
         with pytest.raises(PeerError, match="backend 'nccl'"):
             gloo.connect(seal("gloo", "p", {"endpoint": {"host": "h", "port": 5, "store_port": 6,
                                                          "backend": "nccl"}}))

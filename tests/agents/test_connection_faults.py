@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvbridge.agents import MemoryRegion, XferState, create_agent
+from kvbridge.agents import conn_server
 from kvbridge.agents import conn_wire as wire
 from kvbridge.agents.base import DescriptorList, MemoryKind
 from kvbridge.agents.envelope import open_envelope, seal
@@ -65,7 +66,7 @@ def _meta(kind: str, port: int) -> bytes:
     ep = {"host": "127.0.0.1", "port": port}
     if kind != "tcp":
         ep.update(store_port=port, backend=kind)
-    return seal(kind, "remote-peer", {"endpoint": ep})
+    return seal(kind, "remote-peer", {"endpoint": ep, "key": os.urandom(32)})
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -179,11 +180,15 @@ def server():
     agent = _agent("tcp")
     buf = pattern(NBYTES, 9).copy()
     reg = agent.register_memory(MemoryRegion.of(buf))
-    ep = open_envelope(agent.metadata(), "tcp")[1]["endpoint"]
+    payload = open_envelope(agent.metadata(), "tcp")[1]
+    ep = payload["endpoint"]
 
-    def dial():
+    def dial(key: bytes | None = payload["key"]):
+        """A raw connection; with `key` (default: the agent's, from its metadata) it answers the challenge."""
         s = socket.create_connection((ep["host"], ep["port"]), timeout=5)
         s.settimeout(5)
+        if key is not None:
+            s.sendall(wire.answer(key, np.frombuffer(_recv(s, wire.CHALLENGE_SIZE), np.uint8)).tobytes())
         return s
 
     yield agent, buf, dial
@@ -217,6 +222,35 @@ def _request(s, op, addrs, lens, rid=1, kind=MemoryKind.DRAM, nbytes=None):
     resp = wire.Response.decode(np.frombuffer(_recv(s, wire.Response.SIZE), np.uint8), rid)
     text = _recv(s, resp.detail).decode() if resp.status == wire.ERROR else ""
     return resp, text
+
+
+def test_a_caller_without_the_agents_metadata_reads_nothing(server, monkeypatch, caplog):
+    """The port alone grants nothing: a new connection must answer the server's challenge with the connection
+    key from the agent's metadata (which the transceiver hands only to authenticated peers)."""
+    agent, buf, dial = server
+    base = buf.ctypes.data
+    s = dial(key=None)  # a scanner: straight to a READ of the registered buffer
+    assert len(_recv(s, wire.CHALLENGE_SIZE)) == wire.CHALLENGE_SIZE
+    s.sendall(wire.Request(wire.READ, MemoryKind.DRAM, 0, 1, 1, 4096).encode().tobytes())
+    s.sendall(wire.encode_descriptors(DescriptorList([base], [4096])).tobytes())
+    assert _closed_by_server(s), "a connection without the proof must be closed, unserved"
+    s.close()
+    s = dial(key=os.urandom(32))  # a proof under another key
+    s.sendall(wire.Request(wire.READ, MemoryKind.DRAM, 0, 1, 1, 4096).encode().tobytes())
+    assert _closed_by_server(s)
+    s.close()
+    assert "did not prove it holds this agent's metadata" in caplog.text
+    monkeypatch.setattr(conn_server, "PROOF_TIMEOUT", 0.5)
+    s = dial(key=None)  # silent: dropped at the proof's deadline, its thread gone
+    s.settimeout(10)
+    t0 = time.monotonic()
+    assert len(_recv(s, wire.CHALLENGE_SIZE)) == wire.CHALLENGE_SIZE and _closed_by_server(s)
+    assert time.monotonic() - t0 < 5
+    s.close()
+    s = dial()  # the agent still serves a peer that proves it
+    resp, _ = _request(s, wire.READ, [base], [64])
+    assert resp.status == wire.OK and _recv(s, 64) == buf[:64].tobytes()
+    s.close()
 
 
 def test_server_refuses_out_of_range_ranges_and_keeps_the_connection(server):
