@@ -17,6 +17,7 @@ from ..errors import KvBridgeError, ServeConfigError
 from ..transceiver.upstream import ENV_SWITCHES
 from ..trtllm.serve_config import is_trtllm_serve_config
 from .agent_check import check_agents
+from .auth import api_keys, check_router_bind
 from .config import ServeConfig, ServerSpec, load_config
 
 __all__ = ["main", "describe"]
@@ -88,11 +89,14 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge serve --check",
                                  description="validate a serving config and print its deployment")
     ap.add_argument("config", help="a kvbridge or trtllm-serve disaggregated config (YAML)")
+    ap.add_argument("--api-key", action="append", default=[], help="an API key the router would take (repeatable)")
+    ap.add_argument("--log-dir", default=None, help=argparse.SUPPRESS)  # serve's, accepted and unused here
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config)
         _check_model(cfg)
         check_agents(cfg)
+        check_router_bind(cfg.router.bind_host, api_keys(cfg, tuple(a.api_key)), cfg.router.insecure)
     except KvBridgeError as e:
         print(f"kvbridge serve --check: invalid: {e}", file=sys.stderr)
         return 2

@@ -116,6 +116,10 @@ def test_a_router_without_api_keys_refuses_to_listen_beyond_loopback(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "would listen on 0.0.0.0 with no API keys" in r.stderr and "insecure: true" in r.stderr, r.stderr
     assert not (tmp_path / "port").exists()
+    check = [sys.executable, "-m", "kvbridge.cli", "serve", "--check", path]
+    r = subprocess.run(check, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "with no API keys" in r.stderr, r.stderr
+    assert subprocess.run([*check, "--api-key", KEY], capture_output=True, timeout=120, env=env).returncode == 0
     for opened in ({"insecure": True}, {"api_keys": [KEY]}):  # said so, or keys: it builds
         build_router(parse_config({**CFG, "router": {**router, **opened}}))
 
