@@ -3,6 +3,8 @@ static list of URLs (TensorRT-LLM's `trtllm-serve` key of the same name and fiel
 
     disagg_cluster:
       cluster_uri: http://127.0.0.1:8000   # the router is the registry (default), or etcd://host:2379
+                                           # (etcd://USER@host:2379: etcd's auth, password below)
+      etcd_password_file: null             # kvbridge: USER's password (else $KVBRIDGE_ETCD_PASSWORD)
       cluster_name: kvbridge               # one registry may hold several deployments
       minimal_instances: {context_servers: 1, generation_servers: 1}   # 503 + Retry-After until up
       heartbeat_interval_sec: 2            # a worker refreshes its lease this often ...
@@ -17,16 +19,18 @@ is what keeps a live worker from being evicted by one slow call. Never opens a c
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ServeConfigError
 
-__all__ = ["ClusterSpec", "parse_cluster", "KEYS"]
+__all__ = ["ClusterSpec", "parse_cluster", "KEYS", "ETCD_PASSWORD_ENV"]
 
 KEYS = {"cluster_uri", "cluster_name", "minimal_instances", "heartbeat_interval_sec", "inactive_interval_sec",
-        "drain_timeout_sec"}
+        "drain_timeout_sec", "etcd_password_file"}
+ETCD_PASSWORD_ENV = "KVBRIDGE_ETCD_PASSWORD"
 _MINIMAL = {"context_servers": "context", "generation_servers": "generation"}
 
 
@@ -38,10 +42,33 @@ class ClusterSpec:
     heartbeat_s: float = 2.0
     ttl_s: float = 10.0
     drain_s: float = 30.0
+    etcd_password_file: str | None = None
 
     @property
     def scheme(self) -> str:
         return urlsplit(self.uri).scheme
+
+    @property
+    def etcd_user(self) -> str | None:
+        return urlsplit(self.uri).username if self.scheme == "etcd" else None
+
+    def etcd_password(self) -> str | None:
+        """The etcd user's password: $KVBRIDGE_ETCD_PASSWORD, else etcd_password_file's first line (None without a
+        user). Read when the store opens, never logged; ServeConfigError naming both sources when neither has it."""
+        if self.etcd_user is None:
+            return None
+        if os.environ.get(ETCD_PASSWORD_ENV):
+            return os.environ[ETCD_PASSWORD_ENV]
+        if self.etcd_password_file:
+            try:
+                with open(self.etcd_password_file, encoding="utf-8") as f:
+                    pw = f.readline().rstrip("\r\n")
+            except OSError as e:
+                raise ServeConfigError(f"disagg_cluster.etcd_password_file: cannot read it: {e}") from None
+            if pw:
+                return pw
+        raise ServeConfigError(f"disagg_cluster.cluster_uri names etcd user {self.etcd_user!r} but no password: "
+                               f"set {ETCD_PASSWORD_ENV} or disagg_cluster.etcd_password_file")
 
     @property
     def call_timeout_s(self) -> float:
@@ -71,6 +98,13 @@ def parse_cluster(d: Any, router_host: str, router_port: int) -> ClusterSpec:
         u.port
     except ValueError:
         raise ServeConfigError(f"disagg_cluster.cluster_uri: {uri!r} has a bad port") from None
+    if u.password is not None or (u.username is not None and u.scheme != "etcd"):
+        raise ServeConfigError("disagg_cluster.cluster_uri: only etcd://USER@host:port may carry credentials, and "
+                               f"never a password: put it in {ETCD_PASSWORD_ENV} or disagg_cluster.etcd_password_file")
+    pw_file = d.get("etcd_password_file")
+    if pw_file is not None and (not isinstance(pw_file, str) or not pw_file or u.username is None):
+        raise ServeConfigError("disagg_cluster.etcd_password_file: a path, and only with an etcd user in "
+                               "cluster_uri (etcd://USER@host:port)")
     name = d.get("cluster_name", "kvbridge")
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ServeConfigError(f"disagg_cluster.cluster_name: {name!r} must be a non-empty name of letters, "
@@ -84,8 +118,10 @@ def parse_cluster(d: Any, router_host: str, router_port: int) -> ClusterSpec:
                                f"live worker")
     if u.scheme == "etcd" and ttl < 2:
         raise ServeConfigError("disagg_cluster.inactive_interval_sec: etcd leases last at least 2 s")
-    return ClusterSpec(uri.rstrip("/"), name, _minimal(d.get("minimal_instances")), hb, ttl,
-                       num["drain_timeout_sec"])
+    spec = ClusterSpec(uri.rstrip("/"), name, _minimal(d.get("minimal_instances")), hb, ttl,
+                       num["drain_timeout_sec"], pw_file)
+    spec.etcd_password()  # a user without a password is refused now, not at the first registry call
+    return spec
 
 
 def _num(d: dict, k: str, default: float) -> float:

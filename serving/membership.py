@@ -122,7 +122,7 @@ class RegistryWorkers(WorkerSet):
 
             self.memory = self.store = MemoryStore(cl.uri)
         else:
-            self.store = open_store(cl.uri, self.key, cl.call_timeout_s)
+            self.store = open_store(cl.uri, self.key, cl.call_timeout_s, cl.etcd_password())
         self.records: dict[str, WorkerRecord] = {}
         self.retired: dict[str, set[str]] = collections.defaultdict(set)
         self.refused: collections.deque[dict] = collections.deque(maxlen=REFUSED_KEPT)

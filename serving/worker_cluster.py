@@ -44,7 +44,7 @@ def cluster_registrar(cfg, rec) -> Registrar:
 
     cl = cfg.cluster
     key = registry_key(internal_token(cfg) or "", cl.name)
-    return Registrar(open_store(cl.uri, key, cl.call_timeout_s), key, rec, cl.heartbeat_s, cl.ttl_s,
+    return Registrar(open_store(cl.uri, key, cl.call_timeout_s, cl.etcd_password()), key, rec, cl.heartbeat_s, cl.ttl_s,
                      internal_headers(cfg), ready_timeout_s=cfg.startup_timeout_s)
 
 

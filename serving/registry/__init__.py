@@ -22,9 +22,9 @@ __all__ = ["open_store", "Store", "Entry", "Snapshot", "Change", "Conflict", "St
 SCHEMES = ("http", "etcd")
 
 
-def open_store(uri: str, key: bytes, call_timeout_s: float) -> Store:
+def open_store(uri: str, key: bytes, call_timeout_s: float, etcd_password: str | None = None) -> Store:
     """The client Store of a cluster_uri (a worker's view; the router of an http:// registry holds a
-    MemoryStore instead)."""
+    MemoryStore instead). etcd://USER@host:port logs in as USER with `etcd_password`."""
     u = urlsplit(uri)
     if u.scheme == "http":
         from .http_store import HttpStore
@@ -33,5 +33,5 @@ def open_store(uri: str, key: bytes, call_timeout_s: float) -> Store:
     if u.scheme == "etcd":
         from .etcd_store import EtcdStore
 
-        return EtcdStore(u.hostname or "127.0.0.1", u.port or 2379, call_timeout_s)
+        return EtcdStore(u.hostname or "127.0.0.1", u.port or 2379, call_timeout_s, u.username, etcd_password)
     raise ValueError(f"cluster_uri {uri!r}: the scheme is not one of {SCHEMES}")

@@ -28,9 +28,11 @@ def _s(b: bytes) -> str:
 
 
 class EtcdStore(Store):
-    """Args: host, port: the etcd client URL's; call_timeout_s: the deadline of every call."""
+    """Args: host, port: the etcd client URL's; call_timeout_s: the deadline of every call; user, password: etcd's
+    auth (a client that reconnects logs in again, so an expired auth token costs one failed call)."""
 
-    def __init__(self, host: str, port: int, call_timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, call_timeout_s: float, user: str | None = None,
+                 password: str | None = None) -> None:
         try:
             import aetcd  # noqa: F401
         except ImportError:
@@ -40,14 +42,15 @@ class EtcdStore(Store):
                                    "'kvbridge[etcd]' (aetcd)") from None
         self.uri = f"etcd://{host}:{port}"
         self.host, self.port, self.timeout = host, port, call_timeout_s
+        self._user, self._password = user, password
         self._client = None
 
     async def _conn(self):
         import aetcd
 
         if self._client is None:
-            c = aetcd.Client(host=self.host, port=self.port, timeout=self.timeout,
-                             connect_wait_timeout=max(1, math.ceil(self.timeout)))
+            c = aetcd.Client(host=self.host, port=self.port, username=self._user, password=self._password,
+                             timeout=self.timeout, connect_wait_timeout=max(1, math.ceil(self.timeout)))
             await asyncio.wait_for(c.connect(), self.timeout)
             self._client = c
         return self._client
@@ -138,7 +141,7 @@ class EtcdStore(Store):
                 try:
                     ev = await asyncio.wait_for(it.__anext__(), PROBE_S)
                 except asyncio.TimeoutError:
-                    await self._do("probe", lambda c: c.get(b"\0kvbridge-probe"))
+                    await self._do("probe", lambda c: c.get(prefix.encode()))  # a read its user may make
                     continue
                 except StopAsyncIteration:
                     raise StoreUnavailable(f"etcd {self.host}:{self.port}: the watch ended") from None

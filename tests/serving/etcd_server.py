@@ -4,6 +4,7 @@ binary or the `aetcd` client is missing (`make test` installs both: Debian's etc
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import shutil
@@ -83,3 +84,21 @@ class EtcdServer:
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+
+    def enable_auth(self, user: str, password: str, prefixes: tuple[str, ...] = ("/kvbridge/",)) -> None:
+        """etcd's authentication on, as a production etcd runs: a root user (etcd needs one; a random password
+        nobody uses) and `user`, whose role may read and write only keys under `prefixes`; from then on every
+        call must log in. Through etcd's JSON gateway (/v3/auth/*), as etcdctl would."""
+        c = f"http://127.0.0.1:{self.client_port}"
+        b64 = lambda s: base64.b64encode(s.encode()).decode()  # noqa: E731
+        perms = [("/v3/auth/role/grant", {"name": "kvbridge", "perm": {
+            "permType": "READWRITE", "key": b64(p), "range_end": b64(p[:-1] + chr(ord(p[-1]) + 1))}})
+            for p in prefixes]
+        for path, body in (("/v3/auth/role/add", {"name": "root"}),
+                           ("/v3/auth/user/add", {"name": "root", "password": os.urandom(16).hex()}),
+                           ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                           ("/v3/auth/role/add", {"name": "kvbridge"}), *perms,
+                           ("/v3/auth/user/add", {"name": user, "password": password}),
+                           ("/v3/auth/user/grant", {"user": user, "role": "kvbridge"}), ("/v3/auth/enable", {})):
+            r = httpx.post(c + path, json=body, timeout=10)
+            assert r.status_code == 200, f"etcd {path}: {r.status_code} {r.text}"
