@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 SLICE = 0.2  # seconds between checks for stop() while idle
 PROOF_TIMEOUT = 5.0  # seconds a new connection has to answer the challenge
+MAX_UNPROVEN = 64    # connections answering the challenge at once; one more is closed at once (a flood of
+                     # strangers costs them, not this process's threads)
 
 
 class ServedAgent(Protocol):
@@ -62,6 +64,8 @@ class Server:
         self._mu = threading.Lock()
         self._conns: dict[int, tuple[Connection, threading.Thread]] = {}
         self._next = 0
+        self._unproven = 0
+        self._refused_at = 0.0  # when a full challenge queue was last logged
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"kvb-accept-{agent.name}")
         self._accept_thread.start()
@@ -80,15 +84,39 @@ class Server:
                 if self._stopping.is_set():
                     conn.close()
                     return
-                key, self._next = self._next, self._next + 1
-                t = threading.Thread(target=self._serve, args=(key, conn), daemon=True,
-                                     name=f"kvb-serve-{self._agent.name}-{key}")
-                self._conns[key] = (conn, t)
-            t.start()
+                full = self._unproven >= MAX_UNPROVEN
+                if not full:
+                    self._unproven += 1
+                    key, self._next = self._next, self._next + 1
+                    t = threading.Thread(target=self._serve, args=(key, conn), daemon=True,
+                                         name=f"kvb-serve-{self._agent.name}-{key}")
+                    self._conns[key] = (conn, t)
+            if full:
+                self._close_unserved(conn, f"{MAX_UNPROVEN} connections are answering the challenge already")
+                continue
+            try:
+                t.start()
+            except RuntimeError as e:  # no thread to be had: this connection goes, the agent keeps serving
+                with self._mu:
+                    self._conns.pop(key, None)
+                    self._unproven -= 1
+                self._close_unserved(conn, f"no thread for it ({e})")
+
+    def _close_unserved(self, conn: Connection, why: str) -> None:
+        conn.close()
+        now = time.monotonic()
+        if now - self._refused_at > 10.0:  # a flood is logged once per 10 s, not per connection
+            self._refused_at = now
+            log.warning("%s: closed a new connection at once: %s", self._agent.name, why)
 
     def _serve(self, key: int, conn: Connection) -> None:
         try:
-            if not self._proven(conn):
+            try:
+                proven = self._proven(conn)
+            finally:
+                with self._mu:
+                    self._unproven -= 1
+            if not proven:
                 return
             while not self._stopping.is_set():
                 if conn.poll(SLICE):

@@ -253,6 +253,28 @@ def test_a_caller_without_the_agents_metadata_reads_nothing(server, monkeypatch,
     s.close()
 
 
+def test_a_flood_of_strangers_is_closed_at_once_past_the_cap_and_the_agent_serves_on(server, monkeypatch):
+    """At most MAX_UNPROVEN connections wait to answer the challenge; one more is closed at once (no thread),
+    and once the silent ones are dropped at the proof's deadline a peer is served again."""
+    agent, buf, dial = server
+    monkeypatch.setattr(conn_server, "MAX_UNPROVEN", 3)
+    monkeypatch.setattr(conn_server, "PROOF_TIMEOUT", 3.0)
+    waiting = [dial(key=None) for _ in range(3)]
+    for s in waiting:  # each got its challenge: the three slots are taken
+        assert len(_recv(s, wire.CHALLENGE_SIZE)) == wire.CHALLENGE_SIZE
+    extra = dial(key=None)
+    t0 = time.monotonic()
+    assert _closed_by_server(extra) and time.monotonic() - t0 < 2.5, "past the cap: closed before any challenge"
+    extra.close()
+    for s in waiting:
+        assert _closed_by_server(s)
+        s.close()
+    s = dial()
+    resp, _ = _request(s, wire.READ, [buf.ctypes.data], [64])
+    assert resp.status == wire.OK and _recv(s, 64) == buf[:64].tobytes()
+    s.close()
+
+
 def test_server_refuses_out_of_range_ranges_and_keeps_the_connection(server):
     agent, buf, dial = server
     base = buf.ctypes.data
