@@ -86,15 +86,11 @@ def check_router_bind(bind_host: str, keys: tuple[str, ...], insecure: bool) -> 
     Raises:
         ServeConfigError: no keys and a non-loopback bind_host without `router.insecure: true`.
     """
-    if keys or is_loopback(bind_host):
-        return
-    if not insecure:
+    if not (keys or is_loopback(bind_host) or insecure):
         raise ServeConfigError(
             f"the router would listen on {bind_host} with no API keys: anyone who reaches it could use the "
             f"model and read the deployment's metrics. Set router.api_keys (or --api-key, {API_KEY_ENV}), bind "
             f"127.0.0.1, or set router: {{insecure: true}} to accept that")
-    log.warning("router: listening on %s with no API keys (router.insecure: true): anyone who reaches it can "
-                "use the model", bind_host)
 
 
 def authenticated(request) -> bool:
@@ -185,7 +181,11 @@ class ApiKeyAuth:
 
 
 def install_api_keys(app, cfg, keys: tuple[str, ...]) -> None:
-    """Put ApiKeyAuth in front of the router; refuse a non-loopback router with no keys (`check_router_bind`)."""
+    """Put ApiKeyAuth in front of the router; refuse a non-loopback router with no keys (`check_router_bind`),
+    and warn once, in the router's own process, when `router.insecure: true` lets one start."""
     check_router_bind(cfg.router.bind_host, keys, cfg.router.insecure)
     if keys:
         app.add_middleware(ApiKeyAuth, keys=keys)
+    elif not is_loopback(cfg.router.bind_host):
+        log.warning("router: listening on %s with no API keys (router.insecure: true): anyone who reaches it "
+                    "can use the model", cfg.router.bind_host)
