@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import base64
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
 import httpx
 import pytest
 
-PORTS = (22300, 22999)  # this suite's range
+from kvbridge.netaddr import free_port
 
 
 def etcd_unavailable() -> str | None:
@@ -29,18 +27,6 @@ def etcd_unavailable() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    for _ in range(200):
-        port = random.randint(*PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port for etcd")
-
-
 class EtcdServer:
     def __init__(self, data_dir: str, log_path: str, also_on: str | None = None) -> None:
         """also_on: another local address etcd's client port listens on (besides 127.0.0.1)."""
@@ -48,7 +34,7 @@ class EtcdServer:
         if why:
             pytest.skip(why)
         self.data_dir, self.log_path, self.also_on = data_dir, log_path, also_on
-        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.client_port, self.peer_port = free_port(), free_port()  # below the ephemeral range
         self.proc: subprocess.Popen | None = None
 
     @property
