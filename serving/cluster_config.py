@@ -53,8 +53,9 @@ class ClusterSpec:
         return urlsplit(self.uri).username if self.scheme == "etcd" else None
 
     def etcd_password(self) -> str | None:
-        """The etcd user's password: $KVBRIDGE_ETCD_PASSWORD, else etcd_password_file's first line (None without a
-        user). Read when the store opens, never logged; ServeConfigError naming both sources when neither has it."""
+        """The etcd user's password: $KVBRIDGE_ETCD_PASSWORD, else etcd_password_file's first line (None
+        without a user). Read when the store opens, never logged; ServeConfigError naming both sources when
+        neither has it."""
         if self.etcd_user is None:
             return None
         if os.environ.get(ETCD_PASSWORD_ENV):
@@ -99,8 +100,9 @@ def parse_cluster(d: Any, router_host: str, router_port: int) -> ClusterSpec:
     except ValueError:
         raise ServeConfigError(f"disagg_cluster.cluster_uri: {uri!r} has a bad port") from None
     if u.password is not None or (u.username is not None and u.scheme != "etcd"):
-        raise ServeConfigError("disagg_cluster.cluster_uri: only etcd://USER@host:port may carry credentials, and "
-                               f"never a password: put it in {ETCD_PASSWORD_ENV} or disagg_cluster.etcd_password_file")
+        raise ServeConfigError("disagg_cluster.cluster_uri: only etcd://USER@host:port may carry "
+                               f"credentials, and never a password: put it in {ETCD_PASSWORD_ENV} or "
+                               f"disagg_cluster.etcd_password_file")
     pw_file = d.get("etcd_password_file")
     if pw_file is not None and (not isinstance(pw_file, str) or not pw_file or u.username is None):
         raise ServeConfigError("disagg_cluster.etcd_password_file: a path, and only with an etcd user in "

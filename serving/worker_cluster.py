@@ -44,8 +44,9 @@ def cluster_registrar(cfg, rec) -> Registrar:
 
     cl = cfg.cluster
     key = registry_key(internal_token(cfg) or "", cl.name)
-    return Registrar(open_store(cl.uri, key, cl.call_timeout_s, cl.etcd_password()), key, rec, cl.heartbeat_s, cl.ttl_s,
-                     internal_headers(cfg), ready_timeout_s=cfg.startup_timeout_s)
+    store = open_store(cl.uri, key, cl.call_timeout_s, cl.etcd_password())
+    return Registrar(store, key, rec, cl.heartbeat_s, cl.ttl_s, internal_headers(cfg),
+                     ready_timeout_s=cfg.startup_timeout_s)
 
 
 async def wait_quiet(busy, t0: float, bound_s: float):
