@@ -214,6 +214,14 @@ def _closed_by_server(s: socket.socket) -> bool:
         return True
 
 
+def _send_unheard(s: socket.socket, *chunks: bytes) -> None:
+    """Send what a stranger sends; the server may read the first bytes as a wrong proof and close (a reset
+    for the rest) before the last chunk leaves, which is the behaviour under test, not a failure."""
+    with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+        for chunk in chunks:
+            s.sendall(chunk)
+
+
 def _request(s, op, addrs, lens, rid=1, kind=MemoryKind.DRAM, nbytes=None):
     d = DescriptorList(addrs, lens)
     n = d.nbytes if nbytes is None else nbytes
@@ -231,12 +239,12 @@ def test_a_caller_without_the_agents_metadata_reads_nothing(server, monkeypatch,
     base = buf.ctypes.data
     s = dial(key=None)  # a scanner: straight to a READ of the registered buffer
     assert len(_recv(s, wire.CHALLENGE_SIZE)) == wire.CHALLENGE_SIZE
-    s.sendall(wire.Request(wire.READ, MemoryKind.DRAM, 0, 1, 1, 4096).encode().tobytes())
-    s.sendall(wire.encode_descriptors(DescriptorList([base], [4096])).tobytes())
+    _send_unheard(s, wire.Request(wire.READ, MemoryKind.DRAM, 0, 1, 1, 4096).encode().tobytes(),
+                  wire.encode_descriptors(DescriptorList([base], [4096])).tobytes())
     assert _closed_by_server(s), "a connection without the proof must be closed, unserved"
     s.close()
     s = dial(key=os.urandom(32))  # a proof under another key
-    s.sendall(wire.Request(wire.READ, MemoryKind.DRAM, 0, 1, 1, 4096).encode().tobytes())
+    _send_unheard(s, wire.Request(wire.READ, MemoryKind.DRAM, 0, 1, 1, 4096).encode().tobytes())
     assert _closed_by_server(s)
     s.close()
     assert "did not prove it holds this agent's metadata" in caplog.text
