@@ -139,6 +139,7 @@ class Server:
     def _proven(self, conn: Connection) -> bool:
         """Challenge a new connection; True once it answered with this agent's key (within PROOF_TIMEOUT)."""
         deadline = time.monotonic() + min(PROOF_TIMEOUT, self._agent.transfer_timeout)
+        conn.greet(deadline)
         frame = wire.challenge()
         conn.send(frame, deadline)
         got = np.empty(wire.PROOF_SIZE, dtype=np.uint8)

@@ -12,6 +12,7 @@ Who calls what (all calls come from ConnectionAgent's threads, never from user c
     listener = MyConnection.listen(options)                 # once, when the agent is created
     listener.endpoint()                                     # -> msgpack-able dict; goes into metadata()
     conn = listener.accept(timeout)                         # accept thread: next peer, or None after timeout
+    conn.greet(deadline)                                    # its serving thread: read the peer's opening, if any
     conn = MyConnection.establish(endpoint, deadline, opts) # client thread: reach a peer's listener
     conn.send(buffer, deadline) / conn.recv(buffer, deadline)        # control messages (headers, descriptors)
     conn.send_regions(descs, deadline) / conn.recv_regions(descs, deadline)  # the bulk data
@@ -64,8 +65,9 @@ class Listener(ABC):
     def accept(self, timeout: float) -> "Connection | None":
         """The next incoming connection, or None if none arrived within `timeout` seconds.
 
-        Raises ConnectionFailed only for a broken listener; a peer that failed its handshake is dropped
-        (logged) and None returned.
+        Raises ConnectionFailed only for a broken listener. It must not read from the peer (a caller that
+        connects and says nothing would hold every other peer off): what the peer says first is read by
+        `Connection.greet`, on the connection's own serving thread.
         """
 
     @abstractmethod
@@ -106,6 +108,11 @@ class Connection(ABC):
         """Validate an endpoint that came from a peer's metadata; raise PeerError naming what is wrong."""
         if not isinstance(endpoint, dict):
             raise PeerError(f"{cls.__name__} endpoint must be a map, got {type(endpoint).__name__}")
+
+    def greet(self, deadline: float) -> None:
+        """Server side, on this connection's serving thread before anything else: read and check what the peer
+        sends first (a transport's own hello), raising ProtocolError or ConnectionFailed to drop it. Default:
+        the transport has no opening."""
 
     # --- messages ----------------------------------------------------------------------------------------
     @abstractmethod

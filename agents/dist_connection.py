@@ -72,6 +72,21 @@ class TorchDistConnection(TcpConnection):
         self._store = None
         self._pg = None
 
+    def greet(self, deadline: float) -> None:
+        """Server side: read the requester's HELLO (its backend and the pair id its process group uses)."""
+        raw = np.empty(_HELLO.size, dtype=np.uint8)
+        self.recv(raw, min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT))
+        magic, version, backend, pair_id = _HELLO.unpack(raw.tobytes())
+        if magic != _MAGIC or version != _VERSION:
+            raise ProtocolError(f"hello: magic {magic!r} version {version} (not a kvbridge {self.backend} peer)")
+        theirs = backend.rstrip(b"\0").decode("ascii", "replace")
+        if theirs != self.backend:
+            raise ProtocolError(f"hello: backend {theirs!r}, this side uses {self.backend}")
+        pid = pair_id.decode("ascii", "replace")
+        if len(pid) != 32 or any(c not in "0123456789abcdef" for c in pid):
+            raise ProtocolError("hello: pair id is not 32 hex digits")
+        self.pair_id = pid
+
     # --- set-up --------------------------------------------------------------------------------------
     @classmethod
     def listen(cls, options: dict[str, Any]) -> "DistListener":
@@ -291,30 +306,11 @@ class DistListener(TcpListener):
         self._options = options
         self._local_host = _local_host(options)
 
-    def _wrap(self, sock: socket.socket) -> TorchDistConnection | None:
-        cls = self._conn_class
-        conn = cls(sock, vectored=self._vectored, rank=0,
-                   store_addr=(self._local_host, self._endpoint["store_port"]), local_host=self._local_host,
-                   pg_timeout=float(self._options.get("pg_timeout", 600.0)))
-        try:
-            raw = np.empty(_HELLO.size, dtype=np.uint8)
-            conn.recv(raw, time.monotonic() + HANDSHAKE_TIMEOUT)
-            magic, version, backend, pair_id = _HELLO.unpack(raw.tobytes())
-            if magic != _MAGIC or version != _VERSION:
-                raise ProtocolError(f"hello: magic {magic!r} version {version} "
-                                    f"(not a kvbridge {cls.backend} peer)")
-            theirs = backend.rstrip(b"\0").decode("ascii", "replace")
-            if theirs != cls.backend:
-                raise ProtocolError(f"hello: backend {theirs!r}, this side uses {cls.backend}")
-            pid = pair_id.decode("ascii", "replace")
-            if len(pid) != 32 or any(c not in "0123456789abcdef" for c in pid):
-                raise ProtocolError("hello: pair id is not 32 hex digits")
-        except (ConnectionFailed, ProtocolError) as e:
-            log.warning("dropping a %s peer that failed its handshake: %s", cls.backend, e)
-            conn.close()
-            return None
-        conn.pair_id = pid
-        return conn
+    def _wrap(self, sock: socket.socket) -> TorchDistConnection:
+        return self._conn_class(sock, vectored=self._vectored, rank=0,
+                                store_addr=(self._local_host, self._endpoint["store_port"]),
+                                local_host=self._local_host,
+                                pg_timeout=float(self._options.get("pg_timeout", 600.0)))
 
 
 def _local_host(options: dict[str, Any]) -> str:

@@ -258,7 +258,7 @@ class TcpListener(Listener):
         return self._wrap(sock)
 
     def _wrap(self, sock: socket.socket) -> TcpConnection | None:
-        """The Connection for an accepted socket (subclasses add a handshake; None drops the peer)."""
+        """The Connection for an accepted socket (None drops it); never reads from it (see Listener.accept)."""
         return self._conn_class(sock, vectored=self._vectored)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvbridge.agents import MemoryRegion, XferState, create_agent
-from kvbridge.agents import conn_server
+from kvbridge.agents import conn_server, dist_connection
 from kvbridge.agents import conn_wire as wire
 from kvbridge.agents.base import DescriptorList, MemoryKind
 from kvbridge.agents.envelope import open_envelope, seal
@@ -337,3 +337,30 @@ def test_gloo_listener_drops_a_stranger_and_keeps_serving():
         reg.release()
         agent.close()
         peer.close()
+
+
+def test_a_silent_caller_on_the_gloo_port_holds_no_peer_off(monkeypatch):
+    """The accept thread reads nothing from a new connection: a caller that connects and says nothing (no
+    HELLO, no proof) waits on its own serving thread, and a peer connecting after it is served at once."""
+    monkeypatch.setattr(conn_server, "PROOF_TIMEOUT", 60.0)
+    monkeypatch.setattr(dist_connection, "HANDSHAKE_TIMEOUT", 60.0)
+    server, client = _agent("gloo", transfer_timeout=60.0), _agent("gloo", transfer_timeout=60.0)
+    src, dst = pattern(NBYTES, 5).copy(), np.zeros(NBYTES, np.uint8)
+    regs = [server.register_memory(MemoryRegion.of(src)), client.register_memory(MemoryRegion.of(dst))]
+    ep = open_envelope(server.metadata(), "gloo")[1]["endpoint"]
+    silent = socket.create_connection((ep["host"], ep["port"]), timeout=5)
+    try:
+        time.sleep(0.2)  # the accept thread has taken the silent connection
+        name = client.connect(server.metadata())
+        with client.read(name, descs(dst, [0], [NBYTES]), descs(src, [0], [NBYTES])) as h:
+            h.wait(30)
+        np.testing.assert_array_equal(dst, src)
+        silent.setblocking(False)
+        with pytest.raises(BlockingIOError):  # still waiting on its own thread, not dropped to let the peer in
+            silent.recv(1 << 16)
+    finally:
+        silent.close()
+        for r in regs:
+            r.release()
+        client.close()
+        server.close()
