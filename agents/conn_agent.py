@@ -209,6 +209,7 @@ class _PeerLink:
                 frame = np.empty(wire.CHALLENGE_SIZE, dtype=np.uint8)
                 conn.recv(frame, until)
                 conn.send(wire.answer(self.key, frame), until)
+                conn.answered(self.key)
             except BaseException:
                 conn.close()
                 raise

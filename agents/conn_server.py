@@ -118,6 +118,10 @@ class Server:
                     self._unproven -= 1
             if not proven:
                 return
+            own = conn.service()  # a transport's side channel (gloo/nccl's rendezvous store) serves itself
+            if own is not None:
+                own(self._stopping)
+                return
             while not self._stopping.is_set():
                 if conn.poll(SLICE):
                     self._one_request(conn)

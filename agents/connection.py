@@ -12,7 +12,9 @@ Who calls what (all calls come from ConnectionAgent's threads, never from user c
     listener = MyConnection.listen(options)                 # once, when the agent is created
     listener.endpoint()                                     # -> msgpack-able dict; goes into metadata()
     conn = listener.accept(timeout)                         # accept thread: next peer, or None after timeout
-    conn.greet(deadline)                                    # its serving thread: read the peer's opening, if any
+    conn.greet(deadline)                                    # its serving thread: the peer's opening, if any
+    conn.answered(key)                                      # requester, after its proof: the peer's key
+    conn.service()                                          # server, after the proof: a side channel's loop?
     conn = MyConnection.establish(endpoint, deadline, opts) # client thread: reach a peer's listener
     conn.send(buffer, deadline) / conn.recv(buffer, deadline)        # control messages (headers, descriptors)
     conn.send_regions(descs, deadline) / conn.recv_regions(descs, deadline)  # the bulk data
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from ..errors import ConnectionFailed, PeerError
 from .base import DescriptorList, MemoryKind
@@ -113,6 +115,17 @@ class Connection(ABC):
         """Server side, on this connection's serving thread before anything else: read and check what the peer
         sends first (a transport's own hello), raising ProtocolError or ConnectionFailed to drop it. Default:
         the transport has no opening."""
+
+    def answered(self, key: bytes) -> None:
+        """Requester side, once this connection answered the server's challenge with `key` (the peer's
+        connection key, conn_wire.py): a transport that opens more connections to the same peer (gloo/nccl's
+        rendezvous store) proves them with it. Default: nothing to keep."""
+
+    def service(self) -> "Callable[[threading.Event], None] | None":
+        """Server side, once the peer proved itself: None for a connection that carries READ/WRITE requests
+        (the default), or the loop that serves this connection instead, when `greet` found it to be one of the
+        transport's own side channels; the loop returns when the peer closes or the event is set."""
+        return None
 
     # --- messages ----------------------------------------------------------------------------------------
     @abstractmethod

@@ -4,11 +4,13 @@ Owns the two-member process group that each (requester, server) connection gets 
 P2pNcclConnector moves KV: control messages (request headers, descriptors, responses) travel over a TCP
 socket (TcpConnection, inherited), the bulk bytes over `ProcessGroupGloo` / `ProcessGroupNCCL` send/recv.
 
-How two processes that share no torch.distributed world form a group: the serving agent hosts a TCPStore
-(its port is in the agent's metadata next to the control port). A requester dials the control port and
-sends a HELLO carrying a random pair id; on the first bulk transfer both sides open a client TCPStore to
-the server's store and build the backend directly over `PrefixStore("kvbridge/<pair id>/", store)` with
-rank 0 (server) and 1 (requester), size 2. `dist.new_group` is not used: it needs a common default world.
+How two processes that share no torch.distributed world form a group: a requester dials the agent's port
+and sends a HELLO carrying a random pair id (then answers the challenge every connection gets, conn_wire.py).
+On the first bulk transfer both sides build the backend with rank 0 (server) and 1 (requester), size 2, over
+the pair's rendezvous store: the server's is an in-process HashStore of that pair alone, and the requester
+reaches it over a second connection to the same port, whose HELLO names the pair and which proves itself like
+the first (dist_store.py). No store port is open: torch's TCPStore would serve and list its keys to anyone.
+`dist.new_group` is not used: it needs a common default world.
 
 The same code moves host memory through gloo (tested on CPU in CI) and device memory through NCCL:
 descriptors are gathered into / scattered from a staging tensor (staging.py), one process-group message
@@ -29,6 +31,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -38,7 +41,9 @@ import numpy as np
 from ..errors import (AgentError, ConnectionClosed, ConnectionDeadline, ConnectionFailed, PeerError,
                       ProtocolError)
 from .base import DescriptorList, MemoryKind
+from . import conn_wire as wire
 from .conn_agent import ConnectionAgent
+from .dist_store import new_store, remote_store, serve_store
 from .staging import chunks, gather, scatter
 from .tcp import TCP_OPTIONS, WILDCARD_HOSTS, TcpConnection, TcpListener, default_host, dial
 
@@ -47,14 +52,52 @@ __all__ = ["GlooAgent", "NcclAgent", "TorchDistConnection", "GlooConnection", "N
 log = logging.getLogger(__name__)
 
 _OPTIONS = TCP_OPTIONS | {"pg_timeout"}
-_HELLO = struct.Struct("<4sH8s32s")  # magic, version, backend name (NUL-padded), pair id (hex)
-_MAGIC, _VERSION = b"KVBD", 1
+_HELLO = struct.Struct("<4sHB8s32s")  # magic, version, role, backend name (NUL-padded), pair id (hex)
+_MAGIC, _VERSION = b"KVBD", 2
+CONTROL, STORE = 0, 1  # a HELLO's role: a pair's requests, or its rendezvous store
 HANDSHAKE_TIMEOUT = 5.0
 
 
-def _hello(backend: str, pair_id: str) -> np.ndarray:
-    raw = _HELLO.pack(_MAGIC, _VERSION, backend.encode(), pair_id.encode())
+def _hello(backend: str, pair_id: str, role: int) -> np.ndarray:
+    raw = _HELLO.pack(_MAGIC, _VERSION, role, backend.encode(), pair_id.encode())
     return np.frombuffer(bytearray(raw), np.uint8)
+
+
+class _Pair:
+    def __init__(self) -> None:
+        self.store = new_store(30.0)
+        self.refs, self.store_taken = 1, False
+
+
+class _Pairs:
+    """The serving agent's pairs: each one's rendezvous store, alive while its connections are."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._pairs: dict[str, _Pair] = {}
+
+    def open(self, pair_id: str) -> _Pair:
+        with self._mu:
+            if pair_id in self._pairs:
+                raise ProtocolError("hello: that pair id is in use")
+            pair = self._pairs[pair_id] = _Pair()
+            return pair
+
+    def attach_store(self, pair_id: str) -> _Pair:
+        with self._mu:
+            pair = self._pairs.get(pair_id)
+            if pair is None or pair.store_taken:
+                raise ProtocolError("store hello: no pair of that id waits for its store")
+            pair.refs, pair.store_taken = pair.refs + 1, True
+            return pair
+
+    def release(self, pair_id: str) -> None:
+        with self._mu:
+            pair = self._pairs.get(pair_id)
+            if pair is not None:
+                pair.refs -= 1
+                if pair.refs <= 0:
+                    del self._pairs[pair_id]
 
 
 class TorchDistConnection(TcpConnection):
@@ -64,28 +107,47 @@ class TorchDistConnection(TcpConnection):
     staging_bytes: ClassVar[int] = 32 << 20
 
     def __init__(self, sock: socket.socket, *, vectored: bool = True, rank: int = 0, pair_id: str = "",
-                 store_addr: tuple[str, int] = ("", 0), local_host: str = "127.0.0.1",
-                 pg_timeout: float = 600.0) -> None:
+                 peer: tuple[str, int] = ("", 0), local_host: str = "127.0.0.1", pg_timeout: float = 600.0,
+                 pairs: _Pairs | None = None) -> None:
         super().__init__(sock, vectored=vectored)
         self.rank, self.pair_id = rank, pair_id
-        self._store_addr, self._local_host, self._pg_timeout = store_addr, local_host, pg_timeout
-        self._store = None
+        self._peer, self._local_host, self._pg_timeout = peer, local_host, pg_timeout
+        self._pairs, self._role, self._pair = pairs, CONTROL, None  # the server's side of a pair
+        self._key: bytes | None = None       # the requester's: proves its store connection
+        self._store_conn: TcpConnection | None = None
+        self._remote = None                  # the requester's store over it (see _group)
         self._pg = None
 
     def greet(self, deadline: float) -> None:
-        """Server side: read the requester's HELLO (its backend and the pair id its process group uses)."""
+        """Server side: read the requester's HELLO (backend, role, the pair id); a pair's requests open it."""
         raw = np.empty(_HELLO.size, dtype=np.uint8)
         self.recv(raw, min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT))
-        magic, version, backend, pair_id = _HELLO.unpack(raw.tobytes())
+        magic, version, role, backend, pair_id = _HELLO.unpack(raw.tobytes())
         if magic != _MAGIC or version != _VERSION:
-            raise ProtocolError(f"hello: magic {magic!r} version {version} (not a kvbridge {self.backend} peer)")
+            raise ProtocolError(f"hello: magic {magic!r} version {version} (not a kvbridge {self.backend} "
+                                f"peer of HELLO version {_VERSION})")
         theirs = backend.rstrip(b"\0").decode("ascii", "replace")
         if theirs != self.backend:
             raise ProtocolError(f"hello: backend {theirs!r}, this side uses {self.backend}")
         pid = pair_id.decode("ascii", "replace")
         if len(pid) != 32 or any(c not in "0123456789abcdef" for c in pid):
             raise ProtocolError("hello: pair id is not 32 hex digits")
-        self.pair_id = pid
+        if role not in (CONTROL, STORE) or self._pairs is None:
+            raise ProtocolError(f"hello: role {role} (0: requests, 1: rendezvous store)")
+        self.pair_id, self._role = pid, role
+        if role == CONTROL:
+            self._pair = self._pairs.open(pid)
+
+    def service(self):
+        """A store connection (its peer proved itself) serves the pair's rendezvous store to the end."""
+        if self._role != STORE:
+            return None
+        self._pair = self._pairs.attach_store(self.pair_id)
+        store = self._pair.store
+        return lambda stopping: serve_store(self, store, stopping, HANDSHAKE_TIMEOUT)
+
+    def answered(self, key: bytes) -> None:
+        self._key = bytes(key)
 
     # --- set-up --------------------------------------------------------------------------------------
     @classmethod
@@ -99,9 +161,7 @@ class TorchDistConnection(TcpConnection):
     @classmethod
     def check_endpoint(cls, endpoint: Any) -> None:
         super().check_endpoint(endpoint)
-        port, backend = endpoint.get("store_port"), endpoint.get("backend")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise PeerError(f"peer endpoint: store_port {port!r} is not a TCP port")
+        backend = endpoint.get("backend")
         if backend != cls.backend:
             raise PeerError(f"peer endpoint: backend {backend!r}, this side uses {cls.backend!r}")
 
@@ -111,10 +171,10 @@ class TorchDistConnection(TcpConnection):
         sock = dial(endpoint["host"], endpoint["port"], deadline)
         pair_id = os.urandom(16).hex()
         conn = cls(sock, vectored=options.get("vectored", True), rank=1, pair_id=pair_id,
-                   store_addr=(endpoint["host"], endpoint["store_port"]), local_host=_local_host(options),
+                   peer=(endpoint["host"], endpoint["port"]), local_host=_local_host(options),
                    pg_timeout=float(options.get("pg_timeout", 600.0)))
         try:
-            conn.send(_hello(cls.backend, pair_id), deadline)
+            conn.send(_hello(cls.backend, pair_id, CONTROL), deadline)
         except BaseException:
             conn.close()
             raise
@@ -124,19 +184,36 @@ class TorchDistConnection(TcpConnection):
     def _group(self, deadline: float):
         if self._pg is not None:
             return self._pg
-        from torch.distributed import PrefixStore, TCPStore
-
         left = deadline - time.monotonic()
         if left <= 0:
             raise ConnectionDeadline("no time left to form the process group")
-        host, port = self._store_addr
+        if self._pair is not None:  # the server: the pair's store is here
+            store = self._pair.store
+            store.set_timeout(timedelta(seconds=left))
+        else:  # held here: the C++ group reaches a Python store only while its Python object lives
+            store = self._remote = remote_store(self._open_store(deadline), left)
         try:
-            self._store = TCPStore(host, port, None, False, timedelta(seconds=left), wait_for_workers=False)
-            store = PrefixStore(f"kvbridge/{self.pair_id}/", self._store)
             self._pg = self._make_group(store, timedelta(seconds=self._pg_timeout))
         except (RuntimeError, ValueError) as e:
             raise _dist_error(f"forming the {self.backend} group with the peer", e) from None
         return self._pg
+
+    def _open_store(self, deadline: float) -> TcpConnection:
+        """The requester's connection to the pair's rendezvous store: its HELLO, then the same proof."""
+        if self._key is None:
+            raise ConnectionFailed("no connection key to prove the store connection with (the agent hands it "
+                                   "over after the first connection's proof)")
+        conn = TcpConnection(dial(self._peer[0], self._peer[1], deadline), vectored=False)
+        try:
+            conn.send(_hello(self.backend, self.pair_id, STORE), deadline)
+            frame = np.empty(wire.CHALLENGE_SIZE, dtype=np.uint8)
+            conn.recv(frame, deadline)
+            conn.send(wire.answer(self._key, frame), deadline)
+        except BaseException:
+            conn.close()
+            raise
+        self._store_conn = conn
+        return conn
 
     def _make_group(self, store, timeout: timedelta):
         from torch.distributed import ProcessGroupGloo
@@ -217,7 +294,14 @@ class TorchDistConnection(TcpConnection):
     # --- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
         super().close()
-        self._pg, self._store = None, None
+        self._pg = None
+        store_conn, self._store_conn = self._store_conn, None  # the store object stays: a group being
+        # shut down may still call it (it then fails by name, the connection being closed)
+        if store_conn is not None:
+            store_conn.close()
+        if self._pair is not None:
+            self._pair = None
+            self._pairs.release(self.pair_id)
 
 
 class GlooConnection(TorchDistConnection):
@@ -289,28 +373,19 @@ class NcclConnection(TorchDistConnection):
 
 
 class DistListener(TcpListener):
-    """The control socket plus the TCPStore that peers' process groups rendezvous on."""
+    """The agent's one port: pairs' request connections and their rendezvous-store connections."""
 
     def __init__(self, conn_class: type[TorchDistConnection], options: dict[str, Any]) -> None:
-        from torch.distributed import TCPStore
-
         host = options.get("host") or default_host()
         super().__init__(host, options.get("advertise_host"), options.get("vectored", True), conn_class)
-        try:
-            self._store = TCPStore(host if host not in WILDCARD_HOSTS else "0.0.0.0", 0, None, True,
-                                   timedelta(seconds=30), wait_for_workers=False)
-        except (RuntimeError, ValueError) as e:
-            super().close()
-            raise AgentError(f"cannot start the rendezvous TCPStore on {host!r}: {e}") from None
-        self._endpoint.update(store_port=int(self._store.port), backend=conn_class.backend)
+        self._endpoint.update(backend=conn_class.backend)
         self._options = options
         self._local_host = _local_host(options)
+        self._pairs = _Pairs()
 
     def _wrap(self, sock: socket.socket) -> TorchDistConnection:
-        return self._conn_class(sock, vectored=self._vectored, rank=0,
-                                store_addr=(self._local_host, self._endpoint["store_port"]),
-                                local_host=self._local_host,
-                                pg_timeout=float(self._options.get("pg_timeout", 600.0)))
+        return self._conn_class(sock, vectored=self._vectored, rank=0, local_host=self._local_host,
+                                pg_timeout=float(self._options.get("pg_timeout", 600.0)), pairs=self._pairs)
 
 
 def _local_host(options: dict[str, Any]) -> str:

@@ -181,7 +181,7 @@ def test_metadata_from_the_wrong_kind_or_with_a_bad_endpoint_is_refused():
         with pytest.raises(PeerError, match="key of 3 bytes"):
             tcp.connect(seal("tcp", "p", {"endpoint": {"host": "127.0.0.1", "port": 80}, "key": b"abc"}))
         with pytest.raises(PeerError, match="backend 'nccl'"):
-            gloo.connect(seal("gloo", "p", {"endpoint": {"host": "h", "port": 5, "store_port": 6,
+            gloo.connect(seal("gloo", "p", {"endpoint": {"host": "h", "port": 5,
                                                          "backend": "nccl"}}))
         with pytest.raises(PeerError, match="missing field 'endpoint'"):
             tcp.connect(seal("tcp", "p", {}))

@@ -65,7 +65,7 @@ def silent_server():
 def _meta(kind: str, port: int) -> bytes:
     ep = {"host": "127.0.0.1", "port": port}
     if kind != "tcp":
-        ep.update(store_port=port, backend=kind)
+        ep.update(backend=kind)
     return seal(kind, "remote-peer", {"endpoint": ep, "key": os.urandom(32)})
 
 
@@ -356,7 +356,7 @@ def test_a_silent_caller_on_the_gloo_port_holds_no_peer_off(monkeypatch):
             h.wait(30)
         np.testing.assert_array_equal(dst, src)
         silent.setblocking(False)
-        with pytest.raises(BlockingIOError):  # still waiting on its own thread, not dropped to let the peer in
+        with pytest.raises(BlockingIOError):  # still waits on its own thread, not dropped to let the peer in
             silent.recv(1 << 16)
     finally:
         silent.close()
