@@ -250,8 +250,8 @@ def parse_config(d: Any) -> ServeConfig:
                                "vLLM's KV events, signed, and registers where they are "
                                "(`disagg_cluster: {}`: the router is the registry)")
     ops = _operations(top)
-    if groups["context"][0].engine == "vllm" and not ops["insecure"]:
-        _vllm_on_loopback([*groups["context"], *groups["generation"]])
+    if groups["context"][0].engine == "vllm" and not ops["insecure"] and cluster is None:
+        _vllm_on_loopback([*groups["context"], *groups["generation"]])  # members guard theirs (vllm_guard.py)
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
                        groups["generation"], router, startup, max_tokens, _copy(top), **ops, **inflight,
                        cluster=cluster)
@@ -259,14 +259,16 @@ def parse_config(d: Any) -> ServeConfig:
 
 def _vllm_on_loopback(servers) -> None:
     """vLLM's --api-key (the deployment's token) guards /v1/* only: its /invocations runs completions, and
-    /tokenize, /metrics, /scale_elastic_ep answer, for anyone. So kvbridge starts vLLM servers on loopback only,
-    unless the config accepts that with `insecure: true`."""
+    /tokenize, /metrics, /scale_elastic_ep answer, for anyone. So without disagg_cluster (whose members put a
+    guard that checks the token on every route in front of a server reached from other hosts) kvbridge starts
+    vLLM servers on loopback only, unless the config accepts that with `insecure: true`."""
     for s in servers:
         if not is_loopback(s.bind_host or s.host):
             raise ServeConfigError(
                 f"{s.name}: a vLLM server would listen on {s.bind_host or s.host}, where its routes outside /v1/* "
                 f"take no key (vLLM's /invocations runs completions for anyone; /tokenize, /metrics and "
-                f"/scale_elastic_ep answer too). Bind it to 127.0.0.1 (bind_host) with the router on its host, or "
+                f"/scale_elastic_ep answer too). Bind it to 127.0.0.1 (bind_host) with the router on its host, run "
+                f"it as a disagg_cluster member (a guard then checks the deployment's token on every route), or "
                 f"set insecure: true to accept that (a firewall or a private network in front of it)")
 
 

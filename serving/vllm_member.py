@@ -40,7 +40,7 @@ import httpx
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /health or /metrics call
 
-__all__ = ["run_member"]
+__all__ = ["run_member", "guarded"]
 
 _TICK_S = 0.25
 _BUSY = re.compile(r"^vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}]*\})? (\S+)$",
@@ -50,23 +50,36 @@ _BUSY = re.compile(r"^vllm:(?:num_requests_running|num_requests_waiting|kv_cache
 def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
     """Run the vLLM server of `spec` (and its cluster membership) until a stop signal or its death."""
     from ..integrations.vllm.launch import VllmServer, free_port
-    from .listen import announce
+    from .listen import announce, bind
     from .vllm_workers import server_spec
 
-    if spec.port == 0:  # vLLM binds the number it is given: pick one now
-        spec = dataclasses.replace(spec, port=free_port(spec.bind_host or "127.0.0.1"))
+    guard_sock, inner = None, spec
+    if guarded(cfg, spec):  # reached from other hosts: the guard listens there, vLLM on loopback behind it
+        if not token:
+            print(f"[{spec.name}] a vLLM server reached from other hosts needs the deployment's internal token "
+                  f"(KVBRIDGE_INTERNAL_TOKEN): its guard lets in only calls that carry it", flush=True)
+            return 2
+        guard_sock = bind(spec.bind_host or spec.host, spec.port)
+        spec = dataclasses.replace(spec, port=guard_sock.getsockname()[1])
+        inner = dataclasses.replace(spec, host="127.0.0.1", bind_host="127.0.0.1", port=free_port("127.0.0.1"))
+    elif spec.port == 0:  # vLLM binds the number it is given: pick one now
+        spec = inner = dataclasses.replace(spec, port=free_port(spec.bind_host or "127.0.0.1"))
     announce(port_file, spec.port)
-    log_path = os.path.join(tempfile.gettempdir(), f"vllm-{spec.name}-{spec.port}.log")
+    log_path = os.path.join(tempfile.gettempdir(), f"vllm-{spec.name}-{inner.port}.log")
     instance = f"{spec.name}-{uuid.uuid4().hex[:12]}"
-    vspec, relay = server_spec(cfg, spec, token), None
+    vspec, relay = server_spec(cfg, inner, token), None
     if cfg.cluster is not None and cfg.router.policy == "kv_aware":
         vspec, relay = _relay(cfg, spec, vspec, instance)
     server = VllmServer(vspec, log_path)
-    print(f"[{spec.name}] starting a {spec.role} vLLM server at {spec.url} (its output: {log_path})", flush=True)
+    print(f"[{spec.name}] starting a {spec.role} vLLM server at {spec.url}"
+          + (f" (a guard that checks the deployment's token, in front of it at {inner.url})" if guard_sock else "")
+          + f" (its output: {log_path})", flush=True)
     try:
         server.start()
-        return asyncio.run(_member(cfg, spec, server, instance, relay))
+        return asyncio.run(_member(cfg, spec, server, instance, relay, inner.url, guard_sock, token))
     finally:
+        if guard_sock is not None:
+            guard_sock.close()
         server.stop()
         if relay is not None:
             relay.relay.close()
@@ -105,10 +118,33 @@ def _relay(cfg, spec, vspec, instance: str):
     return vspec, _Relay(relay, folder, info)
 
 
-async def _member(cfg, spec, server, instance: str, relay: _Relay | None) -> int:
+def guarded(cfg, spec) -> bool:
+    """Whether the member's server is to be reached from other hosts through a guard (vllm_guard.py): in a
+    disagg_cluster, at a non-loopback address, unless the config says `insecure: true` (vLLM there itself)."""
+    from ..netaddr import is_loopback
+
+    return cfg.cluster is not None and not cfg.insecure and not is_loopback(spec.bind_host or spec.host)
+
+
+async def _guard(sock, upstream: str, token: str):
+    """The guard's uvicorn serving on `sock` in this loop: (server, its task)."""
+    import uvicorn
+
+    from .vllm_guard import GuardServer, guard_app
+
+    guard = GuardServer(uvicorn.Config(guard_app(upstream, token), log_level="warning", lifespan="on",
+                                       access_log=False, timeout_graceful_shutdown=5))
+    return guard, asyncio.create_task(guard.serve(sockets=[sock]))
+
+
+async def _member(cfg, spec, server, instance: str, relay: _Relay | None, inner_url: str, guard_sock=None,
+                  token: str | None = None) -> int:
+    """`inner_url`: the vLLM server itself (for this process's own /health and /metrics calls); spec.url is
+    where the router reaches it (the guard's address, with `guard_sock`)."""
     from ..integrations.vllm.launch import health
     from .worker_cluster import wait_quiet
 
+    guard, guard_task = await _guard(guard_sock, inner_url, token) if guard_sock is not None else (None, None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -128,7 +164,7 @@ async def _member(cfg, spec, server, instance: str, relay: _Relay | None) -> int
                 return 2
             # registered: its /health answered 200 first (registration.py waits for it)
             if not ready and (registrar.registrations if registrar is not None else
-                              await asyncio.to_thread(health, spec.url, 1.0)):
+                              await asyncio.to_thread(health, inner_url, 1.0)):
                 ready = True
                 await asyncio.to_thread(_pin, server)
                 print(f"[{spec.name}] {spec.role} vLLM server ready at {spec.url}"
@@ -145,7 +181,7 @@ async def _member(cfg, spec, server, instance: str, relay: _Relay | None) -> int
             return 0
         t0 = time.monotonic()
         async with httpx.AsyncClient(timeout=2.0) as http:
-            left = await wait_quiet(lambda: _busy(http, spec.url), t0, cfg.cluster.drain_s)
+            left = await wait_quiet(lambda: _busy(http, inner_url), t0, cfg.cluster.drain_s)
         print(f"[{spec.name}] drained in {time.monotonic() - t0:.1f}s" + (
             ", requests or KV still held at the bound" if left else "") + "; stopping its vLLM server", flush=True)
         return 0
@@ -157,6 +193,9 @@ async def _member(cfg, spec, server, instance: str, relay: _Relay | None) -> int
             await asyncio.gather(task, return_exceptions=True)
         if registrar is not None:
             await registrar.store.close()
+        if guard is not None:  # after the drain: answers in flight went through it
+            guard.should_exit = True
+            await asyncio.gather(guard_task, return_exceptions=True)
 
 
 def _registrar(cfg, spec, instance: str, kv_events: dict | None):

@@ -9,6 +9,7 @@ import pytest
 
 from kvbridge.errors import ServeConfigError
 from kvbridge.serving.config import parse_config
+from kvbridge.serving.vllm_member import guarded
 from kvbridge.serving.vllm_workers import server_spec, with_ports
 
 
@@ -49,6 +50,16 @@ def test_a_vllm_server_beyond_loopback_is_refused_unless_the_config_accepts_it(w
         parse_config(_cfg(generation_servers=gen))
     cfg = parse_config(_cfg(generation_servers=gen, insecure=True))
     assert server_spec(cfg, cfg.generation[0], "tok").host in ("0.0.0.0", "10.0.0.2")
+    assert not guarded(cfg, cfg.generation[0])  # insecure: vLLM itself listens there
+
+
+def test_a_cluster_member_beyond_loopback_is_guarded_and_vllm_stays_on_loopback():
+    """In a disagg_cluster a vLLM server reached from other hosts is accepted: its member (`kvbridge worker`)
+    listens there with a guard that checks the deployment's token on every route (tests/vllm/
+    test_vllm_members.py runs one), and starts vLLM itself on loopback."""
+    gen = {"engine": "vllm", "urls": ["10.0.0.2:26302"], "bind_host": "0.0.0.0"}
+    cfg = parse_config(_cfg(generation_servers=gen, disagg_cluster={}))
+    assert guarded(cfg, cfg.generation[0]) and not guarded(cfg, cfg.context[0])
 
 
 def test_each_server_gets_its_role_connector_cores_and_token_out_of_argv():

@@ -3,7 +3,8 @@
 registers it once it serves (serving/vllm_member.py). While three client threads keep requests in flight: a
 prefill and a decode server join an empty deployment; a second decode server joins and takes traffic; the
 first leaves by SIGTERM (unregistered at once, drained: exit 0, not one request failed). Every answer equals
-the prefill server's own (it computes and decodes alone)."""
+the prefill server's own (it computes and decodes alone). The decode servers bind beyond loopback, so every
+call to them (the router's hops, streamed or not, /health, the drain) passes their members' guards."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import tempfile
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -30,7 +32,8 @@ def _config() -> dict:
             "router": {"port": 0, "request_timeout_s": 240, "health_interval_s": 1},
             "disagg_cluster": {"heartbeat_interval_sec": 1, "inactive_interval_sec": 4, "drain_timeout_sec": 60},
             "context_servers": {"engine": "vllm", "instances": 1},
-            "generation_servers": {"engine": "vllm", "instances": 2}}
+            # bound beyond loopback: each decode server sits behind its member's guard (vllm_guard.py)
+            "generation_servers": {"engine": "vllm", "instances": 2, "bind_host": "0.0.0.0"}}
 
 
 class _Load:
@@ -70,6 +73,22 @@ class _Load:
             return sum(1 for a in self.answers if who is None or a[2] == who)
 
 
+def _check_guard(url: str) -> None:
+    """A decode server bound beyond loopback answers only through its guard: the routes vLLM leaves open
+    (/invocations runs completions, /tokenize) refuse a caller without the deployment's token, /health tells
+    it only the status; with the token (what the router sends) vLLM answers."""
+    body = {"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 2}
+    for path in ("/invocations", "/tokenize", "/v1/completions"):
+        r = httpx.post(url + path, json=body, timeout=30)
+        assert r.status_code == 401 and "X-KVBridge-Token" in r.text, (path, r.status_code, r.text[:200])
+    assert httpx.get(url + "/metrics", timeout=30).status_code == 401
+    r = httpx.get(url + "/health", timeout=30)
+    assert r.status_code == 200 and r.content == b""
+    r = httpx.post(url + "/tokenize", json={"model": "tiny-llama", "prompt": "hello"},
+                   headers={"X-KVBridge-Token": TOKEN, "Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"], r.text[:200]
+
+
 def test_vllm_servers_join_take_traffic_and_leave_by_sigterm_losing_no_request(tiny_model, tmp_path, monkeypatch):
     # where the members keep their vLLM servers' output; short: vLLM binds its ZeroMQ ipc sockets under TMPDIR,
     # and a path past 107 bytes (tmp_path under a pytest-xdist worker's folder) cannot be bound
@@ -97,6 +116,7 @@ def test_vllm_servers_join_take_traffic_and_leave_by_sigterm_losing_no_request(t
         member("generation", "d-b", 1)  # joins while the others serve
         dep.wait_healthy("d-b", timeout=400)
         load.wait_answers(2, "d-b")
+        _check_guard(dep.url("d-b"))
 
         dep.procs["d-a"].terminate()  # leaves: unregistered at once, drained, exit 0
         dep.wait(lambda b: "d-a" not in b["cluster"]["workers"], "d-a unregistered", 30)
