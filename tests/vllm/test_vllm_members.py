@@ -51,15 +51,28 @@ class _Load:
                 k += 1
                 p = k % len(PROMPTS)
                 try:
-                    out = c.completions.create(model="tiny-llama", prompt=PROMPTS[p], max_tokens=MAX_TOKENS,
-                                               temperature=0)
+                    if i == 2:  # one client streams: the decode server's chunks pass its guard one by one
+                        text, who = self._streamed(c, p)
+                    else:
+                        out = c.completions.create(model="tiny-llama", prompt=PROMPTS[p], max_tokens=MAX_TOKENS,
+                                                   temperature=0)
+                        text, who = out.choices[0].text, out.model_extra["kvbridge"]["generation_worker"]
                 except openai.APIError as e:
                     with self.lock:
                         self.errors.append(str(e)[:300])
                     time.sleep(0.2)
                     continue
                 with self.lock:
-                    self.answers.append((p, out.choices[0].text, out.model_extra["kvbridge"]["generation_worker"]))
+                    self.answers.append((p, text, who))
+
+    @staticmethod
+    def _streamed(c: openai.OpenAI, p: int) -> tuple[str, str]:
+        text, who = "", ""
+        for chunk in c.completions.create(model="tiny-llama", prompt=PROMPTS[p], max_tokens=MAX_TOKENS,
+                                          temperature=0, stream=True):
+            text += chunk.choices[0].text if chunk.choices else ""
+            who = (chunk.model_extra or {}).get("kvbridge", {}).get("generation_worker", who)
+        return text, who
 
     def wait_answers(self, n: int, who: str | None = None, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
