@@ -120,10 +120,11 @@ def _relay(cfg, spec, vspec, instance: str):
 
 def guarded(cfg, spec) -> bool:
     """Whether the member's server is to be reached from other hosts through a guard (vllm_guard.py): in a
-    disagg_cluster, at a non-loopback address, unless the config says `insecure: true` (vLLM there itself)."""
+    disagg_cluster, at a non-loopback address. `insecure: true` does not take the guard away: it accepts plain
+    HTTP across hosts (no TLS), not a vLLM that answers strangers (a member always has the token)."""
     from ..netaddr import is_loopback
 
-    return cfg.cluster is not None and not cfg.insecure and not is_loopback(spec.bind_host or spec.host)
+    return cfg.cluster is not None and not is_loopback(spec.bind_host or spec.host)
 
 
 async def _guard(sock, upstream: str, token: str):

@@ -60,6 +60,8 @@ def test_a_cluster_member_beyond_loopback_is_guarded_and_vllm_stays_on_loopback(
     gen = {"engine": "vllm", "urls": ["10.0.0.2:26302"], "bind_host": "0.0.0.0"}
     cfg = parse_config(_cfg(generation_servers=gen, disagg_cluster={}))
     assert guarded(cfg, cfg.generation[0]) and not guarded(cfg, cfg.context[0])
+    cfg = parse_config(_cfg(generation_servers=gen, disagg_cluster={}, insecure=True))
+    assert guarded(cfg, cfg.generation[0])  # insecure accepts plain HTTP across hosts, not an open vLLM
 
 
 def test_each_server_gets_its_role_connector_cores_and_token_out_of_argv():
