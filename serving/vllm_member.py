@@ -71,8 +71,8 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
     if cfg.cluster is not None and cfg.router.policy == "kv_aware":
         vspec, relay = _relay(cfg, spec, vspec, instance)
     server = VllmServer(vspec, log_path)
-    print(f"[{spec.name}] starting a {spec.role} vLLM server at {spec.url}"
-          + (f" (a guard that checks the deployment's token, in front of it at {inner.url})" if guard_sock else "")
+    print(f"[{spec.name}] starting a {spec.role} vLLM server at {inner.url}"
+          + (f", behind a guard at {spec.url} that checks the deployment's token" if guard_sock else "")
           + f" (its output: {log_path})", flush=True)
     try:
         server.start()
