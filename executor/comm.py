@@ -9,6 +9,7 @@ tensor, decoded with the strict codec: never pickle, never broadcast_object_list
 from __future__ import annotations
 
 import datetime as _dt
+import os
 
 import torch
 import torch.distributed as dist
@@ -28,13 +29,13 @@ class Comm:
     Args:
         layout: the executor's layout (TP/PP sizes; rank = pp_rank * tp + tp_rank).
         rank: this rank.
-        port: the rendezvous TCPStore's port on `host`, hosted by the parent (launch.rendezvous_store).
+        store: the path of the ranks' rendezvous FileStore, in the parent's private folder (launch.Rendezvous).
         device: the rank's device; "cuda:*" selects NCCL for tensors, else gloo.
         timeout_s: bound on init and on every collective wait.
     """
 
-    def __init__(self, layout: KVLayout, rank: int, port: int, device: torch.device, timeout_s: float = 60.0,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(self, layout: KVLayout, rank: int, store: str, device: torch.device,
+                 timeout_s: float = 60.0) -> None:
         self.layout, self.rank, self.device = layout, rank, device
         self.world = layout.world_size
         self.tp, self.pp = layout.split.tp, layout.split.pp
@@ -44,8 +45,11 @@ class Comm:
         self.enabled = self.world > 1
         if not self.enabled:
             return
-        store = dist.TCPStore(host, port, None, False, self.timeout)  # a client: the parent hosts it
-        dist.init_process_group(backend, store=store, rank=rank, world_size=self.world, timeout=self.timeout)
+        if os.path.isdir("/sys/class/net/lo"):  # the ranks are this host's: gloo's pair sockets on loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (unless the user chose an interface)
+        file_store = dist.FileStore(store, -1)  # -1: the parent removes it (launch.Rendezvous)
+        dist.init_process_group(backend, store=file_store, rank=rank, world_size=self.world,
+                                timeout=self.timeout)
         self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
             else dist.group.WORLD
         self.tp_group = None

@@ -7,21 +7,34 @@ name. Every join has a deadline.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import shutil
+import tempfile
 import time
 
-__all__ = ["rendezvous_store", "spawn_ranks", "stop_processes"]
+__all__ = ["Rendezvous", "rendezvous_store", "spawn_ranks", "stop_processes"]
 
 
-def rendezvous_store(timeout_s: float, host: str = "127.0.0.1"):
-    """A torch.distributed TCPStore hosted by this process on a port the kernel picks (bound, so no race).
+class Rendezvous:
+    """Where an executor's ranks meet: a torch.distributed FileStore in a private folder (0700) of this user.
 
-    The ranks connect to it as clients (`Comm`, given its port); it lives as long as the returned object.
-    Picking a free port first and letting rank 0 bind it later lost the port now and then to another process
-    (EADDRINUSE at init_process_group).
+    Not a TCPStore: torch's listens on every interface whatever host it is given, and serves and lists its keys
+    (NCCL's unique id, gloo's addresses) to anyone who reaches the port; the ranks are this host's processes of
+    this user, so a file only they can open is enough. Nothing is opened until a rank opens `path`
+    (`Comm`); `close()` removes the folder.
     """
-    from datetime import timedelta
-    from torch.distributed import TCPStore
-    return TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="kvb-rdv-")  # mode 0700
+        self.path = os.path.join(self.folder, "store")
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def rendezvous_store() -> Rendezvous:
+    """The rendezvous of a new executor's ranks (see Rendezvous); close it when the executor stops."""
+    return Rendezvous()
 
 
 def spawn_ranks(world: int, target, args_for_rank) -> tuple[list[mp.process.BaseProcess], list, list]:

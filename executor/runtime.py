@@ -59,7 +59,7 @@ class Executor(RankReplies):
         self._ids = itertools.count(1)
         self.model_config: ModelConfig | None = None
         self.layout: KVLayout | None = None
-        self._store = None  # the ranks' rendezvous TCPStore (world > 1), hosted here
+        self._store = None  # the ranks' rendezvous (world > 1): a FileStore in a private folder
 
     # --- lifecycle ---------------------------------------------------------------------------------------
     @classmethod
@@ -67,14 +67,14 @@ class Executor(RankReplies):
         """Spawn the ranks and wait (up to cfg.timeout_s) until every one has loaded and joined the groups."""
         ex = cls(cfg)
         world = cfg.tp * cfg.pp
-        ex._store = rendezvous_store(cfg.timeout_s) if world > 1 else None  # lives as long as the executor
+        ex._store = rendezvous_store() if world > 1 else None  # lives as long as the executor
         blob = codec.pack({
             "model": cfg.model, "tp": cfg.tp, "pp": cfg.pp,
             "layers_per_stage": list(cfg.layers_per_stage) if cfg.layers_per_stage else None,
             "num_blocks": cfg.num_blocks, "tokens_per_block": cfg.tokens_per_block, "device": cfg.device,
             "dtype": cfg.resolved_dtype(), "max_batch_tokens": cfg.max_batch_tokens,
             "max_batch_seqs": cfg.max_batch_seqs, "timeout_s": cfg.timeout_s,
-            "threads_per_rank": cfg.threads_per_rank, "port": ex._store.port if ex._store else 0,
+            "threads_per_rank": cfg.threads_per_rank, "store": ex._store.path if ex._store else "",
             "rank_hook": cfg.rank_hook, "rank_hook_args": cfg.rank_hook_args,
             "kv_connector": connector_wire(cfg.kv_connector_config), "kv_digests": bool(cfg.kv_digests),
             "enable_block_reuse": bool(cfg.enable_block_reuse), "stream_layers": int(cfg.stream_layers),
@@ -106,7 +106,9 @@ class Executor(RankReplies):
         except (OSError, ValueError):
             pass
         stop_processes(self._procs, timeout)
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     @property
     def error(self) -> str | None:

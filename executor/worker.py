@@ -67,7 +67,7 @@ class _Runner:
         self.kv = KVCacheManager(self.layout, rank, cfg["num_blocks"], device=self.device,
                                  enable_block_reuse=bool(cfg.get("enable_block_reuse", False)),
                                  model_id=str(cfg["model"]))
-        self.comm = Comm(self.layout, rank, cfg["port"], self.device, self.timeout)
+        self.comm = Comm(self.layout, rank, cfg["store"], self.device, self.timeout)
         w = stage_weights(src, self.layout, rank, device=self.device, dtype=TORCH_DTYPES[cfg["dtype"]])
         del src
         self.model = StageModel(self.mcfg, self.layout, rank, w, self.kv, self.comm.all_reduce_tp)

@@ -50,16 +50,65 @@ def test_replicated_kv_head_when_tp_exceeds_kv_heads():
     torch.testing.assert_close(kv, ref_kv, rtol=1e-4, atol=1e-4)
 
 
-def test_the_rendezvous_store_is_bound_by_the_parent_before_any_rank_starts():
-    """The ranks' TCPStore is hosted by the parent on a port the kernel picked and bound at once: no port is
-    picked first and bound later by rank 0 (which lost it to another process now and then: EADDRINUSE)."""
+def test_the_ranks_rendezvous_is_a_private_file_not_a_port():
+    """The ranks meet in a FileStore in a 0700 folder of this user, removed with the executor: not a TCPStore,
+    which listens on every interface (whatever host it is given) and serves and lists its keys (NCCL's unique
+    id, gloo's addresses) to anyone who reaches it."""
+    import os
+    import stat
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from torch.distributed import FileStore
 
     from kvbridge.executor.launch import rendezvous_store
-    store = rendezvous_store(10)
-    assert store.port > 0
-    client = TCPStore("127.0.0.1", store.port, None, False, timedelta(seconds=10))
-    client.set("k", "v")
-    assert store.get("k") == b"v"
+    rdv = rendezvous_store()
+    assert stat.S_IMODE(os.stat(rdv.folder).st_mode) == 0o700
+    a, b = FileStore(rdv.path, -1), FileStore(rdv.path, -1)
+    a.set("k", "v")
+    b.wait(["k"], timedelta(seconds=10))
+    assert b.get("k") == b"v"
+    del a, b
+    rdv.close()
+    assert not os.path.exists(rdv.folder)
+
+
+def _children_listening() -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets this process's children listen on."""
+    import os
+
+    me, inodes = str(os.getpid()), set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] != me:
+                    continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            out += [c[1] for c in (line.split() for line in f.readlines()[1:]) if c[3] == "0A" and c[9] in inodes]
+    return out
+
+
+def test_the_ranks_listen_on_loopback_only():
+    """Nothing of a multi-rank executor is reachable from the network: no rendezvous port (a private file),
+    and gloo's pair sockets on loopback (the ranks are this host's processes)."""
+    import ipaddress
+
+    cfg = ExecutorConfig(model="seeded:tiny", tp=2, pp=1, num_blocks=16, tokens_per_block=4, timeout_s=60)
+    with Executor.start(cfg) as ex:
+        ex.generate([PROMPTS[1]], max_tokens=2)  # the groups are formed and used
+        addrs = _children_listening()
+    assert addrs, "the ranks' gloo groups listen somewhere"
+    for a in addrs:
+        host = a.rsplit(":", 1)[0]
+        raw = bytes.fromhex(host)
+        # /proc writes each 32-bit word of the address in host (little-endian) order
+        ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+        ip = ip.ipv4_mapped or ip if ip.version == 6 else ip
+        assert ip.is_loopback, f"a rank listens on {ip}, beyond loopback"
