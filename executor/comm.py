@@ -29,7 +29,8 @@ class Comm:
     Args:
         layout: the executor's layout (TP/PP sizes; rank = pp_rank * tp + tp_rank).
         rank: this rank.
-        store: the path of the ranks' rendezvous FileStore, in the parent's private folder (launch.Rendezvous).
+        store: the path of the ranks' rendezvous FileStore, in the parent's private folder
+            (launch.Rendezvous).
         device: the rank's device; "cuda:*" selects NCCL for tensors, else gloo.
         timeout_s: bound on init and on every collective wait.
     """

@@ -18,10 +18,10 @@ __all__ = ["Rendezvous", "rendezvous_store", "spawn_ranks", "stop_processes"]
 class Rendezvous:
     """Where an executor's ranks meet: a torch.distributed FileStore in a private folder (0700) of this user.
 
-    Not a TCPStore: torch's listens on every interface whatever host it is given, and serves and lists its keys
-    (NCCL's unique id, gloo's addresses) to anyone who reaches the port; the ranks are this host's processes of
-    this user, so a file only they can open is enough. Nothing is opened until a rank opens `path`
-    (`Comm`); `close()` removes the folder.
+    Not a TCPStore: torch's listens on every interface whatever host it is given, and serves and lists its
+    keys (NCCL's unique id, gloo's addresses) to anyone who reaches the port; the ranks are this host's
+    processes of this user, so a file only they can open is enough. Nothing is opened until a rank opens
+    `path` (`Comm`); `close()` removes the folder.
     """
 
     def __init__(self) -> None:

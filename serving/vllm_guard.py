@@ -1,9 +1,9 @@
 """The guard in front of a vLLM server that must be reached from other hosts: every route needs the token.
 
 vLLM checks its API key on `/v1/*` only: its `/invocations` runs completions for anyone, and `/tokenize`,
-`/metrics`, `/scale_elastic_ep` answer too (docs/vllm.md). So a vLLM server kvbridge starts listens on loopback
-only, and when its member (`kvbridge worker`, serving/vllm_member.py) is to be reached from the router on
-another host, this guard listens on the member's address instead and passes on to the loopback server only
+`/metrics`, `/scale_elastic_ep` answer too (docs/vllm.md). So a vLLM server kvbridge starts listens on
+loopback only, and when its member (`kvbridge worker`, serving/vllm_member.py) is to be reached from the
+router on another host, this guard listens on the member's address instead and passes on to the loopback server only
 calls that carry the deployment's internal token (the `X-KVBridge-Token` header the router sends on every call
 to a worker: serving/auth.py's InternalAuth, the same check a kvbridge worker makes). A caller without it gets
 401 naming the header; an unauthenticated `GET /health` gets the server's status code and nothing else.
@@ -16,6 +16,7 @@ its answer READ_TIMEOUT_S (the router's deadline ends a request long before), MA
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -40,7 +41,7 @@ _HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-a
 
 class VllmGuard:
     """ASGI app that passes an authenticated call on to the vLLM server at `upstream` (http://127.0.0.1:port).
-    Put it behind InternalAuth (`guard_app`), which answers 401 to every call without the token but /health."""
+    Put it behind InternalAuth (`guard_app`): 401 to every call without the token but /health."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
@@ -89,9 +90,21 @@ class VllmGuard:
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
-            await _reply(send, 502, {"error": {"message": f"the vLLM server behind this guard did not answer: "
-                                                          f"{type(e).__name__}", "code": "upstream_unreachable"}})
+            why = f"the vLLM server behind this guard did not answer: {type(e).__name__}"
+            await _reply(send, 502, {"error": {"message": why, "code": "upstream_unreachable"}})
             return
+        relay = asyncio.create_task(self._relay(resp, send, scope["path"]))
+        gone = asyncio.create_task(_disconnected(receive))
+        try:
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (relay, gone):
+                t.cancel()
+            await asyncio.gather(relay, gone, return_exceptions=True)
+            await resp.aclose()  # a caller that went away closes the server's request: vLLM aborts it
+
+    @staticmethod
+    async def _relay(resp: httpx.Response, send, path: str) -> None:
         try:
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": [(k, v) for k, v in resp.headers.raw if k.lower() not in _HOP]})
@@ -99,9 +112,7 @@ class VllmGuard:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         except httpx.HTTPError as e:  # the server broke off mid-answer: the caller's stream ends short
-            log.warning("the vLLM server behind the guard broke off an answer to %s: %s", scope["path"], e)
-        finally:
-            await resp.aclose()  # a caller that went away (send raised) closes the server's request here
+            log.warning("the vLLM server behind the guard broke off an answer to %s: %s", path, e)
 
     async def _lifespan(self, receive, send) -> None:
         while True:
@@ -116,6 +127,12 @@ class VllmGuard:
                     await self.client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the caller has gone away (the request's body was read whole before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _reply(send, status: int, obj) -> None:

@@ -56,12 +56,13 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
     guard_sock, inner = None, spec
     if guarded(cfg, spec):  # reached from other hosts: the guard listens there, vLLM on loopback behind it
         if not token:
-            print(f"[{spec.name}] a vLLM server reached from other hosts needs the deployment's internal token "
-                  f"(KVBRIDGE_INTERNAL_TOKEN): its guard lets in only calls that carry it", flush=True)
+            print(f"[{spec.name}] a vLLM server reached from other hosts needs the deployment's internal "
+                  f"token (KVBRIDGE_INTERNAL_TOKEN): its guard lets in only calls that carry it", flush=True)
             return 2
         guard_sock = bind(spec.bind_host or spec.host, spec.port)
         spec = dataclasses.replace(spec, port=guard_sock.getsockname()[1])
-        inner = dataclasses.replace(spec, host="127.0.0.1", bind_host="127.0.0.1", port=free_port("127.0.0.1"))
+        loop = "127.0.0.1"
+        inner = dataclasses.replace(spec, host=loop, bind_host=loop, port=free_port(loop))
     elif spec.port == 0:  # vLLM binds the number it is given: pick one now
         spec = inner = dataclasses.replace(spec, port=free_port(spec.bind_host or "127.0.0.1"))
     announce(port_file, spec.port)

@@ -95,7 +95,8 @@ def _listening(with_children: bool) -> set[str]:
     out = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
-            out |= {c[1] for c in (line.split() for line in f.readlines()[1:]) if c[3] == "0A" and c[9] in inodes}
+            rows = (line.split() for line in f.readlines()[1:])
+            out |= {c[1] for c in rows if c[3] == "0A" and c[9] in inodes}
     return out
 
 

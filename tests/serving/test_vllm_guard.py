@@ -45,7 +45,7 @@ def guard(monkeypatch):
 def test_the_guard_refuses_a_caller_without_the_token_on_every_route(guard):
     for method, path in (("POST", "/invocations"), ("POST", "/v1/completions"), ("GET", "/metrics"),
                          ("POST", "/tokenize"), ("POST", "/scale_elastic_ep"), ("GET", "/v1/models")):
-        r = httpx.request(method, guard + path, json={}, headers={"Authorization": "Bearer anything"}, timeout=10)
+        r = httpx.request(method, guard + path, json={}, headers={"Authorization": "Bearer x"}, timeout=10)
         assert r.status_code == 401 and "X-KVBridge-Token" in r.text, (path, r.status_code)
     r = httpx.get(guard + "/health", timeout=10)  # the status alone, and the server behind is gone
     assert r.status_code == 503 and r.content == b""
@@ -58,3 +58,53 @@ def test_a_server_that_is_gone_or_a_body_over_the_bound_fail_by_name_and_the_gua
     r = httpx.post(guard + "/v1/completions", content=b"x" * (1 << 17), headers=h, timeout=20)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     assert httpx.get(guard + "/health", headers=h, timeout=10).status_code == 502  # still answering, by name
+
+
+def test_a_caller_that_goes_away_mid_stream_closes_the_servers_request(monkeypatch):
+    """When the router (the guard's caller) drops a streamed answer, the guard closes its request to the
+    server, which is how vLLM learns to abort it and free its blocks. The server here is fault injection: an answer
+    that never ends, which notes when its caller went away."""
+    left = threading.Event()
+
+    async def endless(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left.set()
+
+        import asyncio
+
+        watcher = asyncio.create_task(watch())
+        while not left.is_set():
+            await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+            await asyncio.sleep(0.02)
+        watcher.cancel()
+
+    up_sock = bind("127.0.0.1", 0)
+    upstream = uvicorn.Server(uvicorn.Config(endless, log_level="warning", lifespan="off"))
+    threading.Thread(target=upstream.run, kwargs={"sockets": [up_sock]}, daemon=True).start()
+    g_sock = bind("127.0.0.1", 0)
+    server = GuardServer(uvicorn.Config(guard_app(f"http://127.0.0.1:{up_sock.getsockname()[1]}", TOKEN),
+                                        log_level="warning", lifespan="on"))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [g_sock]}, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not (server.started and upstream.started):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{g_sock.getsockname()[1]}/v1/completions"
+        h = {"X-KVBridge-Token": TOKEN}
+        with httpx.stream("POST", url, json={"stream": True}, headers=h, timeout=10) as r:
+            assert r.status_code == 200
+            chunks = r.iter_raw()
+            next(chunks), next(chunks)  # the answer flows through the guard ...
+        assert left.wait(10), "the guard kept the server's request open after its caller went away"
+    finally:
+        server.should_exit = upstream.should_exit = True
+        t.join(10)

@@ -54,8 +54,8 @@ class _Load:
                     if i == 2:  # one client streams: the decode server's chunks pass its guard one by one
                         text, who = self._streamed(c, p)
                     else:
-                        out = c.completions.create(model="tiny-llama", prompt=PROMPTS[p], max_tokens=MAX_TOKENS,
-                                                   temperature=0)
+                        out = c.completions.create(model="tiny-llama", prompt=PROMPTS[p],
+                                                   max_tokens=MAX_TOKENS, temperature=0)
                         text, who = out.choices[0].text, out.model_extra["kvbridge"]["generation_worker"]
                 except openai.APIError as e:
                     with self.lock:
