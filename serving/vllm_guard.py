@@ -3,15 +3,16 @@
 vLLM checks its API key on `/v1/*` only: its `/invocations` runs completions for anyone, and `/tokenize`,
 `/metrics`, `/scale_elastic_ep` answer too (docs/vllm.md). So a vLLM server kvbridge starts listens on
 loopback only, and when its member (`kvbridge worker`, serving/vllm_member.py) is to be reached from the
-router on another host, this guard listens on the member's address instead and passes on to the loopback server only
-calls that carry the deployment's internal token (the `X-KVBridge-Token` header the router sends on every call
-to a worker: serving/auth.py's InternalAuth, the same check a kvbridge worker makes). A caller without it gets
-401 naming the header; an unauthenticated `GET /health` gets the server's status code and nothing else.
+router on another host, this guard listens on the member's address instead and passes on to the loopback
+server only calls that carry the deployment's internal token (the `X-KVBridge-Token` header the router sends
+on every call to a worker: serving/auth.py's InternalAuth, the same check a kvbridge worker makes). A caller
+without it gets 401 naming the header; an unauthenticated `GET /health` gets the server's status code and
+nothing else.
 
-An answer is streamed (a streamed completion reaches the router chunk by chunk); a caller that
-goes away closes the server's request, so vLLM aborts it and frees its blocks. Hop-by-hop headers and the
-token are not passed on. Bounded: a request body of MAX_BODY bytes, connecting to the server 5 s, each read of
-its answer READ_TIMEOUT_S (the router's deadline ends a request long before), MAX_CONNECTIONS connections.
+An answer is streamed (a streamed completion reaches the router chunk by chunk); a caller that goes away
+closes the server's request, so vLLM aborts it and frees its blocks. Hop-by-hop headers and the token are not
+passed on. Bounded: a request body of MAX_BODY bytes, connecting to the server 5 s, each read of its answer
+READ_TIMEOUT_S (the router's deadline ends a request long before), MAX_CONNECTIONS connections.
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ def test_a_server_that_is_gone_or_a_body_over_the_bound_fail_by_name_and_the_gua
 
 def test_a_caller_that_goes_away_mid_stream_closes_the_servers_request(monkeypatch):
     """When the router (the guard's caller) drops a streamed answer, the guard closes its request to the
-    server, which is how vLLM learns to abort it and free its blocks. The server here is fault injection: an answer
-    that never ends, which notes when its caller went away."""
+    server, which is how vLLM learns to abort it and free its blocks. The server here is fault injection: an
+    answer that never ends, which notes when its caller went away."""
     left = threading.Event()
 
     async def endless(scope, receive, send):
