@@ -20,10 +20,16 @@ __all__ = ["bind", "announce", "wait_port_file"]
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); port 0 lets the kernel pick. IPv6 hosts are accepted."""
+    """A listening TCP socket on (host, port); port 0 lets the kernel pick. IPv6 hosts are accepted.
+
+    Made with proto IPPROTO_TCP and TCP_NODELAY (which accepted connections inherit): asyncio turns Nagle off
+    only on sockets whose proto says TCP, and a socket made with proto 0 left it on, so every HTTP answer
+    written in two parts (its headers, then its body) waited for the client's delayed ACK: ~40 ms a hop.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(2048)
