@@ -79,8 +79,8 @@ def run(requests: int, json_path: str | None) -> list[dict]:
     from ..integrations.vllm.launch import VllmServer, VllmServerSpec, free_port
     from ..integrations.vllm.tiny_model import tiny_llama
 
-    spec = VllmServerSpec(model=str(tiny_llama()), port=free_port("127.0.0.1"), served_model_name="tiny-llama",
-                          max_model_len=512, api_key=TOKEN, pin=False)
+    spec = VllmServerSpec(model=str(tiny_llama()), port=free_port("127.0.0.1"),
+                          served_model_name="tiny-llama", max_model_len=512, api_key=TOKEN, pin=False)
     log = os.path.join(tempfile.gettempdir(), f"bench-vllm-guard-{spec.port}.log")
     server = VllmServer(spec, log)
     samples: dict[tuple[str, str], list[float]] = {}
