@@ -206,9 +206,7 @@ class _PeerLink:
             until = min(deadline, time.monotonic() + self.agent.connect_timeout)
             conn = self.agent.connection_class.establish(self.endpoint, until, self.agent.options)
             try:  # the proof the server asks of a new connection (conn_wire.py): its challenge, our answer
-                frame = np.empty(wire.CHALLENGE_SIZE, dtype=np.uint8)
-                conn.recv(frame, until)
-                conn.send(wire.answer(self.key, frame), until)
+                wire.prove(conn, self.key, until)
                 conn.answered(self.key)
             except BaseException:
                 conn.close()

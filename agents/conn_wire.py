@@ -28,7 +28,7 @@ from .base import DescriptorList, MemoryKind
 
 __all__ = ["Request", "Response", "READ", "WRITE", "OK", "DONE", "ERROR", "MAX_DESCRIPTORS",
            "MAX_ERROR_BYTES", "encode_descriptors", "decode_descriptors", "KEY_BYTES", "CHALLENGE_SIZE",
-           "PROOF_SIZE", "challenge", "answer", "proven"]
+           "PROOF_SIZE", "challenge", "answer", "proven", "prove"]
 
 MAGIC = b"KVBC"
 VERSION = 2  # 2: the connection proof
@@ -173,6 +173,14 @@ def answer(key: bytes, frame) -> np.ndarray:
     """The requester's PROOF for a CHALLENGE frame from the server whose connection key is `key`."""
     _check_head(frame, _CHALLENGE, "connection challenge")
     return _as_array(hmac.new(key, _PROOF_LABEL + bytes(frame), hashlib.sha256).digest())
+
+
+def prove(conn, key: bytes, deadline: float) -> None:
+    """The requester's side of the proof on a new Connection `conn`: read the server's CHALLENGE, send the
+    answer under `key` (the server agent's connection key)."""
+    frame = np.empty(CHALLENGE_SIZE, dtype=np.uint8)
+    conn.recv(frame, deadline)
+    conn.send(answer(key, frame), deadline)
 
 
 def proven(key: bytes, frame, proof) -> bool:

@@ -206,9 +206,7 @@ class TorchDistConnection(TcpConnection):
         conn = TcpConnection(dial(self._peer[0], self._peer[1], deadline), vectored=False)
         try:
             conn.send(_hello(self.backend, self.pair_id, STORE), deadline)
-            frame = np.empty(wire.CHALLENGE_SIZE, dtype=np.uint8)
-            conn.recv(frame, deadline)
-            conn.send(wire.answer(self._key, frame), deadline)
+            wire.prove(conn, self._key, deadline)
         except BaseException:
             conn.close()
             raise
