@@ -20,6 +20,7 @@ most MAX_WAIT s (sliced, so stop() ends them); a frame outside them ends the con
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 import time
@@ -126,14 +127,9 @@ def remote_store(conn: Connection, timeout: float):
     return _remote_class()(conn, timeout)
 
 
-_CLASS = None
-
-
+@functools.cache
 def _remote_class():
     """The class, made on first use so that importing this module does not import torch."""
-    global _CLASS
-    if _CLASS is not None:
-        return _CLASS
     from torch.distributed import Store
 
     class _Remote(Store):
@@ -195,5 +191,4 @@ def _remote_class():
         def set_timeout(self, timeout):
             self._timeout = timeout.total_seconds()
 
-    _CLASS = _Remote
-    return _CLASS
+    return _Remote
