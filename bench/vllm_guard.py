@@ -31,14 +31,11 @@ PROMPT = [(7 * k + 3) % 500 + 3 for k in range(64)]
 
 def _guard(upstream: str):
     """The guard (uvicorn in a thread) in front of `upstream`: (its url, a stop function)."""
-    import uvicorn
-
     from ..serving.listen import bind
-    from ..serving.vllm_guard import GuardServer, guard_app
+    from ..serving.vllm_guard import guard_server
 
     sock = bind("127.0.0.1", 0)
-    server = GuardServer(uvicorn.Config(guard_app(upstream, TOKEN), log_level="warning", lifespan="on",
-                                        access_log=False))
+    server = guard_server(upstream, TOKEN)
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="kvbridge-guard")
     t.start()
     deadline = time.monotonic() + 30

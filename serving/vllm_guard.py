@@ -28,7 +28,7 @@ import uvicorn
 
 from .auth import TOKEN_HEADER, InternalAuth, authenticated
 
-__all__ = ["VllmGuard", "GuardServer", "guard_app"]
+__all__ = ["VllmGuard", "GuardServer", "guard_app", "guard_server"]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,12 @@ async def _reply(send, status: int, obj) -> None:
         headers.append((b"content-type", b"application/json"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def guard_server(upstream: str, token: str) -> "GuardServer":
+    """The guard's uvicorn server (to be served on a socket of `listen.bind`) in front of `upstream`."""
+    return GuardServer(uvicorn.Config(guard_app(upstream, token), log_level="warning", lifespan="on",
+                                      access_log=False, timeout_graceful_shutdown=5))
 
 
 def guard_app(upstream: str, token: str):

@@ -130,12 +130,9 @@ def guarded(cfg, spec) -> bool:
 
 async def _guard(sock, upstream: str, token: str):
     """The guard's uvicorn serving on `sock` in this loop: (server, its task)."""
-    import uvicorn
+    from .vllm_guard import guard_server
 
-    from .vllm_guard import GuardServer, guard_app
-
-    guard = GuardServer(uvicorn.Config(guard_app(upstream, token), log_level="warning", lifespan="on",
-                                       access_log=False, timeout_graceful_shutdown=5))
+    guard = guard_server(upstream, token)
     return guard, asyncio.create_task(guard.serve(sockets=[sock]))
 
 

@@ -16,7 +16,7 @@ import uvicorn
 
 from kvbridge.serving import vllm_guard
 from kvbridge.serving.listen import bind
-from kvbridge.serving.vllm_guard import GuardServer, guard_app
+from kvbridge.serving.vllm_guard import guard_server
 
 TOKEN = "t" * 32
 
@@ -28,8 +28,7 @@ def guard(monkeypatch):
     port = gone.getsockname()[1]
     gone.close()  # nothing listens behind the guard: a vLLM server that died
     sock = bind("127.0.0.1", 0)
-    server = GuardServer(uvicorn.Config(guard_app(f"http://127.0.0.1:{port}", TOKEN), log_level="warning",
-                                        lifespan="on"))
+    server = guard_server(f"http://127.0.0.1:{port}", TOKEN)
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -89,8 +88,7 @@ def test_a_caller_that_goes_away_mid_stream_closes_the_servers_request(monkeypat
     upstream = uvicorn.Server(uvicorn.Config(endless, log_level="warning", lifespan="off"))
     threading.Thread(target=upstream.run, kwargs={"sockets": [up_sock]}, daemon=True).start()
     g_sock = bind("127.0.0.1", 0)
-    server = GuardServer(uvicorn.Config(guard_app(f"http://127.0.0.1:{up_sock.getsockname()[1]}", TOKEN),
-                                        log_level="warning", lifespan="on"))
+    server = guard_server(f"http://127.0.0.1:{up_sock.getsockname()[1]}", TOKEN)
     t = threading.Thread(target=server.run, kwargs={"sockets": [g_sock]}, daemon=True)
     t.start()
     try:
