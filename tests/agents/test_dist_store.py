@@ -26,27 +26,9 @@ from kvbridge.errors import ConnectionFailed
 
 from kvbridge.agents.conformance.peer import pattern
 
+from ..listeners import listening
+
 NBYTES = 1 << 20
-
-
-def _listening_ports() -> set[int]:
-    """The TCP ports this process listens on (from /proc: its socket inodes in LISTEN state)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 @pytest.fixture()
@@ -66,19 +48,19 @@ def _dial(payload, role: int, pair_id: str, key: bytes | None) -> TcpConnection:
     conn = TcpConnection(socket.create_connection((ep["host"], ep["port"]), timeout=5), vectored=False)
     deadline = time.monotonic() + 5
     conn.send(dc._hello("gloo", pair_id, role), deadline)
-    frame = np.empty(wire.CHALLENGE_SIZE, dtype=np.uint8)
-    conn.recv(frame, deadline)
-    if key is not None:
-        conn.send(wire.answer(key, frame), deadline)
+    if key is None:  # reads the challenge, answers nothing
+        conn.recv(np.empty(wire.CHALLENGE_SIZE, dtype=np.uint8), deadline)
+    else:
+        wire.prove(conn, key, deadline)
     return conn
 
 
 def test_a_gloo_agent_opens_one_port_and_its_metadata_names_no_store():
-    before = _listening_ports()
+    before = listening()
     agent = create_agent("gloo", f"gloo-ports-{os.getpid()}")
     try:
         ep = open_envelope(agent.metadata(), "gloo")[1]["endpoint"]
-        assert _listening_ports() - before == {ep["port"]}
+        assert {port for _, port in listening() - before} == {ep["port"]}
         assert "store_port" not in ep
     finally:
         agent.close()

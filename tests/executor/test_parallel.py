@@ -7,6 +7,8 @@ import torch
 
 from kvbridge.executor.runtime import Executor, ExecutorConfig
 
+from ..listeners import listening
+
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [1, 2, 3], list(range(200, 219))]  # 19 tokens: spans several blocks
 
 
@@ -72,49 +74,15 @@ def test_the_ranks_rendezvous_is_a_private_file_not_a_port():
     assert not os.path.exists(rdv.folder)
 
 
-def _listening(with_children: bool) -> set[str]:
-    """Local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets this process (and its children)
-    listen on."""
-    import os
-
-    me, inodes = str(os.getpid()), set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if pid != me:
-                if not with_children:
-                    continue
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[1] != me:
-                        continue
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            continue
-    out = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            rows = (line.split() for line in f.readlines()[1:])
-            out |= {c[1] for c in rows if c[3] == "0A" and c[9] in inodes}
-    return out
-
-
 def test_the_ranks_listen_on_loopback_only():
     """Nothing of a multi-rank executor is reachable from the network: no rendezvous port (a private file;
     torch's TCPStore, which it used, listens on every interface), and gloo's pair sockets on loopback (the
     ranks are this host's processes)."""
-    import ipaddress
-
-    before = _listening(with_children=False)
+    before = listening()
     cfg = ExecutorConfig(model="seeded:tiny", tp=2, pp=1, num_blocks=16, tokens_per_block=4, timeout_s=60)
     with Executor.start(cfg) as ex:
         ex.generate([PROMPTS[1]], max_tokens=2)  # the groups are formed and used
-        addrs = _listening(with_children=True) - before
+        addrs = listening(with_children=True) - before
     assert addrs, "the ranks' gloo groups listen somewhere"
-    for a in addrs:
-        raw = bytes.fromhex(a.rsplit(":", 1)[0])
-        # /proc writes each 32-bit word of the address in host (little-endian) order
-        ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-        ip = (ip.ipv4_mapped or ip) if ip.version == 6 else ip
-        assert ip.is_loopback, f"the executor listens on {ip}, beyond loopback"
+    for ip, port in addrs:
+        assert ip.is_loopback, f"the executor listens on {ip}:{port}, beyond loopback"
