@@ -7,12 +7,17 @@ it, as a `kvbridge worker` of a disagg_cluster member runs them; requests altern
 and the guard so that both see the same machine state. Per path: a completion of one token (the whole answer
 through the guard) and a streamed completion of 16 tokens (time to the first chunk, and to the last). The
 guard's cost is the difference of the medians; every answer through the guard must equal the direct one.
-Writes JSON rows {path, kind, n, p50_ms, p90_ms} and a PNG beside the JSON.
+A streamed answer whose first chunk came after half its whole time counts as `late` (its chunks arrived
+together); `late_wait_ms` is the median time this process's threads (the reader, the guard's) waited for a CPU
+during those answers (run-queue wait, /proc schedstat): on a small host where vLLM's engine spins a core, a late answer is one whose
+reader was not running (bench/RESULTS.md, "Session 19"), through the guard or not.
+Writes JSON rows {path, kind, n, p50_ms, p90_ms, late, late_wait_ms} and a PNG beside the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -59,6 +64,19 @@ def _one(http: httpx.Client, url: str) -> tuple[float, str]:
     return (time.perf_counter() - t0) * 1e3, r.json()["choices"][0]["text"]
 
 
+def _run_queue_ms() -> float:
+    """How long this process's threads (the reader, and the guard's) have waited for a CPU in all (Linux
+    schedstat; 0 where there is none)."""
+    total = 0
+    for task in glob.glob("/proc/self/task/*/schedstat"):
+        try:
+            with open(task) as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e6
+
+
 def _streamed(http: httpx.Client, url: str) -> tuple[float, float, str]:
     t0 = time.perf_counter()
     first, text = None, ""
@@ -81,6 +99,7 @@ def run(requests: int, json_path: str | None) -> list[dict]:
     log = os.path.join(tempfile.gettempdir(), f"bench-vllm-guard-{spec.port}.log")
     server = VllmServer(spec, log)
     samples: dict[tuple[str, str], list[float]] = {}
+    late: dict[str, list[float]] = {"direct": [], "guard": []}  # per late answer: the reader's run-queue wait
     texts: dict[str, list[tuple[str, str]]] = {}  # per path, per iteration: (1-token text, streamed text)
     try:
         server.start()
@@ -95,9 +114,13 @@ def run(requests: int, json_path: str | None) -> list[dict]:
                     for path, url in (("direct", spec.url), ("guard", guard_url))[::1 if i % 2 else -1]:
                         ms, text = _one(http, url)
                         samples.setdefault((path, "completion, 1 token"), []).append(ms)
+                        waited = _run_queue_ms()
                         first, last, streamed = _streamed(http, url)
+                        waited = _run_queue_ms() - waited
                         samples.setdefault((path, "stream, first chunk"), []).append(first)
                         samples.setdefault((path, "stream, 16 tokens"), []).append(last)
+                        if first > last / 2:
+                            late[path].append(waited)
                         texts.setdefault(path, []).append((text, streamed))
         finally:
             stop()
@@ -110,7 +133,10 @@ def run(requests: int, json_path: str | None) -> list[dict]:
         q = statistics.quantiles(v, n=10)
         rows.append({"path": path, "kind": kind, "n": len(v), "p50_ms": round(statistics.median(v), 3),
                      "p90_ms": round(q[8], 3), "machine": machine()})
-    print(table(rows, ["path", "kind", "n", "p50_ms", "p90_ms"]))
+        if kind == "stream, first chunk":
+            rows[-1].update(late=len(late[path]),
+                            late_wait_ms=round(statistics.median(late[path]), 2) if late[path] else None)
+    print(table(rows, ["path", "kind", "n", "p50_ms", "p90_ms", "late", "late_wait_ms"]))
     for kind in ("completion, 1 token", "stream, first chunk", "stream, 16 tokens"):
         d = {r["path"]: r["p50_ms"] for r in rows if r["kind"] == kind}
         print(f"guard cost, {kind}: {d['guard'] - d['direct']:+.2f} ms at the median")
