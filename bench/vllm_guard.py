@@ -8,9 +8,9 @@ and the guard so that both see the same machine state. Per path: a completion of
 through the guard) and a streamed completion of 16 tokens (time to the first chunk, and to the last). The
 guard's cost is the difference of the medians; every answer through the guard must equal the direct one.
 A streamed answer whose first chunk came after half its whole time counts as `late` (its chunks arrived
-together); `late_wait_ms` is the median time this process's threads (the reader, the guard's) waited for a CPU
-during those answers (run-queue wait, /proc schedstat): on a small host where vLLM's engine spins a core, a late answer is one whose
-reader was not running (bench/RESULTS.md, "Session 19"), through the guard or not.
+together); `late_wait_ms` is the median time this process's threads (the reader, the guard's) waited for a
+CPU during those answers (run-queue wait, /proc schedstat): on a small host where vLLM's engine spins a core,
+a late answer is one whose reader was not running (bench/RESULTS.md, "Session 19"), guard or not.
 Writes JSON rows {path, kind, n, p50_ms, p90_ms, late, late_wait_ms} and a PNG beside the JSON.
 """
 
