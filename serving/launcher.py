@@ -259,6 +259,8 @@ class Cluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=os.path.join(self.run_dir, "tmp"),
                    **{PARENT_ENV: str(os.getpid()), TOKEN_ENV: self.token})
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each worker makes its own
+        if self.cfg.cluster is None:  # every KV peer runs on this host
+            one_host_ucx(env)
         with _quiet():
             os.unlink(self._port_file(name))
         cmd = [sys.executable, "-m", "kvbridge.cli", *args[:1], "--config", self.config_path,
@@ -285,6 +287,20 @@ class Cluster:
             c.reader = threading.Thread(target=_pump, args=(c,), daemon=True, name=f"kvbridge-log-{name}")
             c.reader.start()
         self.children.append(c)
+
+
+UCX_DEVICES_ENV = "UCX_NET_DEVICES"
+
+
+def one_host_ucx(env: dict[str, str]) -> dict[str, str]:
+    """What `_spawn` does to a child's environment when the deployment has no disagg_cluster (so every worker,
+    and every KV peer, is a process this launcher starts on this host): UCX's network devices are loopback
+    alone, unless the caller's environment names them. UCX opens a TCP listener on each network device it may
+    use, in every NIXL agent, and its TCP transport authenticates no peer and emulates one-sided reads and
+    writes in software at the addresses a peer names (docs/security.md); on one host, shared memory, CUDA IPC
+    and loopback carry everything."""
+    env.setdefault(UCX_DEVICES_ENV, "lo")
+    return env
 
 
 def _with_curve_keys(cfg, run_dir: str):

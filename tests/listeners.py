@@ -7,18 +7,22 @@ import ipaddress
 import os
 
 
-def listening(with_children: bool = False) -> set[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
-    """(address, port) of every TCP socket in LISTEN state that this process, and with `with_children` its
-    direct children, hold (IPv4-mapped IPv6 addresses as IPv4)."""
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def listening(with_children: bool = False, groups: frozenset[int] = frozenset()) -> set[tuple[Address, int]]:
+    """(address, port) of every TCP socket in LISTEN state that this process, with `with_children` its direct
+    children, and every process of the process `groups` hold (IPv4-mapped IPv6 addresses as IPv4)."""
     me, inodes = str(os.getpid()), set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if pid != me:
-                if not with_children:
+                if not with_children and not groups:
                     continue
                 with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[1] != me:
-                        continue
+                    parent, group = f.read().rsplit(")", 1)[1].split()[1:3]
+                if not (with_children and parent == me) and int(group) not in groups:
+                    continue
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if link.startswith("socket:["):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import threading
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from .cluster import MODEL, PATIENT, PROMPTS, config, launch, sse_events, start_announced, stop_process, \
     streamed_tokens, wait_healthy, wait_pool_full
 from .conftest import CHAT, MAX_TOKENS
+from ..listeners import listening
 
 BLOCKS = 64
 CFG = {
@@ -138,3 +140,12 @@ def test_a_context_worker_that_fails_before_handing_over_is_retried_on_another(c
     finally:
         stop_process(router)
         fake.shutdown()
+
+
+def test_nothing_of_a_one_host_deployment_listens_beyond_loopback(cluster):
+    """The launcher confines UCX to loopback when every KV peer is on this host (launcher.one_host_ucx): without
+    it each NIXL agent's TCP transport listens on the host's network interfaces too, unauthenticated."""
+    groups = frozenset(os.getpgid(c.proc.pid) for c in cluster.children)
+    addrs = listening(groups=groups)
+    assert len({port for _, port in addrs}) >= 3  # the router, two workers, their agents and control planes
+    assert all(ip.is_loopback for ip, _ in addrs), sorted(addrs)
