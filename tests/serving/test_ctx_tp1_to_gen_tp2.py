@@ -144,7 +144,7 @@ def test_a_context_worker_that_fails_before_handing_over_is_retried_on_another(c
 
 def test_nothing_of_a_one_host_deployment_listens_beyond_loopback(cluster):
     """The launcher confines UCX to loopback when every KV peer is on this host (launcher.one_host_ucx):
-    without it each NIXL agent's TCP transport listens on the host's network interfaces too, unauthenticated."""
+    without it each NIXL agent's TCP transport listens on the host's network interfaces, unauthenticated."""
     groups = frozenset(os.getpgid(c.proc.pid) for c in cluster.children)
     addrs = listening(groups=groups)
     assert len({port for _, port in addrs}) >= 3  # the router, two workers, their agents and control planes
