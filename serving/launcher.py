@@ -260,7 +260,7 @@ class Cluster:
                    **{PARENT_ENV: str(os.getpid()), TOKEN_ENV: self.token})
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each worker makes its own
         if self.cfg.cluster is None:  # every KV peer runs on this host
-            one_host_ucx(env)
+            one_host_env(env)
         with _quiet():
             os.unlink(self._port_file(name))
         cmd = [sys.executable, "-m", "kvbridge.cli", *args[:1], "--config", self.config_path,
@@ -289,17 +289,20 @@ class Cluster:
         self.children.append(c)
 
 
-UCX_DEVICES_ENV = "UCX_NET_DEVICES"
+# Interfaces a one-host deployment's children keep to loopback unless the environment names others.
+ONE_HOST_ENV = {"UCX_NET_DEVICES": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
-def one_host_ucx(env: dict[str, str]) -> dict[str, str]:
+def one_host_env(env: dict[str, str]) -> dict[str, str]:
     """What `_spawn` does to a child's environment when the deployment has no disagg_cluster (so every worker,
-    and every KV peer, is a process this launcher starts on this host): UCX's network devices are loopback
-    alone, unless the caller's environment names them. UCX opens a TCP listener on each network device it may
-    use, in every NIXL agent, and its TCP transport authenticates no peer and emulates one-sided reads and
-    writes in software at the addresses a peer names (docs/security.md); on one host, shared memory, CUDA IPC
-    and loopback carry everything."""
-    env.setdefault(UCX_DEVICES_ENV, "lo")
+    and every KV peer, is a process this launcher starts on this host): UCX's network devices and NCCL's
+    bootstrap interface are loopback, unless the caller's environment names them. Left to themselves, UCX
+    opens a TCP listener on each network device in every NIXL agent (its TCP transport authenticates no peer
+    and emulates one-sided reads and writes in software at the addresses a peer names: docs/security.md), and
+    NCCL's ranks listen on the host's first non-loopback interface; on one host, shared memory, CUDA IPC,
+    NVLink and loopback carry everything. (gloo's pair sockets: executor/comm.py.)"""
+    for k, v in ONE_HOST_ENV.items():
+        env.setdefault(k, v)
     return env
 
 

@@ -143,9 +143,17 @@ def test_a_context_worker_that_fails_before_handing_over_is_retried_on_another(c
 
 
 def test_nothing_of_a_one_host_deployment_listens_beyond_loopback(cluster):
-    """The launcher confines UCX to loopback when every KV peer is on this host (launcher.one_host_ucx):
+    """The launcher confines UCX (and NCCL) to loopback when every KV peer is on this host (one_host_env):
     without it each NIXL agent's TCP transport listens on the host's network interfaces, unauthenticated."""
     groups = frozenset(os.getpgid(c.proc.pid) for c in cluster.children)
     addrs = listening(groups=groups)
     assert len({port for _, port in addrs}) >= 3  # the router, two workers, their agents and control planes
     assert all(ip.is_loopback for ip, _ in addrs), sorted(addrs)
+
+
+def test_the_one_host_interfaces_yield_to_the_ones_the_environment_names():
+    from kvbridge.serving.launcher import one_host_env
+
+    assert one_host_env({}) == {"UCX_NET_DEVICES": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    mine = {"UCX_NET_DEVICES": "mlx5_0:1", "NCCL_SOCKET_IFNAME": "eth1"}
+    assert one_host_env(dict(mine)) == mine
