@@ -300,9 +300,11 @@ def one_host_env(env: dict[str, str]) -> dict[str, str]:
     opens a TCP listener on each network device in every NIXL agent (its TCP transport authenticates no peer
     and emulates one-sided reads and writes in software at the addresses a peer names: docs/security.md), and
     NCCL's ranks listen on the host's first non-loopback interface; on one host, shared memory, CUDA IPC,
-    NVLink and loopback carry everything. (gloo's pair sockets: executor/comm.py.)"""
-    for k, v in ONE_HOST_ENV.items():
-        env.setdefault(k, v)
+    NVLink and loopback carry everything. (gloo's pair sockets: executor/comm.py.) A host without an interface
+    named `lo` keeps the libraries' defaults."""
+    if os.path.isdir("/sys/class/net/lo"):
+        for k, v in ONE_HOST_ENV.items():
+            env.setdefault(k, v)
     return env
 
 
