@@ -4,10 +4,11 @@ kvbridge, so importing it never starts metrics, sockets or torch)."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import random
 import socket
 
-__all__ = ["is_loopback", "free_port"]
+__all__ = ["is_loopback", "free_port", "loopback_interfaces"]
 
 # Ports picked for programs that must be given a number come from below the kernel's ephemeral range
 # (net.ipv4.ip_local_port_range, where outgoing connections and port-0 binds get theirs) and above this.
@@ -23,6 +24,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def loopback_interfaces(env, names) -> None:
+    """Set each of the environment variables `names` (a library's interface choice: GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME, UCX_NET_DEVICES) in `env` to the loopback interface, unless `env` already names one;
+    for processes whose peers are all on this host. Nothing where no interface is named `lo`."""
+    if os.path.isdir("/sys/class/net/lo"):
+        for name in names:
+            env.setdefault(name, "lo")
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .. import codec
 from ..errors import ExecutorError
+from ..netaddr import loopback_interfaces
 from ..formatter.layout import KVLayout
 
 __all__ = ["Comm"]
@@ -46,8 +47,8 @@ class Comm:
         self.enabled = self.world > 1
         if not self.enabled:
             return
-        if os.path.isdir("/sys/class/net/lo"):  # the ranks are this host's: gloo's pair sockets on loopback
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (unless the user chose an interface)
+        # the ranks are this host's: gloo's pair sockets on loopback (unless the user chose an interface)
+        loopback_interfaces(os.environ, ("GLOO_SOCKET_IFNAME",))
         file_store = dist.FileStore(store, -1)  # -1: the parent removes it (launch.Rendezvous)
         dist.init_process_group(backend, store=file_store, rank=rank, world_size=self.world,
                                 timeout=self.timeout)

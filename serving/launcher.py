@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import KvBridgeError, ServingError
+from ..netaddr import loopback_interfaces
 from .auth import TOKEN_ENV, TOKEN_HEADER, check_router_bind, internal_token, new_token
 from .auth import api_keys as router_keys
 
@@ -290,7 +291,7 @@ class Cluster:
 
 
 # Interfaces a one-host deployment's children keep to loopback unless the environment names others.
-ONE_HOST_ENV = {"UCX_NET_DEVICES": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+ONE_HOST_ENV = ("UCX_NET_DEVICES", "NCCL_SOCKET_IFNAME")
 
 
 def one_host_env(env: dict[str, str]) -> dict[str, str]:
@@ -302,9 +303,7 @@ def one_host_env(env: dict[str, str]) -> dict[str, str]:
     NCCL's ranks listen on the host's first non-loopback interface; on one host, shared memory, CUDA IPC,
     NVLink and loopback carry everything. (gloo's pair sockets: executor/comm.py.) A host without an interface
     named `lo` keeps the libraries' defaults."""
-    if os.path.isdir("/sys/class/net/lo"):
-        for k, v in ONE_HOST_ENV.items():
-            env.setdefault(k, v)
+    loopback_interfaces(env, ONE_HOST_ENV)
     return env
 
 

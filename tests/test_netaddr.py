@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
 from kvbridge import netaddr
-from kvbridge.netaddr import free_port, is_loopback
+from kvbridge.netaddr import free_port, is_loopback, loopback_interfaces
 
 
 def _ephemeral() -> tuple[int, int]:
@@ -61,3 +62,10 @@ def test_a_bad_span_is_named():
 def test_loopback():
     assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("10.0.0.1") and not is_loopback("not an address")
+
+
+def test_loopback_interfaces_name_lo_where_nothing_is_named():
+    env = {"NCCL_SOCKET_IFNAME": "eth1"}
+    loopback_interfaces(env, ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"))
+    want = "lo" if os.path.isdir("/sys/class/net/lo") else None
+    assert env == {"NCCL_SOCKET_IFNAME": "eth1", **({"GLOO_SOCKET_IFNAME": want} if want else {})}
