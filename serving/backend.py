@@ -142,10 +142,10 @@ class Backend:
         except (ExecutorError, KVCacheExhausted):
             pass
 
-    async def free_blocks(self) -> list[int]:
+    async def free_blocks(self, timeout: float = 30.0) -> list[int]:
         async with self._stats_lock:  # one stats round at a time
             try:
-                return await self.call(lambda: self.ex.free_blocks(timeout=30))
+                return await self.call(lambda: self.ex.free_blocks(timeout=timeout))
             except ExecutorError as e:
                 raise self.error(e, "free_blocks") from None
 

@@ -23,7 +23,8 @@ config_keys.py's.
     keys_dir: null             # where `kvbridge serve` keeps the CurveZMQ keys (default: a temp folder)
     on_worker_exit: restart    # or stop: `kvbridge serve` stops everything when a worker dies
     role_grace_s: 120          # serve exits 1 once a role had no live worker this long
-    hang_timeout_s: 60         # serve kills (then restarts) a process that answers no /health this long; 0: never
+    hang_timeout_s: 60         # serve kills (then restarts) a process that answers no /health, or whose
+                               # executor's ranks answer nothing, this long; 0: never
     max_inflight_requests: 512          # per process (router, each worker): beyond it 503 + Retry-After
     max_inflight_body_bytes: 134217728  # request-body bytes held at once per process (same answer beyond)
     disagg_cluster: {cluster_uri: etcd://10.0.0.2:2379}  # workers join/leave through a registry (cluster_config.py)

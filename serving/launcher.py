@@ -157,10 +157,21 @@ class Cluster:
         """Whether child `c` answers /health with 200 now."""
         return self._health_status(c, timeout) == 200
 
-    def answers(self, c: _Child, timeout: float = 1.0) -> bool:
-        """Whether child `c` answers /health at all now (any HTTP status: a draining or failed worker still
-        answers; a hung one does not)."""
-        return self._health_status(c, timeout) is not None
+    def silence(self, c: _Child, timeout: float = 1.0) -> float | None:
+        """How long child `c` has been silent, by its /health now: None when it gave no answer within `timeout`
+        (hung); for an answer (any status: a draining or failed worker still answers) 0.0, or the seconds
+        its executor's ranks have answered nothing when it says `stalled` (worker_state.watch_ranks)."""
+        import httpx
+
+        try:
+            r = httpx.get(c.url + "/health", headers=self.headers, timeout=timeout)
+        except httpx.HTTPError:
+            return None
+        try:
+            silent = r.json().get("executor_silent_s") if r.status_code == 503 else None
+        except ValueError:  # not JSON (the router answers JSON too; anything else answered all the same)
+            silent = None
+        return float(silent) if isinstance(silent, (int, float)) and silent > 0 else 0.0
 
     def _health_status(self, c: _Child, timeout: float) -> int | None:
         """The HTTP status of child `c`'s /health now; None when it gave no answer within `timeout`."""

@@ -8,7 +8,9 @@ Owns the policy, not the processes (launcher.Cluster starts, reaps and restarts 
     on_worker_exit: stop               the first death stops everything; serve exits 1 naming it.
 A process that runs but answers no /health at all (not even an error) for hang_timeout_s (default 60 s;
 0: never) — stopped, deadlocked, wedged in a system call — is killed (SIGKILL to its process group) and then
-handled as any death: restarted, or everything stops. Each live process is asked every PROBE_S (at most 1 s
+handled as any death: restarted, or everything stops. So is a worker whose /health answers but says its
+executor's ranks have answered nothing that long (`stalled` with executor_silent_s: a rank process stopped or
+wedged behind a live HTTP server, worker_state.watch_ranks). Each live process is asked every PROBE_S (at most 1 s
 each). `serve` exits non-zero only when a role (context, generation or the router) had no live process —
 running and answering /health — for role_grace_s. Never sends a request and never touches the KV: a request caught
 by a death fails (the router reports it) or is retried by the router.
@@ -99,11 +101,14 @@ class Supervisor:
         """Ask a live process for /health; one silent for hang_timeout_s is killed (its death is then seen
         like any other: restarted, or everything stops)."""
         t.next_probe = now + min(PROBE_S, self.hang_s / 3)
-        if self.cluster.answers(c, timeout=min(1.0, self.hang_s / 3)):
-            t.answered = now
-        elif now - t.answered >= self.hang_s:
-            self._say(f"{c.label} ({c.url}) answered no /health for {now - t.answered:.0f}s "
-                      f"(hang_timeout_s={self.hang_s:g}); killing it")
+        silent = self.cluster.silence(c, timeout=min(1.0, self.hang_s / 3))
+        if silent is not None:
+            t.answered = now - silent
+        if now - t.answered >= self.hang_s:
+            what = "answered no /health" if silent is None else "answers /health, but its executor's ranks " \
+                                                                "answered nothing"
+            self._say(f"{c.label} ({c.url}) {what} for {now - t.answered:.0f}s (hang_timeout_s={self.hang_s:g}); "
+                      f"killing it")
             self.cluster.kill_hung(c)
 
     def _schedule(self, c, t: _Track, now: float) -> None:

@@ -6,7 +6,8 @@ Routes:
                                             disaggregated_params for the generation side (DisaggParams inside)
         {"request_type": "generation_only", ...}  (generation worker) pull the KV, decode, answer / stream
         none                                aggregated on this worker's executor (either role)
-    GET /health (503 once the executor failed), /metrics (Prometheus, every rank process merged),
+    GET /health (503 once the executor failed, while draining, or `stalled`: its ranks answered no probe for
+        half of hang_timeout_s, worker_state.watch_ranks), /metrics (Prometheus, every rank process merged),
         /v1/models, /debug/free_blocks (free blocks per rank, pinned context requests)
     POST /internal/release {"disaggregated_params": <what this context worker answered>}   (router only)
         drop a prefilled request's KV now (the generation side refused it); readers in flight finish first
@@ -54,7 +55,8 @@ from .overlap_worker import claim, context_early, join, prefetch, release_prefet
 from .protocol import (DEADLINE_HEADER, SSE_DONE, ApiError, DisaggRequest, GenRequest, add_common_routes, chunk,
                        logprobs_object, new_id, parse_request, read_json, response, sse, usage_chunk)
 from .stops import TextCutter
-from .worker_state import WorkerState, housekeeping, internal_error, kv_digest_answer, release_context
+from .worker_state import (WorkerState, housekeeping, internal_error, kv_digest_answer, release_context,
+                           watch_ranks)
 
 log = logging.getLogger("kvbridge.serving.worker")
 
@@ -86,11 +88,14 @@ class WorkerApp:
 
         @contextlib.asynccontextmanager
         async def lifespan(_app: FastAPI):
-            task = asyncio.create_task(housekeeping(st, self.on_fatal))
+            tasks = [asyncio.create_task(housekeeping(st, self.on_fatal))]
+            if st.cfg.hang_timeout_s:
+                tasks.append(asyncio.create_task(watch_ranks(st)))
             try:
                 yield
             finally:
-                task.cancel()
+                for task in tasks:
+                    task.cancel()
 
         app = FastAPI(title=f"kvbridge worker {spec.name}", docs_url=None, redoc_url=None, lifespan=lifespan)
         app.add_middleware(InternalAuth, token=internal_token(st.cfg))
@@ -123,8 +128,8 @@ class WorkerApp:
 
     async def health(self, request: Request) -> JSONResponse:
         st, be = self.st, self.st.backend
-        err = st.failed or be.ex.error
-        status = "failed" if err else "draining" if st.draining else "ok"
+        err, silent = st.failed or be.ex.error, st.executor_silence()
+        status = "failed" if err else "stalled" if silent else "draining" if st.draining else "ok"
         code = 200 if status == "ok" else 503
         if not authenticated(request):  # nothing an attacker can use: no endpoint, instance, id or load
             return JSONResponse({"status": status}, status_code=code)
@@ -137,6 +142,9 @@ class WorkerApp:
             body["kv_events"] = st.kv_events
         if err:
             body["error"] = err.splitlines()[0]
+        elif silent:
+            body["executor_silent_s"] = round(silent, 1)
+            body["error"] = f"its executor's ranks answered no probe for {silent:.0f}s"
         return JSONResponse(body, status_code=code)
 
     async def free_blocks(self) -> dict:

@@ -2,7 +2,9 @@
 not request handling: releasing a refused context request's KV, the housekeeping loop, the error a request
 that failed unexpectedly gets, and the positional KV digests of its disaggregated requests
 (`executor.kv_digests: true`: `DigestIndex` maps a request's wire handle to its executor request id here,
-`kv_digest_answer` is GET /internal/kv_digests). worker_app.py holds the routes over it.
+`kv_digest_answer` is GET /internal/kv_digests), and the watch on its executor's ranks (`watch_ranks`: a worker
+whose HTTP server answers while its ranks answer nothing reports `stalled`). worker_app.py holds the routes
+over it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .text import TextCodec
 log = logging.getLogger("kvbridge.serving.worker")
 
 __all__ = ["WorkerState", "DigestIndex", "release_context", "housekeeping", "internal_error",
-           "kv_digest_answer"]
+           "kv_digest_answer", "watch_ranks", "watch_period_s"]
 
 DIGEST_TIMEOUT_S = 30.0  # the ranks hash a request's KV between two steps: seconds, even for long prompts
 _HANDLE_MAX = (1 << 63) - 1  # handles are positive int64 (transceiver/handles.py)
@@ -79,6 +81,14 @@ class WorkerState:
     digests: DigestIndex = field(default_factory=DigestIndex)
     prefetched: Prefetches = field(default_factory=Prefetches)  # overlap: generation requests prefetched
     kv_events: dict | None = None  # {pub, replay, incarnation}: its KV event endpoints (kv_worker.py)
+    ranks_heard: float = field(default_factory=time.monotonic)  # every rank last answered (watch_ranks)
+
+    def executor_silence(self) -> float | None:
+        """Seconds since every rank last answered the watch's probe, when that is longer than half of
+        hang_timeout_s (the worker then reports `stalled`); None while they answer (or nothing watches)."""
+        hang = self.cfg.hang_timeout_s
+        silent = time.monotonic() - self.ranks_heard
+        return silent if hang and silent > hang / 2 else None
 
     def record_handle(self, handle: int, request_id: int) -> None:
         """Remember a disaggregated request's wire handle (only when its executor records KV digests)."""
@@ -127,6 +137,25 @@ async def housekeeping(st: WorkerState, on_fatal) -> None:
             log.error("%s: the executor failed, stopping the worker: %s", st.spec.name, err.splitlines()[0])
             on_fatal()
             return
+
+
+def watch_period_s(hang_timeout_s: float) -> float:
+    """How often watch_ranks probes: four probes per hang_timeout_s, at most one every 2 s."""
+    return min(2.0, hang_timeout_s / 4)
+
+
+async def watch_ranks(st: WorkerState) -> None:
+    """Ask every rank for its block counts (one stats round between two steps) every watch_period_s and note
+    when all answered: a rank stopped, deadlocked or wedged in a step leaves `ranks_heard` behind, and /health
+    then says `stalled`. One probe at a time, each bounded by hang_timeout_s."""
+    hang = st.cfg.hang_timeout_s
+    while True:
+        try:
+            await st.backend.free_blocks(timeout=hang)
+            st.ranks_heard = time.monotonic()
+        except ApiError:
+            pass  # no answer in time (the silence grows), or the executor failed (housekeeping stops the worker)
+        await asyncio.sleep(watch_period_s(hang))
 
 
 async def kv_digest_answer(st: WorkerState, raw: str | None) -> dict[str, Any]:

@@ -39,7 +39,8 @@ def stopped(pids: list[int]):
         yield
     finally:
         for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # killed meanwhile (a supervisor's kill of a stalled one)
+                os.kill(pid, signal.SIGCONT)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Supervision under `kvbridge serve` (issue 14): kill -9 of a context worker with 64 requests in flight, and
 of the generation worker mid-request; a worker that hangs (SIGSTOP: running, answering nothing) is killed
-after hang_timeout_s. Serve keeps running, restarts the dead worker on its port, the router takes it back, and
+after hang_timeout_s, and so is one whose HTTP server answers while its executor's rank is stopped (`stalled`). Serve keeps running, restarts the dead worker on its port, the router takes it back, and
 every pool ends full. Real processes: serve, its workers and router, the openai client."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
 from kvbridge.serving.supervisor import _TICK_S, PROBE_S
 
-from .cluster import MODEL, PATIENT, PROMPTS, Serve, wait_log, wait_pool_full
+from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, Serve, wait_log, wait_pool_full
+from .faults import rank_processes, stopped
 from .conftest import MAX_TOKENS
 
 BLOCKS, GEN_BLOCKS = 256, 2048  # the generation pool holds five 2,000-token requests at once
@@ -158,4 +160,34 @@ def test_a_hung_context_worker_is_killed_after_hang_timeout_and_restarted_while_
     with _client(serve) as client:
         for i in range(3):
             assert _ask(client, i)["token_ids"] == want["prompts"][i]
+    _pools_full(serve)
+
+
+@pytest.mark.slow
+def test_a_worker_whose_rank_is_stopped_answers_stalled_and_is_killed_and_restarted(serve, want):
+    """The worker's HTTP server answers; its one rank process does not (SIGSTOP). Its /health says `stalled`
+    once the ranks missed half of hang_timeout_s (the router then sends it nothing), serve kills it once they
+    missed all of it, and restarts it; requests meanwhile are answered by ctx0."""
+    old, mark = serve.pid("ctx1"), serve.mark()
+    ranks = rank_processes(old)
+    assert len(ranks) == 1, ranks
+    with stopped(ranks):
+        t0, said = time.monotonic(), None
+        while said is None:  # the worker's own report, before serve acts on it
+            r = httpx.get(serve.urls["ctx1"] + "/health", headers=HEADERS, timeout=10)
+            if r.status_code == 503 and r.json().get("status") == "stalled":
+                said = r.json()
+            assert time.monotonic() - t0 < 8 + 5, f"no `stalled` from ctx1: {r.status_code} {r.text[:200]}"
+            time.sleep(0.2)
+        assert said["executor_silent_s"] >= 4 and "answered no probe" in said["error"], said
+        with _client(serve) as client:
+            for i in range(3):
+                kb = _ask(client, i)
+                assert kb["token_ids"] == want["prompts"][i] and kb["context_worker"] != "ctx1", kb
+        wait_log(serve.log, r"context worker ctx1 \(.*\) answers /health, but its executor's ranks answered nothing "
+                 r"for (\d+)s \(hang_timeout_s=8\); killing it", serve.proc, after=mark)
+    wait_log(serve.log, r"context worker ctx1 \(.*\) was killed by signal 9 \(SIGKILL\); restarting it",
+             serve.proc, after=mark)
+    _back_and_serving(serve, "ctx1", mark)
+    assert serve.pid("ctx1") != old and serve.proc.poll() is None
     _pools_full(serve)

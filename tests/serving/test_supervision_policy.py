@@ -5,6 +5,7 @@ process killed after hang_timeout_s; and the config keys that drive it."""
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -48,6 +49,7 @@ class _Cluster:
         self.children = [_Child("ctx0", "context", 0.0), _Child("gen0", "generation", 0.0, what="gen")]
         self.now, self.up, self.restarts = 0.0, True, []
         self.silent: set[str] = set()  # running, answering nothing (hung)
+        self.stalled: dict[str, float] = {}  # answering /health, its executor's ranks silent since then
         self.probes: list[tuple[float, str]] = []
 
     def kill(self, name: str) -> None:
@@ -63,12 +65,15 @@ class _Cluster:
     def healthy(self, c, timeout: float = 1.0) -> bool:
         return self.up
 
-    def answers(self, c, timeout: float = 1.0) -> bool:
+    def silence(self, c, timeout: float = 1.0) -> float | None:
         self.probes.append((self.now, c.name))
-        return c.name not in self.silent
+        if c.name in self.silent:
+            return None
+        return self.now - self.stalled[c.name] if c.name in self.stalled else 0.0
 
     def kill_hung(self, c) -> None:
         self.silent.discard(c.name)
+        self.stalled.pop(c.name, None)
         c.proc.returncode = -9
 
     def tail(self, c, n: int = 15) -> str:
@@ -139,6 +144,22 @@ def test_a_process_that_answers_nothing_for_hang_timeout_s_is_killed_then_restar
     n = len(cl.probes)
     _run(sup, cl, cl.now + 10)  # the fresh ctx0 is probed once live, and answers
     assert any(name == "ctx0" for _, name in cl.probes[n:]) and len(cl.restarts) == 1
+
+
+def test_a_worker_whose_ranks_are_silent_for_hang_timeout_s_is_killed_though_its_health_answers():
+    cl = _Cluster(hang=6.0)
+    out = io.StringIO()
+    sup = Supervisor(cl, out=out, now=0.0)
+    _run(sup, cl, 10)
+    cl.stalled["gen0"] = 7.0  # its ranks last answered at t=7; /health says `stalled` once that is 3 s old
+    _run(sup, cl, 12.75)
+    assert cl.children[1].proc.returncode is None, "killed before its ranks were silent for hang_timeout_s"
+    while not cl.restarts:
+        assert _run(sup, cl, cl.now + 0.25) is None and cl.now < 16
+    assert cl.restarts[0] <= 7 + 6 + 2 + 0.5 + 0.5  # counted from the ranks' last answer, not from the probe
+    assert re.search(r"gen gen0 \(http://127.0.0.1:1\) answers /health, but its executor's ranks answered nothing "
+                     r"for [67]s \(hang_timeout_s=6\); killing it", out.getvalue()), out.getvalue()
+    assert cl.children[0].proc.returncode is None
 
 
 def test_hang_timeout_s_0_never_probes():
