@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 from .protocol import ApiError, parse_request
 from .validate import INT64_MAX, text_content
 
-__all__ = ["Part", "expand", "merge", "merge_streams", "MAX_CHOICES"]
+__all__ = ["Part", "expand", "expand_unread", "merge", "merge_streams", "MAX_CHOICES"]
 
 MAX_CHOICES = 64  # n x prompts of one request
 
@@ -75,26 +75,46 @@ def expand(body: dict, kind: str, default_max_tokens: int, decode=lambda ids: ""
     _response_format(body)
     echo_wanted = _echo(body, kind)
     prompts = _prompts(body) if kind == "completion" else [None]
-    if n * len(prompts) > MAX_CHOICES:
-        raise ApiError(400, f"n x prompts = {n * len(prompts)} choices; at most {MAX_CHOICES} per request",
-                       param="n")
     base = {k: v for k, v in body.items() if k not in ("n", "best_of", "echo", "response_format")}
     if kind == "chat" and isinstance(body.get("messages"), list):
         base["messages"] = [{**m, "content": text_content(m["content"], f"messages[{i}]")}
                             if isinstance(m, dict) and "content" in m else m
                             for i, m in enumerate(body["messages"])]
-    parts = []
+    parts, echo = [], None
+    for sub, pi, j in _choices(body, base, kind, prompts, n):
+        parse_request(sub, kind, default_max_tokens)  # every field checked before any hop
+        if j == 0 and echo_wanted:  # every choice of a prompt echoes it
+            echo = prompts[pi] if isinstance(prompts[pi], str) else decode(prompts[pi])
+        parts.append(Part(len(parts), pi, sub, echo))
+    return parts
+
+
+def expand_unread(body: dict, kind: str, model: str) -> list[Part]:
+    """The parts of one request for workers that validate its fields themselves (`engine: vllm`): `n`
+    choices and a list of prompts fan out here, every other field passes through unread (echo included:
+    each part's answer carries its own); `model` is set to the one the workers serve."""
+    n = _n(body)
+    prompts = _prompts(body) if kind == "completion" else [None]
+    base = {k: v for k, v in body.items() if k not in ("n", "best_of")}
+    base["model"] = model
+    if kind == "completion" and len(prompts) == 1 and isinstance(prompts[0], list) and \
+            len(prompts[0]) == 1 and not isinstance(prompts[0][0], int):
+        prompts = [prompts[0][0]]  # a list of one prompt is that prompt
+    return [Part(i, pi, sub, None) for i, (sub, pi, _j) in enumerate(_choices(body, base, kind, prompts, n))]
+
+
+def _choices(body: dict, base: dict, kind: str, prompts: list, n: int):
+    """(body, prompt index, choice index within its prompt) of every choice: a seeded request's choice j
+    gets seed + j (else its n choices would be one)."""
+    if n * len(prompts) > MAX_CHOICES:
+        raise ApiError(400, f"n x prompts = {n * len(prompts)} choices; at most {MAX_CHOICES} per request",
+                       param="n")
     for pi, prompt in enumerate(prompts):
-        echo = None
         for j in range(n):
             sub = dict(base) if kind == "chat" else {**base, "prompt": prompt}
             if n > 1 and type(body.get("seed")) is int and 0 <= body["seed"] <= INT64_MAX:
                 sub["seed"] = (body["seed"] + j) % (INT64_MAX + 1)
-            parse_request(sub, kind, default_max_tokens)  # every field checked before any hop
-            if j == 0 and echo_wanted:
-                echo = prompt if isinstance(prompt, str) else decode(prompt)
-            parts.append(Part(len(parts), pi, sub, echo))
-    return parts
+            yield sub, pi, j
 
 
 def _usage_of(objs: list[dict], parts: list[Part]) -> dict[str, int]:

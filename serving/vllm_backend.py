@@ -15,7 +15,9 @@ final error event without [DONE]. A prefill server that fails before answering i
 decode server that cannot be reached, or whose connection breaks before it answers (it died or is leaving),
 is marked down and the choice runs again on another.
 Clients may not send `kv_transfer_params` (the router's alone: a client's could name another request's
-KV); `n` > 1, `best_of` and lists of prompts are refused by name. Everything else is vLLM's to validate.
+KV). `n` > 1 and a list of prompts fan out into one choice each (fanout.expand_unread: a seeded request's
+choice j runs with seed + j), answered merged as one; `best_of` other than 1 or `n` is refused by name.
+Everything else is vLLM's to validate.
 
 Early decode (`router.overlap`, on by default; KVBridgeConnector only): once a prefill server has answered
 once, the router knows its engine (instance, endpoints, layout: the answer's `kvbridge` object) and sends both
@@ -44,7 +46,7 @@ from fastapi import Request
 
 from .auth import internal_token
 from .balancer import WorkerRef, routing_key
-from .fanout import Part
+from .fanout import Part, expand_unread
 from .inflight import in_flight
 from .kv_policy import shown
 from .vllm_tokens import prompt_tokens
@@ -117,24 +119,11 @@ class VllmBackend:
         self._background: set[asyncio.Task] = set()
 
     def parts(self, body: dict, kind: str) -> list[Part]:
-        """The one part of a request (vLLM validates the rest); 400 for what this path cannot do."""
+        """The request's choices (`n`, a list of prompts: fanout.expand_unread; vLLM validates the rest)."""
         if "kv_transfer_params" in body:
             raise ApiError(400, "kv_transfer_params is set by the router, not by clients",
                            param="kv_transfer_params")
-        n = body.get("n")
-        if n not in (None, 1):
-            raise ApiError(400, f"n={n!r:.40} is not supported with engine: vllm (one choice per request)",
-                           code="unsupported", param="n")
-        if body.get("best_of") not in (None, 1):
-            raise ApiError(400, "best_of is not supported with engine: vllm", code="unsupported",
-                           param="best_of")
-        p = body.get("prompt")
-        if kind == "completion" and isinstance(p, list) and p and not all(type(t) is int for t in p):
-            if len(p) != 1:
-                raise ApiError(400, "a list of prompts is not supported with engine: vllm (one prompt per "
-                                    "request)", code="unsupported", param="prompt")
-            body = {**body, "prompt": p[0]}
-        return [Part(0, 0, {**body, "model": self.r.cfg.model_name}, None)]
+        return expand_unread(body, kind, self.r.cfg.model_name)
 
     async def run_part(self, request: Request, path: str, body: dict, stream: bool, deadline: float):
         """Prefill, then decode; a decode hop that fails before its first token runs the choice again from

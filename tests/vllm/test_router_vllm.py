@@ -167,12 +167,33 @@ def test_a_stream_passes_through(fakes):
 
 
 @pytest.mark.parametrize("body, param", [({"kv_transfer_params": {"handle": 1}}, "kv_transfer_params"),
-                                         ({"n": 2}, "n"), ({"prompt": ["a", "b"]}, "prompt")])
+                                         ({"n": 2, "best_of": 3}, "best_of"), ({"n": 0}, "n"),
+                                         ({"n": 33, "prompt": ["a", "b"]}, "n")])
 def test_what_this_path_cannot_do_is_refused_before_any_hop(fakes, body, param):
     url, p, d = fakes
     r = _post(url, {"prompt": "hello", "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param
     assert p.got == [] and d.got == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_of_a_list_of_prompts_run_one_pair_of_hops_each_and_answer_as_one(fakes, stream):
+    url, p, d = fakes
+    body = {"prompt": ["a", "b"], "n": 2, "seed": 7, "max_tokens": 5, "stream": stream}
+    if stream:
+        with httpx.stream("POST", url + "/v1/completions", json={"model": "tiny-llama", **body}, timeout=60) as r:
+            assert r.status_code == 200
+            data = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        indices = sorted({ch["index"] for x in data for ch in x["choices"]})
+    else:
+        r = _post(url, body)
+        assert r.status_code == 200, r.text
+        indices = [ch["index"] for ch in r.json()["choices"]]
+        assert len(r.json()["kvbridge"]["choices"]) == 4
+    assert indices == [0, 1, 2, 3]
+    sent = sorted((x["prompt"], x["seed"]) for x in d.got)
+    assert sent == [("a", 7), ("a", 8), ("b", 7), ("b", 8)], sent  # choice j of a prompt: seed + j
+    assert len(p.got) == 4 and all("n" not in x and x["max_tokens"] == 1 for x in p.got)
 
 
 def test_early_decode_sends_both_hops_once_the_engine_is_known_and_falls_back_when_the_prefill_fails(fakes):

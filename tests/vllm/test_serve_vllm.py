@@ -72,7 +72,7 @@ def serve(tiny_model, tmp_path_factory):
 def _alone(server: str, **body) -> openai.types.Completion:
     """The prefill server's own answer (no kv_transfer_params: it computes and decodes by itself)."""
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{PORTS[server]}/v1", api_key=TOKEN, timeout=240)
-    return c.completions.create(model="tiny-llama", temperature=0, **body)
+    return c.completions.create(model="tiny-llama", **{"temperature": 0, **body})
 
 
 BLOCK = 128  # vLLM's CPU default block size: KVBridgeConnector moves its blocks whole (the last one too)
@@ -94,6 +94,27 @@ def test_completions_streamed_and_not_equal_the_prefill_servers_own_tokens(serve
     assert got.choices[0].text == ref, f"{n}-token prompt"
     ref = _alone("ctx0", prompt=prompt[::-1], max_tokens=12).choices[0].text
     assert text == ref, f"{n}-token prompt, streamed"
+
+
+def test_n_choices_of_a_list_of_prompts_each_equal_the_prefill_servers_own_answer(serve):
+    """n = 2 of two prompts, seeded and sampled: four choices, each run through both hops on its own, choice j
+    of a prompt with seed + j, each the prefill server's own answer to that prompt and seed."""
+    c = openai.OpenAI(base_url=serve + "/v1", api_key="unused", timeout=240)
+    prompts = [[(11 * k + 5 * i) % 400 + 3 for k in range(40 + 30 * i)] for i in range(2)]
+    sampled = {"max_tokens": 8, "temperature": 1.0, "seed": 1234}
+    got = c.completions.create(model="tiny-llama", prompt=prompts, n=2, **sampled)
+    assert [ch.index for ch in got.choices] == [0, 1, 2, 3]
+    want = [_alone("ctx0", prompt=p, max_tokens=8, temperature=1.0, seed=1234 + j).choices[0].text
+            for p in prompts for j in range(2)]
+    assert [ch.text for ch in got.choices] == want
+    assert want[0] != want[1] or want[2] != want[3], "the seeds made no difference: nothing was tested"
+    assert got.usage.prompt_tokens == 40 + 70 and got.usage.completion_tokens == 4 * 8
+    streamed = c.completions.create(model="tiny-llama", prompt=prompts, n=2, stream=True, **sampled)
+    texts = ["", "", "", ""]
+    for ch in streamed:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    assert texts == want, "streamed: the four choices' chunks interleave, each indexed"
 
 
 def test_chat_streamed_and_not(serve):
