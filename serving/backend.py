@@ -47,6 +47,7 @@ class Backend:
     def __init__(self, ex: Executor, threads: int = 256) -> None:
         self.ex = ex
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvbridge-exec")
+        self._probe = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-probe")  # never queued behind requests
         self._lock = threading.Lock()
         self.pinned: set[int] = set()  # context requests published and not released yet
         self.released = 0
@@ -149,6 +150,17 @@ class Backend:
             except ExecutorError as e:
                 raise self.error(e, "free_blocks") from None
 
+    async def ranks_answer(self, timeout: float) -> bool:
+        """Whether every rank answered one stats round within `timeout` (worker_state.watch_ranks): on a thread
+        of its own, so a worker whose request threads are all taken still probes its ranks at once."""
+        async with self._stats_lock:
+            fn = lambda: self.ex.free_blocks(timeout=timeout)  # noqa: E731
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._probe, fn)
+            except ExecutorError:
+                return False
+            return True
+
     def error(self, e: Exception, what: str) -> ApiError:
         """An executor error as a client should see it: refused input 400, time-out 504, failure 500."""
         msg = str(e)
@@ -164,3 +176,4 @@ class Backend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probe.shutdown(wait=False, cancel_futures=True)

@@ -147,14 +147,11 @@ def watch_period_s(hang_timeout_s: float) -> float:
 async def watch_ranks(st: WorkerState) -> None:
     """Ask every rank for its block counts (one stats round between two steps) every watch_period_s and note
     when all answered: a rank stopped, deadlocked or wedged in a step leaves `ranks_heard` behind, and /health
-    then says `stalled`. One probe at a time, each bounded by hang_timeout_s."""
+    then says `stalled`. One probe at a time, each bounded by hang_timeout_s, on a thread of its own."""
     hang = st.cfg.hang_timeout_s
     while True:
-        try:
-            await st.backend.free_blocks(timeout=hang)
-            st.ranks_heard = time.monotonic()
-        except ApiError:
-            pass  # no answer in time (the silence grows), or the executor failed (housekeeping stops the worker)
+        if await st.backend.ranks_answer(timeout=hang):  # False: no answer in time (the silence grows), or
+            st.ranks_heard = time.monotonic()           # the executor failed (housekeeping stops the worker)
         await asyncio.sleep(watch_period_s(hang))
 
 
