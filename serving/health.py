@@ -49,6 +49,17 @@ def _capacity(r: httpx.Response) -> int | None:
     return cap if type(cap) is int and cap > 0 else None
 
 
+def _why(r: httpx.Response) -> str:
+    """': <status>: <error>' of a worker's non-200 /health (failed, draining, stalled), or ''."""
+    from .relay import json_or_none
+
+    body = json_or_none(r.content)
+    if not isinstance(body, dict) or not isinstance(body.get("status"), str):
+        return ""
+    err = body.get("error")
+    return f": {body['status'][:20]}" + (f": {err[:200]}" if isinstance(err, str) and err else "")
+
+
 async def probe(client: httpx.AsyncClient, w: WorkerRef, timeout: httpx.Timeout, rule: HealthRule
                 ) -> dict | None:
     """GET the worker's /health once, bounded by `timeout`, and apply `rule` to the outcome; returns the
@@ -61,7 +72,8 @@ async def probe(client: httpx.AsyncClient, w: WorkerRef, timeout: httpx.Timeout,
     except httpx.HTTPError as e:
         rule.saw(w, False, f"/health: {type(e).__name__}")
         return None
-    rule.saw(w, r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}")
+    rule.saw(w, r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}"
+             + _why(r))
     w.capacity_tokens = _capacity(r)
     if r.status_code != 200:
         return None

@@ -20,10 +20,12 @@ from kvbridge.serving.health import HealthRule, probe
 class SlowHealth(http.server.BaseHTTPRequestHandler):
     gate = threading.Event()  # cleared: /health waits (bounded) before answering
 
+    answer = (200, b'{"status": "ok", "capacity_tokens": 4096}')
+
     def do_GET(self):  # noqa: N802
         self.gate.wait(10)
-        body = b'{"status": "ok", "capacity_tokens": 4096}'
-        self.send_response(200)
+        code, body = self.answer
+        self.send_response(code)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -41,6 +43,7 @@ def server():
     SlowHealth.gate.set()
     yield srv
     SlowHealth.gate.set()
+    SlowHealth.answer = (200, b'{"status": "ok", "capacity_tokens": 4096}')
     srv.shutdown()
     srv.server_close()
 
@@ -72,6 +75,20 @@ def test_slow_probes_remove_only_after_consecutive_misses_refused_at_once(server
             assert not w.healthy and "ConnectError" in w.last_error
 
     asyncio.run(run())
+
+
+def test_a_worker_out_for_its_own_503_is_out_with_the_reason_it_gave(server):
+    w = WorkerRef("ctx1", f"http://127.0.0.1:{server.server_address[1]}", "context")
+    SlowHealth.answer = (503, b'{"status": "stalled", "error": "its executor\'s ranks answered no probe for 5s"}')
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            for _ in range(3):
+                await probe(client, w, httpx.Timeout(5), HealthRule(failures=1))
+            assert not w.healthy
+
+    asyncio.run(run())
+    assert w.last_error == "/health answered 503: stalled: its executor's ranks answered no probe for 5s"
 
 
 def test_router_health_settings_are_validated():
