@@ -45,9 +45,11 @@ def _n(body: dict) -> int:
 
 
 def _prompts(body: dict) -> list[Any]:
+    """A completions body's prompts: a list of prompts (strings or token-id lists; a batch of one is that
+    prompt), else the one prompt as given (parse_request or the engine judges it)."""
     p = body.get("prompt")
-    many = isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p)
-    return list(p) if many else [p]
+    batch = isinstance(p, list) and len(p) > 0 and all(isinstance(x, (str, list)) for x in p)
+    return list(p) if batch else [p]
 
 
 def _echo(body: dict, kind: str) -> bool:
@@ -97,9 +99,6 @@ def expand_unread(body: dict, kind: str, model: str) -> list[Part]:
     prompts = _prompts(body) if kind == "completion" else [None]
     base = {k: v for k, v in body.items() if k not in ("n", "best_of")}
     base["model"] = model
-    if kind == "completion" and len(prompts) == 1 and isinstance(prompts[0], list) and \
-            len(prompts[0]) == 1 and not isinstance(prompts[0][0], int):
-        prompts = [prompts[0][0]]  # a list of one prompt is that prompt
     return [Part(i, pi, sub, None) for i, (sub, pi, _j) in enumerate(_choices(body, base, kind, prompts, n))]
 
 

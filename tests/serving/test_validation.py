@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvbridge.executor.sampling import SamplingParams, sample
-from kvbridge.serving.fanout import expand, merge
+from kvbridge.serving.fanout import expand, expand_unread, merge
 from kvbridge.serving.inflight import Admission, in_flight
 from kvbridge.serving.protocol import ApiError, parse_request
 from kvbridge.serving.validate import MAX_JSON_DEPTH, loads_strict
@@ -108,6 +108,17 @@ def test_n_and_a_list_of_prompts_fan_out_with_distinct_seeds_and_indexed_choices
     assert e.param == "echo" and "not supported" in e.message
     chat = {"messages": [{"role": "user", "content": "x"}], "echo": True}
     assert _err(expand, chat, "chat", 8).param == "echo"
+
+
+def test_a_batch_of_one_prompt_is_that_prompt_on_either_path():
+    (part,) = expand({"prompt": ["a b"], "echo": True}, "completion", 8)
+    assert (part.body["prompt"], part.echo) == ("a b", "a b")
+    (part,) = expand({"prompt": [[5, 6]]}, "completion", 8)
+    assert part.body["prompt"] == [5, 6]
+    (part,) = expand_unread({"prompt": ["a b"], "model": "x"}, "completion", "served")
+    assert part.body == {"prompt": "a b", "model": "served"}
+    (part,) = expand_unread({"prompt": [5, 6]}, "completion", "served")
+    assert part.body["prompt"] == [5, 6]  # token ids are one prompt
 
 
 def test_a_bad_field_in_any_prompt_of_a_list_is_refused_before_any_hop():
