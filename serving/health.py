@@ -41,20 +41,14 @@ class HealthRule:
             w.last_error = f"{error} (miss {n} of {self.failures} before removal)"
 
 
-def _capacity(r: httpx.Response) -> int | None:
-    from .relay import json_or_none
-
-    cap = json_or_none(r.content)
-    cap = cap.get("capacity_tokens") if isinstance(cap, dict) else None
+def _capacity(body: dict | None) -> int | None:
+    cap = body.get("capacity_tokens") if body is not None else None
     return cap if type(cap) is int and cap > 0 else None
 
 
-def _why(r: httpx.Response) -> str:
+def _why(body: dict | None) -> str:
     """': <status>: <error>' of a worker's non-200 /health (failed, draining, stalled), or ''."""
-    from .relay import json_or_none
-
-    body = json_or_none(r.content)
-    if not isinstance(body, dict) or not isinstance(body.get("status"), str):
+    if body is None or not isinstance(body.get("status"), str):
         return ""
     err = body.get("error")
     return f": {body['status'][:20]}" + (f": {err[:200]}" if isinstance(err, str) and err else "")
@@ -64,6 +58,8 @@ async def probe(client: httpx.AsyncClient, w: WorkerRef, timeout: httpx.Timeout,
                 ) -> dict | None:
     """GET the worker's /health once, bounded by `timeout`, and apply `rule` to the outcome; returns the
     answer's JSON object when it answered 200 (None otherwise)."""
+    from .relay import json_or_none
+
     try:
         r = await client.get(w.url + "/health", timeout=timeout)
     except httpx.ConnectError as e:  # refused (or unroutable): nothing is listening
@@ -72,13 +68,9 @@ async def probe(client: httpx.AsyncClient, w: WorkerRef, timeout: httpx.Timeout,
     except httpx.HTTPError as e:
         rule.saw(w, False, f"/health: {type(e).__name__}")
         return None
-    rule.saw(w, r.status_code == 200, "" if r.status_code == 200 else f"/health answered {r.status_code}"
-             + _why(r))
-    w.capacity_tokens = _capacity(r)
-    if r.status_code != 200:
-        return None
-    try:
-        info = r.json()
-    except ValueError:
-        return None
-    return info if isinstance(info, dict) else None
+    body = json_or_none(r.content)  # the answer's JSON object, parsed once
+    body = body if isinstance(body, dict) else None
+    ok = r.status_code == 200
+    rule.saw(w, ok, "" if ok else f"/health answered {r.status_code}" + _why(body))
+    w.capacity_tokens = _capacity(body)
+    return body if ok else None

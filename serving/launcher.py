@@ -155,17 +155,15 @@ class Cluster:
 
     def healthy(self, c: _Child, timeout: float = 1.0) -> bool:
         """Whether child `c` answers /health with 200 now."""
-        return self._health_status(c, timeout) == 200
+        r = self._health(c, timeout)
+        return r is not None and r.status_code == 200
 
     def silence(self, c: _Child, timeout: float = 1.0) -> float | None:
         """How long child `c` has been silent, by its /health now: None when it gave no answer within `timeout`
         (hung); for an answer (any status: a draining or failed worker still answers) 0.0, or the seconds
         its executor's ranks have answered nothing when it says `stalled` (worker_state.watch_ranks)."""
-        import httpx
-
-        try:
-            r = httpx.get(c.url + "/health", headers=self.headers, timeout=timeout)
-        except httpx.HTTPError:
+        r = self._health(c, timeout)
+        if r is None:
             return None
         try:
             silent = r.json().get("executor_silent_s") if r.status_code == 503 else None
@@ -173,12 +171,12 @@ class Cluster:
             silent = None
         return float(silent) if isinstance(silent, (int, float)) and silent > 0 else 0.0
 
-    def _health_status(self, c: _Child, timeout: float) -> int | None:
-        """The HTTP status of child `c`'s /health now; None when it gave no answer within `timeout`."""
+    def _health(self, c: _Child, timeout: float):
+        """Child `c`'s answer to GET /health now (an httpx.Response); None when it gave none within `timeout`."""
         import httpx
 
         try:
-            return httpx.get(c.url + "/health", headers=self.headers, timeout=timeout).status_code
+            return httpx.get(c.url + "/health", headers=self.headers, timeout=timeout)
         except httpx.HTTPError:
             return None
 
