@@ -143,23 +143,25 @@ class Backend:
         except (ExecutorError, KVCacheExhausted):
             pass
 
-    async def free_blocks(self, timeout: float = 30.0) -> list[int]:
-        async with self._stats_lock:  # one stats round at a time
-            try:
-                return await self.call(lambda: self.ex.free_blocks(timeout=timeout))
-            except ExecutorError as e:
-                raise self.error(e, "free_blocks") from None
+    async def free_blocks(self) -> list[int]:
+        try:
+            return await self._stats_round(self._pool, 30.0)
+        except ExecutorError as e:
+            raise self.error(e, "free_blocks") from None
 
     async def ranks_answer(self, timeout: float) -> bool:
         """Whether every rank answered one stats round within `timeout` (worker_state.watch_ranks): on a thread
         of its own, so a worker whose request threads are all taken still probes its ranks at once."""
-        async with self._stats_lock:
-            fn = lambda: self.ex.free_blocks(timeout=timeout)  # noqa: E731
-            try:
-                await asyncio.get_running_loop().run_in_executor(self._probe, fn)
-            except ExecutorError:
-                return False
-            return True
+        try:
+            await self._stats_round(self._probe, timeout)
+        except ExecutorError:
+            return False
+        return True
+
+    async def _stats_round(self, pool: ThreadPoolExecutor, timeout: float) -> list[int]:
+        async with self._stats_lock:  # one stats round at a time
+            return await asyncio.get_running_loop().run_in_executor(pool,
+                                                                    lambda: self.ex.free_blocks(timeout=timeout))
 
     def error(self, e: Exception, what: str) -> ApiError:
         """An executor error as a client should see it: refused input 400, time-out 504, failure 500."""
