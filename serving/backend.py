@@ -160,8 +160,8 @@ class Backend:
 
     async def _stats_round(self, pool: ThreadPoolExecutor, timeout: float) -> list[int]:
         async with self._stats_lock:  # one stats round at a time
-            return await asyncio.get_running_loop().run_in_executor(pool,
-                                                                    lambda: self.ex.free_blocks(timeout=timeout))
+            round_ = lambda: self.ex.free_blocks(timeout=timeout)  # noqa: E731
+            return await asyncio.get_running_loop().run_in_executor(pool, round_)
 
     def error(self, e: Exception, what: str) -> ApiError:
         """An executor error as a client should see it: refused input 400, time-out 504, failure 500."""

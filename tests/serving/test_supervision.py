@@ -1,7 +1,8 @@
 """Supervision under `kvbridge serve` (issue 14): kill -9 of a context worker with 64 requests in flight, and
 of the generation worker mid-request; a worker that hangs (SIGSTOP: running, answering nothing) is killed
-after hang_timeout_s, and so is one whose HTTP server answers while its executor's rank is stopped (`stalled`). Serve keeps running, restarts the dead worker on its port, the router takes it back, and
-every pool ends full. Real processes: serve, its workers and router, the openai client."""
+after hang_timeout_s, and so is one whose HTTP server answers while its executor's rank is stopped
+(`stalled`). Serve keeps running, restarts the dead worker on its port, the router takes it back, and every
+pool ends full. Real processes: serve, its workers and router, the openai client."""
 
 from __future__ import annotations
 
