@@ -9,10 +9,12 @@ process and one child:
 - `zmq_ipc` / `zmq_tcp`: pyzmq DEALER <-> ROUTER over ipc:// and tcp://127.0.0.1 (what the transceiver uses),
   blocking recv (`block`) or a recv(NOBLOCK) loop that never sleeps (`spin`, a core per side).
 
-Each row: round-trip p50/p90 in microseconds (one way is half). A control plane built on these hops cannot be
+Each row: round-trip p50/p90 in microseconds (one way is half). `--idle-us N` pauses N us before each round
+(both sides idle, as between one-at-a-time requests): the difference to 0 is what waking an idle thread (and
+core) costs on that host. A control plane built on these hops cannot be
 faster than ~1.5 round trips of them per request; `bench/RESULTS.md` compares.
 
-    python -m kvbridge.bench.control_floor [--rounds 3000] [--json PATH] [--png PATH]
+    python -m kvbridge.bench.control_floor [--rounds 3000] [--idle-us 0] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -69,7 +71,13 @@ def _pipe_echo(conn) -> None:
         conn.send_bytes(m)
 
 
-def _zmq_rtt(addr: str, spin: bool, rounds: int) -> np.ndarray:
+def _idle(us: float) -> None:
+    """Pause `us` microseconds without a spin (time.sleep sleeps at least that long on Linux)."""
+    if us > 0:
+        time.sleep(us * 1e-6)
+
+
+def _zmq_rtt(addr: str, spin: bool, rounds: int, idle_us: float = 0.0) -> np.ndarray:
     import zmq
 
     ctx = zmq.Context()
@@ -86,6 +94,7 @@ def _zmq_rtt(addr: str, spin: bool, rounds: int) -> np.ndarray:
         ident, _ = r.recv_multipart()
         out = np.empty(rounds)
         for i in range(rounds):
+            _idle(idle_us)
             t = time.perf_counter()
             r.send_multipart([ident, PAYLOAD])
             _recv(r, spin)
@@ -100,13 +109,14 @@ def _zmq_rtt(addr: str, spin: bool, rounds: int) -> np.ndarray:
     return out
 
 
-def _pipe_rtt(rounds: int) -> np.ndarray:
+def _pipe_rtt(rounds: int, idle_us: float = 0.0) -> np.ndarray:
     a, b = mp.Pipe()
     p = mp.get_context("spawn").Process(target=_pipe_echo, args=(b,), daemon=True)
     p.start()
     try:
         out = np.empty(rounds)
         for i in range(rounds):
+            _idle(idle_us)
             t = time.perf_counter()
             a.send_bytes(PAYLOAD)
             if not a.poll(30):
@@ -121,19 +131,19 @@ def _pipe_rtt(rounds: int) -> np.ndarray:
     return out
 
 
-def run(rounds: int) -> list[dict]:
+def run(rounds: int, idle_us: float = 0.0) -> list[dict]:
     warm = max(1, rounds // 5)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvb-floor-") as d:
-        cases = [("pipe", "block", lambda: _pipe_rtt(rounds + warm))]
+        cases = [("pipe", "block", lambda: _pipe_rtt(rounds + warm, idle_us))]
         for spin in (False, True):
             mode = "spin" if spin else "block"
             ipc = f"ipc://{os.path.join(d, 'f.sock')}"
-            cases += [("zmq_ipc", mode, lambda s=spin: _zmq_rtt(ipc, s, rounds + warm)),
-                      ("zmq_tcp", mode, lambda s=spin: _zmq_rtt("tcp://127.0.0.1:0", s, rounds + warm))]
+            cases += [("zmq_ipc", mode, lambda s=spin: _zmq_rtt(ipc, s, rounds + warm, idle_us)),
+                      ("zmq_tcp", mode, lambda s=spin: _zmq_rtt("tcp://127.0.0.1:0", s, rounds + warm, idle_us))]
         for hop, mode, fn in cases:
             us = fn()[warm:] * 1e6
-            rows.append({"hop": hop, "wait": mode, "rtt_p50_us": round(float(np.median(us)), 1),
+            rows.append({"hop": hop, "wait": mode, "idle_us": idle_us, "rtt_p50_us": round(float(np.median(us)), 1),
                          "rtt_p90_us": round(float(np.percentile(us, 90)), 1), "rounds": rounds})
             print(table(rows[-1:], list(rows[-1])), flush=True)
     return rows
@@ -154,12 +164,15 @@ def _png(path: str, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge.bench.control_floor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3000, help="round trips per row (after a fifth as warm-up)")
+    ap.add_argument("--idle-us", type=float, default=0.0, help="pause before each round (both sides idle)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="default: the --json path with .png")
     a = ap.parse_args(argv)
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
-    rows = run(a.rounds)
+    if not 0 <= a.idle_us <= 1e6:
+        ap.error("--idle-us must be between 0 and 1000000")
+    rows = run(a.rounds, a.idle_us)
     print(table(rows, list(rows[0])))
     if a.json:
         write_json(a.json, rows)

@@ -123,16 +123,21 @@ def test_control_trace_quick():
 
 
 def test_control_floor_quick(tmp_path):
-    """docs/control-plane.md's `python -m kvbridge.bench.control_floor`: every bare hop answers, JSON + PNG."""
+    """docs/control-plane.md's `python -m kvbridge.bench.control_floor`: every bare hop answers, JSON + PNG; with
+    a pause before each round (`--idle-us`) the rows say it; a pause out of range is refused by name."""
     out = tmp_path / "floor.json"
-    p = subprocess.run([sys.executable, "-m", "kvbridge.bench.control_floor", "--rounds", "50", "--json", str(out)],
-                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    p = subprocess.run([sys.executable, "-m", "kvbridge.bench.control_floor", "--rounds", "50", "--idle-us", "200",
+                        "--json", str(out)], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
     assert {(r["hop"], r["wait"]) for r in rows} == {("pipe", "block"), ("zmq_ipc", "block"), ("zmq_tcp", "block"),
                                                       ("zmq_ipc", "spin"), ("zmq_tcp", "spin")}
-    assert all(r["rtt_p50_us"] > 0 for r in rows)
+    assert all(r["rtt_p50_us"] > 0 and r["idle_us"] == 200 for r in rows)
+    assert out.with_suffix(".png").exists()
+    bad = subprocess.run([sys.executable, "-m", "kvbridge.bench.control_floor", "--idle-us", "-1"],
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert bad.returncode == 2 and "--idle-us must be between" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_read_ab_quick(tmp_path):
