@@ -49,6 +49,11 @@ class ClusterSpec:
         return urlsplit(self.uri).scheme
 
     @property
+    def router_registry(self) -> bool:
+        """The router holds the registry (http:// or https://, as the router speaks), not etcd."""
+        return self.scheme in ("http", "https")
+
+    @property
     def etcd_user(self) -> str | None:
         return urlsplit(self.uri).username if self.scheme == "etcd" else None
 
@@ -80,21 +85,23 @@ class ClusterSpec:
         return dict(self.minimal).get(role, 0)
 
 
-def parse_cluster(d: Any, router_host: str, router_port: int) -> ClusterSpec:
+def parse_cluster(d: Any, router_host: str, router_port: int, tls: bool = False) -> ClusterSpec:
     """Validate a `disagg_cluster` mapping. `router_host/port` are the router's (an http:// cluster_uri must
-    name the router)."""
+    name the router; https:// with the config's `tls`, which makes the default https:// too)."""
     if not isinstance(d, dict):
         raise ServeConfigError(f"disagg_cluster: expected a mapping, got {type(d).__name__}")
     bad = sorted(str(k) for k in d if k not in KEYS)
     if bad:
         raise ServeConfigError(f"disagg_cluster.{bad[0]}: unknown key; known keys: {sorted(KEYS)}")
-    uri = d.get("cluster_uri", f"http://{router_host}:{router_port}")
+    web = "https" if tls else "http"  # the router as registry speaks what the router speaks
+    uri = d.get("cluster_uri", f"{web}://{router_host}:{router_port}")
     if not isinstance(uri, str):
         raise ServeConfigError(f"disagg_cluster.cluster_uri: expected a string, got {uri!r}")
     u = urlsplit(uri)
-    if u.scheme not in ("http", "etcd") or not u.hostname:
-        raise ServeConfigError(f"disagg_cluster.cluster_uri: {uri!r} is not http://<router host:port> or "
-                               f"etcd://<host:port>")
+    if u.scheme not in (web, "etcd") or not u.hostname:
+        raise ServeConfigError(f"disagg_cluster.cluster_uri: {uri!r} is not {web}://<router host:port> or "
+                               f"etcd://<host:port>" + (" (the config has tls: the router speaks https)" if tls
+                                                        and u.scheme == "http" else ""))
     try:
         u.port
     except ValueError:

@@ -25,6 +25,7 @@ config_keys.py's.
     role_grace_s: 120          # serve exits 1 once a role had no live worker this long
     hang_timeout_s: 60         # serve kills (then restarts) a process that answers no /health, or whose
                                # executor's ranks answer nothing, this long; 0: never
+    tls: {cert: host.crt, key: host.key, ca: ca.crt}  # HTTPS between router and workers (serving/tls.py)
     max_inflight_requests: 512          # per process (router, each worker): beyond it 503 + Retry-After
     max_inflight_body_bytes: 134217728  # request-body bytes held at once per process (same answer beyond)
     disagg_cluster: {cluster_uri: etcd://10.0.0.2:2379}  # workers join/leave through a registry (cluster_config.py)
@@ -34,6 +35,7 @@ config_keys.py's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,7 @@ from .config_keys import known_keys as _known
 from .router_spec import POLICIES, RouterSpec
 from .router_spec import api_keys as _api_keys
 from .router_spec import parse_router as _router
+from .tls import parse_tls
 
 __all__ = ["ServeConfig", "ServerSpec", "RouterSpec", "load_config", "parse_config", "ROLES", "POLICIES"]
 
@@ -61,7 +64,7 @@ EXIT_POLICIES = ("restart", "stop")
 _TOP = {"model", "model_name", "on_transfer_failure", "executor", "transceiver", "router", "context_servers",
         "generation_servers", "startup_timeout_s", "default_max_tokens", "internal_token", "insecure",
         "keys_dir", "on_worker_exit", "role_grace_s", "hang_timeout_s", "max_inflight_requests",
-        "max_inflight_body_bytes", "vllm", "disagg_cluster"}
+        "max_inflight_body_bytes", "vllm", "disagg_cluster", "tls"}
 _EXECUTOR = {"num_blocks": int, "tokens_per_block": int, "device": str, "dtype": (str, type(None)),
              "max_batch_tokens": int, "max_batch_seqs": int, "timeout_s": float, "threads_per_rank": int,
              "enable_block_reuse": bool, "stream_layers": int, "kv_digests": bool, "kv_events": bool}
@@ -92,6 +95,7 @@ class ServerSpec:
     engine: str = "kvbridge"   # or vllm: vLLM's own OpenAI server with a KV connector (vllm_workers.py)
     vllm: dict[str, Any] = field(default_factory=dict)  # the merged `vllm:` section of an engine: vllm group
     worker_id: str = ""  # `kvbridge worker --name` (a cluster member's id); default ctx<index> / gen<index>
+    scheme: str = "http"  # https with the config's `tls:` (serving/tls.py)
 
     @property
     def name(self) -> str:
@@ -99,7 +103,7 @@ class ServerSpec:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def executor_config(self, model: str, instance: str, run_dir: str):
         """The ExecutorConfig of this server, with the transceiver as its rank hook."""
@@ -138,6 +142,7 @@ class ServeConfig:
     max_inflight_requests: int = 512
     max_inflight_body_bytes: int = 128 << 20
     cluster: Any = None  # cluster_config.ClusterSpec: workers join through a registry (None: static urls)
+    tls: Any = None  # tls.TlsSpec: the router and the workers speak HTTPS (None: plain HTTP)
 
     def servers(self) -> tuple[ServerSpec, ...]:
         return self.context + self.generation
@@ -231,6 +236,13 @@ def parse_config(d: Any) -> ServeConfig:
                                f"context_servers.engine {groups['context'][0].engine!r} (KV moves only "
                                f"between servers of one engine)")
     router = _router(_map(top.get("router", {}), "router"))
+    tls = parse_tls(top.get("tls"))
+    if tls is not None:
+        if groups["context"][0].engine == "vllm":
+            raise ServeConfigError("tls: not supported with engine: vllm yet (vLLM's OpenAI servers and their "
+                                   "members' guards speak plain HTTP); leave tls out, or run kvbridge workers")
+        groups = {r: tuple(dataclasses.replace(s, scheme="https") for s in g) for r, g in groups.items()}
+        router = dataclasses.replace(router, scheme="https")
     startup = _get(top, "startup_timeout_s", float, "", 300.0)
     max_tokens = _get(top, "default_max_tokens", int, "", 256)
     if startup <= 0 or max_tokens < 1:
@@ -244,7 +256,7 @@ def parse_config(d: Any) -> ServeConfig:
     if top.get("disagg_cluster") is not None:
         from .cluster_config import parse_cluster
 
-        cluster = parse_cluster(top["disagg_cluster"], router.host, router.port)
+        cluster = parse_cluster(top["disagg_cluster"], router.host, router.port, tls is not None)
     if router.policy == "kv_aware" and groups["context"][0].engine == "vllm" and cluster is None:
         raise ServeConfigError("router.policy: kv_aware over vLLM servers (engine: vllm) needs "
                                "disagg_cluster: each server then runs under a `kvbridge worker` that relays "
@@ -253,9 +265,12 @@ def parse_config(d: Any) -> ServeConfig:
     ops = _operations(top)
     if groups["context"][0].engine == "vllm" and not ops["insecure"] and cluster is None:
         _vllm_on_loopback([*groups["context"], *groups["generation"]])  # members guard theirs (vllm_guard.py)
+    raw = _copy(top)
+    if tls is not None:  # absolute: a worker `kvbridge serve` starts elsewhere reads the same files
+        raw["tls"] = {"cert": tls.cert, "key": tls.key, "ca": tls.ca}
     return ServeConfig(model, _get(top, "model_name", str, "", model), mode, groups["context"],
-                       groups["generation"], router, startup, max_tokens, _copy(top), **ops, **inflight,
-                       cluster=cluster)
+                       groups["generation"], router, startup, max_tokens, raw, **ops, **inflight,
+                       cluster=cluster, tls=tls)
 
 
 def _vllm_on_loopback(servers) -> None:

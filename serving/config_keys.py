@@ -51,7 +51,7 @@ def get_key(d: dict, key: str, t, path: str, default: Any = None, required: bool
 def host_port(u: Any, path: str) -> tuple[str, int]:
     if not isinstance(u, str):
         raise ServeConfigError(f"{path}: expected 'host:port', got {u!r}")
-    s = u.removeprefix("http://").rstrip("/")
+    s = u.removeprefix("http://").removeprefix("https://").rstrip("/")
     host, sep, port = s.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ServeConfigError(f"{path}: {u!r} is not 'host:port' (port 0: pick a free one)")

@@ -31,6 +31,7 @@ from ..errors import KvBridgeError, ServingError
 from ..netaddr import loopback_interfaces
 from .auth import TOKEN_ENV, TOKEN_HEADER, check_router_bind, internal_token, new_token
 from .auth import api_keys as router_keys
+from .tls import client_verify
 
 __all__ = ["Cluster", "main", "die_with_parent"]
 
@@ -176,7 +177,8 @@ class Cluster:
         import httpx
 
         try:
-            return httpx.get(c.url + "/health", headers=self.headers, timeout=timeout)
+            return httpx.get(c.url + "/health", headers=self.headers, timeout=timeout,
+                             verify=client_verify(self.cfg.tls))
         except httpx.HTTPError:
             return None
 

@@ -117,7 +117,7 @@ class RegistryWorkers(WorkerSet):
         self.key = registry_key(token, cl.name)
         self.prefix = workers_prefix(cl.name)
         self.memory = None
-        if cl.scheme == "http":
+        if cl.router_registry:
             from .registry.memory import MemoryStore
 
             self.memory = self.store = MemoryStore(cl.uri)

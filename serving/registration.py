@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -47,6 +48,7 @@ class Registrar:
     ttl_s: float
     headers: dict[str, str] = field(default_factory=dict)  # the internal token, for /health calls
     ready_timeout_s: float = 300.0
+    verify: Any = True  # httpx's certificate check of the worker's own /health (the CA context with tls)
     lease: str = ""
     _value: str = ""
     registrations: int = 0
@@ -59,7 +61,7 @@ class Registrar:
 
     async def run(self) -> None:
         """Steps 1-3 until cancelled; raises DuplicateWorker (fatal) or TimeoutError (never served)."""
-        async with httpx.AsyncClient(headers=self.headers, timeout=2.0) as http:
+        async with httpx.AsyncClient(headers=self.headers, timeout=2.0, verify=self.verify) as http:
             await self._wait_serving(http)
             await self._register_until_done(http)
             outage = False

@@ -49,6 +49,7 @@ from .overlap_router import ContextFailed, context_early, release_prefetch
 from .protocol import DEADLINE_HEADER, ApiError, add_common_routes, read_json
 from .relay import (RERUN_CODES, Relay, context_send, decorate, decoration, events, from_worker, json_or_none,
                     read_body, sse_body)
+from .tls import client_verify
 
 __all__ = ["KEEPALIVE_EXPIRY_S", "MAX_HANDOVERS", "Router", "build_router"]
 
@@ -68,7 +69,8 @@ def make_client(cfg: ServeConfig) -> httpx.AsyncClient:
     the worker's server would close them)."""
     return httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256,
                                                  keepalive_expiry=KEEPALIVE_EXPIRY_S),
-                             headers=internal_headers(cfg))  # the deployment's token on every worker call
+                             headers=internal_headers(cfg),  # the deployment's token on every worker call
+                             verify=client_verify(cfg.tls))  # with tls: the workers' certificates, by the CA
 
 
 class Router:

@@ -59,13 +59,15 @@ def main(argv: list[str]) -> int:
         print(f"kvbridge router: {e}", file=sys.stderr)
         sock.close()
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.bind_host, port=port,
-                                           log_level=a.log_level, timeout_graceful_shutdown=5))
-    where = cfg.cluster and (f"http://{cfg.router.host}:{port}" if cfg.cluster.scheme == "http" else cfg.cluster.uri)
+    url = f"{cfg.router.scheme}://{cfg.router.host}:{port}"
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.bind_host, port=port, log_level=a.log_level,
+                                           timeout_graceful_shutdown=5,
+                                           **(cfg.tls.server_kwargs() if cfg.tls else {})))
+    where = cfg.cluster and (url if cfg.cluster.router_registry else cfg.cluster.uri)
     members = (f"workers join through {where} (cluster {cfg.cluster.name})" if cfg.cluster else
                f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")
     freeze_startup_heap()  # app and server built: later collections skip them (gcheap.py)
-    print(f"[router] starting at http://{cfg.router.host}:{port} ({cfg.router.policy}): {members}", flush=True)
+    print(f"[router] starting at {url} ({cfg.router.policy}): {members}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

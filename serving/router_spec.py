@@ -44,10 +44,11 @@ class RouterSpec:
     overlap: bool = True               # tell the generation side of a request when its prefill starts
     kv_aware: dict = field(default_factory=dict)  # policy kv_aware's settings (serving/kv_policy.py)
     insecure: bool = False             # true: no API keys on a non-loopback bind_host (else refused)
+    scheme: str = "http"               # https with the config's `tls:` (serving/tls.py)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
 
 

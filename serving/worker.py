@@ -152,7 +152,8 @@ def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
         server = None
         app = build_app(st, on_fatal=lambda: setattr(server, "should_exit", True))
         ucfg = uvicorn.Config(app, host=spec.bind_host, port=spec.port, log_level=log_level,
-                              timeout_graceful_shutdown=5, lifespan="on")
+                              timeout_graceful_shutdown=5, lifespan="on",
+                              **(cfg.tls.server_kwargs() if cfg.tls else {}))  # HTTPS with tls (tls.py)
         if cfg.cluster is None:
             server = uvicorn.Server(ucfg)
         else:  # registers once it serves, heartbeats, drains on SIGTERM (worker_cluster.py)

@@ -41,12 +41,13 @@ def cluster_registrar(cfg, rec) -> Registrar:
     """The Registrar of WorkerRecord `rec` in cfg's disagg_cluster: its signing key, store and timings."""
     from .auth import internal_headers, internal_token
     from .registry import open_store, registry_key
+    from .tls import client_verify
 
     cl = cfg.cluster
     key = registry_key(internal_token(cfg) or "", cl.name)
-    store = open_store(cl.uri, key, cl.call_timeout_s, cl.etcd_password())
+    store = open_store(cl.uri, key, cl.call_timeout_s, cl.etcd_password(), client_verify(cfg.tls))
     return Registrar(store, key, rec, cl.heartbeat_s, cl.ttl_s, internal_headers(cfg),
-                     ready_timeout_s=cfg.startup_timeout_s)
+                     ready_timeout_s=cfg.startup_timeout_s, verify=client_verify(cfg.tls))
 
 
 async def wait_quiet(busy, t0: float, bound_s: float):

@@ -11,6 +11,7 @@ Values are signed worker registrations (records.py). Never decides routing (serv
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import urlsplit
 
 from .records import RegistrationRefused, WorkerRecord, registry_key
@@ -19,17 +20,19 @@ from .store import Change, Conflict, Entry, Snapshot, Store, StoreUnavailable
 __all__ = ["open_store", "Store", "Entry", "Snapshot", "Change", "Conflict", "StoreUnavailable",
            "RegistrationRefused", "WorkerRecord", "registry_key", "SCHEMES"]
 
-SCHEMES = ("http", "etcd")
+SCHEMES = ("http", "https", "etcd")
 
 
-def open_store(uri: str, key: bytes, call_timeout_s: float, etcd_password: str | None = None) -> Store:
-    """The client Store of a cluster_uri (a worker's view; the router of an http:// registry holds a
-    MemoryStore instead). etcd://USER@host:port logs in as USER with `etcd_password`."""
+def open_store(uri: str, key: bytes, call_timeout_s: float, etcd_password: str | None = None,
+               verify: Any = True) -> Store:
+    """The client Store of a cluster_uri (a worker's view; the router of an http(s):// registry holds a
+    MemoryStore instead). etcd://USER@host:port logs in as USER with `etcd_password`; https:// checks the
+    router's certificate with `verify` (httpx's: the deployment's CA context, serving/tls.py)."""
     u = urlsplit(uri)
-    if u.scheme == "http":
+    if u.scheme in ("http", "https"):
         from .http_store import HttpStore
 
-        return HttpStore(uri, key, call_timeout_s)
+        return HttpStore(uri, key, call_timeout_s, verify)
     if u.scheme == "etcd":
         from .etcd_store import EtcdStore
 

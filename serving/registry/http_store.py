@@ -53,16 +53,17 @@ class HttpStore(Store):
     """The client of a router's registry.
 
     Args:
-        base_url: the router, e.g. http://10.0.0.5:8000.
+        base_url: the router, e.g. http://10.0.0.5:8000 (https:// with the config's tls).
         key: the registry key (records.registry_key); only its access proof is sent.
         call_timeout_s: the deadline of every call (a long-poll watch waits WATCH_WAIT_S on top of it).
+        verify: httpx's certificate check (the deployment's CA context with tls).
     """
 
-    def __init__(self, base_url: str, key: bytes, call_timeout_s: float) -> None:
+    def __init__(self, base_url: str, key: bytes, call_timeout_s: float, verify: Any = True) -> None:
         self.uri = base_url.rstrip("/")
         self.timeout = call_timeout_s
         self._client = httpx.AsyncClient(base_url=self.uri + PREFIX, headers={PROOF_HEADER: access_proof(key)},
-                                         timeout=httpx.Timeout(call_timeout_s))
+                                         timeout=httpx.Timeout(call_timeout_s), verify=verify)
 
     async def _call(self, method: str, path: str, extra_s: float = 0.0, **kw) -> Any:
         try:

@@ -64,10 +64,11 @@ def start_process(args: list[str], log_path: str, module: str = "kvbridge.cli") 
                                 cwd=root if module != "kvbridge.cli" else None)
 
 
-def start_announced(args: list[str], log_path: str, timeout: float = 240,
-                    module: str = "kvbridge.cli") -> tuple[subprocess.Popen, str]:
-    """`kvbridge worker|router <args> --port-file` whose config gives it port 0: (process, its base URL) once it
-    has bound its socket and announced the port (bounded; the process is stopped if it never does)."""
+def start_announced(args: list[str], log_path: str, timeout: float = 240, module: str = "kvbridge.cli",
+                    scheme: str = "http") -> tuple[subprocess.Popen, str]:
+    """`kvbridge worker|router <args> --port-file` whose config gives it port 0: (process, its base URL, of
+    `scheme`: https when the config has tls) once it has bound its socket and announced the port (bounded;
+    the process is stopped if it never does)."""
     port_file = log_path + ".port"
     p = start_process([*args, "--port-file", port_file], log_path, module)
     try:
@@ -75,7 +76,7 @@ def start_announced(args: list[str], log_path: str, timeout: float = 240,
     except BaseException:
         stop_process(p)
         raise
-    return p, f"http://127.0.0.1:{port}"
+    return p, f"{scheme}://127.0.0.1:{port}"
 
 
 def stop_process(p: subprocess.Popen) -> None:

@@ -36,11 +36,13 @@ class Deployment:
     """The router of config `d`, and workers added by name. With an http:// registry (no cluster_uri in `d`),
     the workers' config names the router's announced port."""
 
-    def __init__(self, tmp_path, d: dict) -> None:
-        self.tmp = tmp_path
+    def __init__(self, tmp_path, d: dict, verify=True) -> None:
+        """`verify`: this test's check of the router's certificate (a CA context when `d` has tls)."""
+        self.tmp, self.verify = tmp_path, verify
         self.procs: dict[str, subprocess.Popen] = {}
         self.router_proc, self.router = start_announced(["router", "--config", self._write("router", d)],
-                                                        str(tmp_path / "router.log"), timeout=120)
+                                                        str(tmp_path / "router.log"), timeout=120,
+                                                        scheme="https" if d.get("tls") else "http")
         cl = dict(d["disagg_cluster"])
         cl.setdefault("cluster_uri", self.router)
         self.worker_config = self._write("worker", {**d, "disagg_cluster": cl})
@@ -62,7 +64,7 @@ class Deployment:
         return p
 
     def health(self) -> dict:
-        return httpx.get(self.router + "/health", timeout=10).json()
+        return httpx.get(self.router + "/health", timeout=10, verify=self.verify).json()
 
     def members(self) -> dict:
         return self.health()["cluster"]["workers"]

@@ -1,8 +1,11 @@
 """A generation worker in another network namespace (its own veth, its own address) joins a deployment
 through etcd and serves: the router, the context worker and etcd stay in this namespace; the worker reaches
 etcd and the context worker's transceiver over the veth, the router reaches the worker's HTTP over it.
-Exact answers and the positional KV check through the official `openai` client. Needs root and `ip netns`
-(skips with the reason otherwise) and etcd (etcd_server.py)."""
+Exact answers and the positional KV check through the official `openai` client. Twice: open (plain HTTP, which
+needs `insecure: true`: the router would send the internal token in clear; a control plane without CurveZMQ
+keys, which needs the transceiver's `insecure: true`), and closed (HTTPS through `tls:` and CurveZMQ keys), with
+no `insecure` anywhere. Needs root and `ip netns` (skips with the reason otherwise) and etcd (etcd_server.py);
+the TLS run also the openssl command line (tls_certs.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +14,10 @@ import subprocess
 import sys
 import uuid
 
+import httpx
 import openai
 import pytest
+import zmq.auth
 from kvbridge.serving.auth import TOKEN_ENV
 
 from ..reliability.netns import netns_unavailable
@@ -21,6 +26,7 @@ from .conftest import MAX_TOKENS
 from .etcd_server import EtcdServer
 from .kvcheck import assert_kv_positional
 from .members import Deployment, cluster_config
+from .tls_certs import make_certs, openssl_missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # the veth's host end has an address here
 
@@ -54,16 +60,30 @@ def veth():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
-def test_a_worker_in_another_network_namespace_joins_through_etcd_and_serves(veth, tmp_path, want):
+@pytest.mark.parametrize("http", ["plain", "tls"])
+def test_a_worker_in_another_network_namespace_joins_through_etcd_and_serves(veth, tmp_path, want, http):
     ns, host_ip, ns_ip = veth
+    if http == "tls" and openssl_missing():
+        pytest.skip(openssl_missing())
+    certs = make_certs(str(tmp_path / "certs"), ("127.0.0.1", host_ip, ns_ip)) if http == "tls" else None
     etcd = EtcdServer(str(tmp_path / "etcd"), str(tmp_path / "etcd.log"), also_on=host_ip).start()
     dep, gen = None, None
     try:
         d = cluster_config(f"etcd://{host_ip}:{etcd.client_port}")
-        d["insecure"] = True  # plain HTTP to a non-loopback worker: the router would refuse it otherwise
-        d["context_servers"] = {"tp": 1, "transceiver": {"bind_host": host_ip, "insecure": True}}
-        d["generation_servers"] = {**d["generation_servers"], "urls": [f"{ns_ip}:0"], "bind_host": ns_ip}
-        dep = Deployment(tmp_path, d)
+        ctx_tr, gen_tr = {"bind_host": host_ip}, {}
+        if certs is None:
+            d["insecure"] = True  # plain HTTP to a non-loopback worker: the router would refuse it otherwise
+            ctx_tr["insecure"] = True  # and a control plane beyond loopback without CurveZMQ keys
+        else:  # closed: HTTPS (the token never crosses the veth in clear) and CurveZMQ, no insecure anywhere
+            d["tls"] = certs.tls()
+            ctx_pub, ctx_sec = zmq.auth.create_certificates(str(tmp_path), "context")
+            _gen_pub, gen_sec = zmq.auth.create_certificates(str(tmp_path), "generation")
+            ctx_tr.update(curve_secret_key_file=ctx_sec, curve_authorized_keys_dir=str(tmp_path))
+            gen_tr.update(curve_secret_key_file=gen_sec, curve_server_public_key_file=ctx_pub)
+        d["context_servers"] = {"tp": 1, "transceiver": ctx_tr}
+        d["generation_servers"] = {**d["generation_servers"], "urls": [f"{ns_ip}:0"], "bind_host": ns_ip,
+                                   "transceiver": gen_tr}
+        dep = Deployment(tmp_path, d, verify=certs.trust() if certs else True)
         with pytest.MonkeyPatch.context() as mp:  # the tcp agent's data socket too, not only the control one
             mp.setenv("KVBRIDGE_AGENT_HOST", host_ip)
             dep.start_worker("context", "ctx-a")
@@ -74,15 +94,21 @@ def test_a_worker_in_another_network_namespace_joins_through_etcd_and_serves(vet
                                    env=dict(os.environ, **{TOKEN_ENV: TOKEN}))
         dep.procs["gen-ns"] = gen
         body = dep.wait_healthy("ctx-a", "gen-ns")
-        assert body["cluster"]["workers"]["gen-ns"]["url"].startswith(f"http://{ns_ip}:")
+        scheme = "https" if certs else "http"
+        assert body["cluster"]["workers"]["gen-ns"]["url"].startswith(f"{scheme}://{ns_ip}:")
         handles = []
-        with openai.OpenAI(base_url=dep.router + "/v1", api_key="unused", timeout=120, max_retries=0) as oc:
+        with httpx.Client(verify=certs.trust() if certs else True) as http_client, openai.OpenAI(
+                base_url=dep.router + "/v1", api_key="unused", http_client=http_client, timeout=120,
+                max_retries=0) as oc:
             for k in range(len(PROMPTS)):
                 out = oc.completions.create(model=MODEL, prompt=PROMPTS[k], max_tokens=MAX_TOKENS, temperature=0)
                 kb = out.model_extra["kvbridge"]
                 assert kb["token_ids"] == want["prompts"][k] and kb["generation_worker"] == "gen-ns"
                 handles.append(kb["handle"])
-        assert assert_kv_positional(dep.url("ctx-a"), dep.url("gen-ns"), handles) == len(PROMPTS)
+        with pytest.MonkeyPatch.context() as mp:
+            if certs:  # the KV check's own calls to the workers trust the deployment's CA
+                mp.setenv("SSL_CERT_FILE", certs.ca)
+            assert assert_kv_positional(dep.url("ctx-a"), dep.url("gen-ns"), handles) == len(PROMPTS)
     finally:
         if dep is not None:
             dep.stop()
