@@ -238,9 +238,10 @@ def parse_config(d: Any) -> ServeConfig:
     router = _router(_map(top.get("router", {}), "router"))
     tls = parse_tls(top.get("tls"))
     if tls is not None:
-        if groups["context"][0].engine == "vllm":
-            raise ServeConfigError("tls: not supported with engine: vllm yet (vLLM's OpenAI servers and their "
-                                   "members' guards speak plain HTTP); leave tls out, or run kvbridge workers")
+        if groups["context"][0].engine == "vllm" and top.get("disagg_cluster") is None:
+            raise ServeConfigError("tls: with engine: vllm needs disagg_cluster (`disagg_cluster: {}`: the router "
+                                   "is the registry): each vLLM server then runs under a `kvbridge worker` whose "
+                                   "guard serves HTTPS in front of it (vLLM itself stays on loopback)")
         groups = {r: tuple(dataclasses.replace(s, scheme="https") for s in g) for r, g in groups.items()}
         router = dataclasses.replace(router, scheme="https")
     startup = _get(top, "startup_timeout_s", float, "", 300.0)

@@ -13,8 +13,9 @@ hosts need no `insecure: true` (which plain HTTP to a non-loopback host still ne
 Owns parsing (every error names its key and the file) and the SSL contexts; never opens a socket. The
 certificates are loaded when the config is parsed, so a bad file fails `kvbridge check` and start-up, not the
 first request. Clients from outside (an OpenAI SDK) trust the same CA (`httpx.Client(verify=ca)`).
-Not covered: vLLM servers (a config with `engine: vllm` and `tls` is refused: their OpenAI server and the
-member's guard stay plain HTTP), etcd's own TLS, and the bytes the `tcp` agent moves (docs/limits.md).
+vLLM servers (`engine: vllm`, which then needs `disagg_cluster`): each runs under a `kvbridge worker` whose
+guard (vllm_guard.py) serves HTTPS with these files in front of it, the server itself on loopback in plain
+HTTP. Not covered: etcd's own TLS, and the bytes the `tcp` agent moves (docs/limits.md).
 """
 
 from __future__ import annotations

@@ -145,10 +145,12 @@ async def _reply(send, status: int, obj) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def guard_server(upstream: str, token: str) -> "GuardServer":
-    """The guard's uvicorn server (to be served on a socket of `listen.bind`) in front of `upstream`."""
+def guard_server(upstream: str, token: str, tls=None) -> "GuardServer":
+    """The guard's uvicorn server (to be served on a socket of `listen.bind`) in front of `upstream`; HTTPS with
+    `tls` (the config's tls.TlsSpec: vLLM itself then stays plain HTTP on loopback behind it)."""
     return GuardServer(uvicorn.Config(guard_app(upstream, token), log_level="warning", lifespan="on",
-                                      access_log=False, timeout_graceful_shutdown=5))
+                                      access_log=False, timeout_graceful_shutdown=5,
+                                      **(tls.server_kwargs() if tls is not None else {})))
 
 
 def guard_app(upstream: str, token: str):

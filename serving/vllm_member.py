@@ -62,7 +62,7 @@ def run_member(cfg, spec, port_file: str | None, token: str | None) -> int:
         guard_sock = bind(spec.bind_host or spec.host, spec.port)
         spec = dataclasses.replace(spec, port=guard_sock.getsockname()[1])
         loop = "127.0.0.1"
-        inner = dataclasses.replace(spec, host=loop, bind_host=loop, port=free_port(loop))
+        inner = dataclasses.replace(spec, host=loop, bind_host=loop, port=free_port(loop), scheme="http")
     elif spec.port == 0:  # vLLM binds the number it is given: pick one now
         spec = inner = dataclasses.replace(spec, port=free_port(spec.bind_host or "127.0.0.1"))
     announce(port_file, spec.port)
@@ -120,19 +120,20 @@ def _relay(cfg, spec, vspec, instance: str):
 
 
 def guarded(cfg, spec) -> bool:
-    """Whether the member's server is to be reached from other hosts through a guard (vllm_guard.py): in a
-    disagg_cluster, at a non-loopback address. `insecure: true` does not take the guard away: it accepts plain
-    HTTP across hosts (no TLS), not a vLLM that answers strangers (a member always has the token)."""
+    """Whether the member's server is reached through a guard (vllm_guard.py): in a disagg_cluster, at a
+    non-loopback address, or anywhere with `tls` (the guard serves HTTPS; vLLM stays plain on loopback behind
+    it). `insecure: true` does not take the guard away: it accepts plain HTTP across hosts (no TLS), not a
+    vLLM that answers strangers (a member always has the token)."""
     from ..netaddr import is_loopback
 
-    return cfg.cluster is not None and not is_loopback(spec.bind_host or spec.host)
+    return cfg.cluster is not None and (cfg.tls is not None or not is_loopback(spec.bind_host or spec.host))
 
 
-async def _guard(sock, upstream: str, token: str):
-    """The guard's uvicorn serving on `sock` in this loop: (server, its task)."""
+async def _guard(sock, upstream: str, token: str, tls=None):
+    """The guard's uvicorn serving on `sock` in this loop (HTTPS with `tls`): (server, its task)."""
     from .vllm_guard import guard_server
 
-    guard = guard_server(upstream, token)
+    guard = guard_server(upstream, token, tls)
     return guard, asyncio.create_task(guard.serve(sockets=[sock]))
 
 
@@ -143,7 +144,8 @@ async def _member(cfg, spec, server, instance: str, relay: _Relay | None, inner_
     from ..integrations.vllm.launch import health
     from .worker_cluster import wait_quiet
 
-    guard, guard_task = await _guard(guard_sock, inner_url, token) if guard_sock is not None else (None, None)
+    guard, guard_task = (await _guard(guard_sock, inner_url, token, cfg.tls) if guard_sock is not None
+                         else (None, None))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -96,7 +96,7 @@ def test_a_bad_tls_section_is_refused_naming_the_key(certs, tmp_path):
         with pytest.raises(ServeConfigError) as e:
             parse_config({**CFG, "tls": tls})
         assert message in str(e.value), (tls, str(e.value))
-    with pytest.raises(ServeConfigError, match="not supported with engine: vllm"):
+    with pytest.raises(ServeConfigError, match="tls: with engine: vllm needs disagg_cluster"):
         parse_config({**CFG, "tls": certs.tls(), "context_servers": {"engine": "vllm"},
                       "generation_servers": {"engine": "vllm"}})
     with pytest.raises(ServeConfigError, match="the config has tls: the router speaks https"):

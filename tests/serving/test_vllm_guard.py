@@ -1,8 +1,9 @@
 """The guard in front of a vLLM server reached from other hosts (serving/vllm_guard.py), under faults.
 
 tests/vllm/test_vllm_members.py runs it in front of real vLLM servers (join, streamed and plain traffic, the
-drain, the routes vLLM leaves open refused). Here, what needs no vLLM: a server that is not there (fault
-injection: a closed port behind the guard) and a body over the bound, on a real uvicorn and real sockets.
+drain, the routes vLLM leaves open refused), and tests/vllm/test_kv_aware_vllm.py serving HTTPS (`tls:`). Here,
+what needs no vLLM: a server that is not there (fault injection: a closed port behind the guard), a body over
+the bound, and the guard as the TLS end, on a real uvicorn and real sockets.
 """
 
 from __future__ import annotations
@@ -21,21 +22,27 @@ from kvbridge.serving.vllm_guard import guard_server
 TOKEN = "t" * 32
 
 
-@pytest.fixture()
-def guard(monkeypatch):
-    monkeypatch.setattr(vllm_guard, "MAX_BODY", 1 << 16)
+def _serve_guard(tls=None):
+    """A guard (HTTPS with `tls`) in front of a closed port: (its url, server, thread), once it serves."""
     gone = bind("127.0.0.1", 0)
     port = gone.getsockname()[1]
     gone.close()  # nothing listens behind the guard: a vLLM server that died
     sock = bind("127.0.0.1", 0)
-    server = guard_server(f"http://127.0.0.1:{port}", TOKEN)
+    server = guard_server(f"http://127.0.0.1:{port}", TOKEN, tls)
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{sock.getsockname()[1]}"
     deadline = time.monotonic() + 20
     while not server.started:
         assert time.monotonic() < deadline, "the guard did not start"
         time.sleep(0.05)
+    return url, server, t
+
+
+@pytest.fixture()
+def guard(monkeypatch):
+    monkeypatch.setattr(vllm_guard, "MAX_BODY", 1 << 16)
+    url, server, t = _serve_guard()
     yield url
     server.should_exit = True
     t.join(10)
@@ -57,6 +64,30 @@ def test_a_server_that_is_gone_or_a_body_over_the_bound_fail_by_name_and_the_gua
     r = httpx.post(guard + "/v1/completions", content=b"x" * (1 << 17), headers=h, timeout=20)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     assert httpx.get(guard + "/health", headers=h, timeout=10).status_code == 502  # still answering, by name
+
+
+def test_with_tls_the_guard_serves_https_only_to_callers_that_trust_the_deployments_ca(tmp_path):
+    """`tls:` with engine vllm: the guard is the TLS end (vLLM stays plain on loopback behind it)."""
+    from kvbridge.serving.tls import parse_tls
+
+    from .tls_certs import make_certs, openssl_missing
+
+    if openssl_missing():
+        pytest.skip(openssl_missing())
+    certs = make_certs(str(tmp_path))
+    url, server, t = _serve_guard(parse_tls(certs.tls()))
+    try:
+        h = {"X-KVBridge-Token": TOKEN}
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers=h, verify=certs.trust(), timeout=20)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"  # through TLS
+        assert httpx.get(url + "/metrics", verify=certs.trust(), timeout=10).status_code == 401  # token still
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(url + "/health", headers=h, verify=certs.trust(certs.other_ca), timeout=10)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url.replace("https://", "http://") + "/health", headers=h, timeout=10)
+    finally:
+        server.should_exit = True
+        t.join(10)
 
 
 def test_a_caller_that_goes_away_mid_stream_closes_the_servers_request(monkeypatch):

@@ -9,6 +9,9 @@ same server, the decision names the prefix's whole blocks as held there and nowh
 prefix-cache counter on that server rises by at least those tokens (the KV the router counted on was really
 there). Then the server holding the last prefix leaves by SIGTERM: its blocks leave the index, and the prompt
 goes to the other. Every answer equals that other server's own (it computes and decodes alone).
+The deployment speaks HTTPS (`tls:`, test certificates made with openssl; plain HTTP where it is missing):
+each vLLM server sits behind its member's guard, the TLS end, so every call of the router (hops, /tokenize,
+/health), of the registration and of this test reaches vLLM through TLS and the deployment's token.
 """
 from __future__ import annotations
 
@@ -23,8 +26,11 @@ import pytest
 
 from kvbridge.bench.common import metric_by, metric_sum
 
+from kvbridge.serving.auth import TOKEN_HEADER
+
 from ..serving.cluster import TOKEN, start_process
 from ..serving.members import Deployment
+from ..serving.tls_certs import make_certs, openssl_missing
 from .conftest import needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -65,12 +71,16 @@ def _pairs() -> list[tuple[dict, dict]]:
              {"messages": [system, {"role": "user", "content": _words(13, 9)}]})]
 
 
+HEADERS = {"Authorization": f"Bearer {TOKEN}", TOKEN_HEADER: TOKEN}  # vLLM's api key, and its guard's token
+VERIFY: dict = {0: True}  # the test's trust: the deployment's CA once its certificates are made
+
+
 def _tokenize(url: str, req: dict) -> list[int]:
     """The request's prompt as that vLLM server tokenizes it (its own /tokenize; token ids as they are)."""
     if isinstance(req.get("prompt"), list):
         return req["prompt"]
-    r = httpx.post(url + "/tokenize", json={"model": "tiny-llama", **req},
-                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    r = httpx.post(url + "/tokenize", json={"model": "tiny-llama", **req}, headers=HEADERS, verify=VERIFY[0],
+                   timeout=30)
     assert r.status_code == 200, r.text[:500]
     return r.json()["tokens"]
 
@@ -83,12 +93,14 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def _index_blocks(router: str) -> dict[str, float]:
-    return metric_by(httpx.get(router + "/metrics", timeout=10).text, "kvbridge_router_kv_index_blocks", "worker")
+    return metric_by(httpx.get(router + "/metrics", verify=VERIFY[0], timeout=10).text,
+                     "kvbridge_router_kv_index_blocks", "worker")
 
 
 def _prefix_hits(url: str) -> float:
     """vLLM's vllm:prefix_cache_hits_total (tokens served from its prefix cache)."""
-    return metric_sum(httpx.get(url + "/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
+    return metric_sum(httpx.get(url + "/metrics", headers=HEADERS, verify=VERIFY[0], timeout=10).text,
+                      "vllm:prefix_cache_hits_total")
 
 
 def _wait(cond, what: str, timeout: float = 60) -> None:
@@ -101,7 +113,12 @@ def _wait(cond, what: str, timeout: float = 60) -> None:
 def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_model, tmp_path, monkeypatch):
     short = tempfile.mkdtemp(prefix="kvb-")  # vLLM's ipc sockets live under TMPDIR: keep the path short
     monkeypatch.setenv("TMPDIR", short)
-    dep = Deployment(tmp_path, _config())
+    cfg = _config()
+    if not openssl_missing():
+        certs = make_certs(str(tmp_path / "certs"))
+        cfg["tls"] = certs.tls()
+        monkeypatch.setitem(VERIFY, 0, certs.trust())
+    dep = Deployment(tmp_path, cfg, verify=VERIFY[0])
     try:
         for role, name, index in (("context", "p-a", 0), ("context", "p-b", 1), ("generation", "d-a", 0)):
             dep.procs[name] = start_process(["worker", "--config", dep.worker_config, "--role", role,
@@ -109,7 +126,10 @@ def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_mo
         dep.wait_healthy("p-a", "p-b", "d-a", timeout=400)
         _wait(lambda: set(_index_blocks(dep.router)) >= {"p-a", "p-b", "d-a"}, "the router follows all three")
         urls = {n: dep.url(n) for n in ("p-a", "p-b")}
-        client = openai.OpenAI(base_url=dep.router + "/v1", api_key="unused", timeout=240, max_retries=0)
+        assert all(u.startswith("https://" if "tls" in cfg else "http://") for u in urls.values()), urls
+        http = httpx.Client(verify=VERIFY[0], timeout=240)
+        client = openai.OpenAI(base_url=dep.router + "/v1", api_key="unused", http_client=http, timeout=240,
+                               max_retries=0)
         answers: list[tuple[dict, str]] = []
 
         def ask(req: dict) -> dict:
@@ -148,7 +168,8 @@ def test_kv_aware_routes_vllm_prompts_to_the_server_holding_their_prefix(tiny_mo
         got = ask(second)
         assert got["route"]["context"]["worker"] == other and got["route"]["context"]["hit_tokens"] == 0, got
         # every answer equals the remaining prefill server's own (asked last: its cache took no part above)
-        alone = openai.OpenAI(base_url=urls[other] + "/v1", api_key=TOKEN, timeout=240)
+        alone = openai.OpenAI(base_url=urls[other] + "/v1", api_key=TOKEN, default_headers={TOKEN_HEADER: TOKEN},
+                              http_client=http, timeout=240, max_retries=0)
         for req, text in answers:
             if "messages" in req:
                 want = alone.chat.completions.create(model="tiny-llama", max_tokens=MAX_TOKENS, temperature=0,
