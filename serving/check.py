@@ -59,6 +59,8 @@ def _devices(s: ServerSpec) -> list[str]:
 def describe(cfg: ServeConfig) -> str:
     """The deployment, one line per worker and rank."""
     lines = [f"model: {cfg.model}", f"router: {cfg.router.url} (policy {cfg.router.policy})"]
+    if cfg.tls is not None:
+        lines.append(f"tls: HTTPS with {cfg.tls.cert} (key {cfg.tls.key}); peers checked against {cfg.tls.ca}")
     cl = cfg.cluster
     if cl is not None:
         lines.append(f"disagg_cluster: workers join through {cl.uri} (cluster {cl.name}), heartbeat "

@@ -110,5 +110,8 @@ def test_tls_turns_every_url_into_https_and_keeps_absolute_paths(certs, tmp_path
     assert cfg.tls.ca == certs.ca and cfg.raw["tls"] == certs.tls()  # what a started worker reads
     assert cfg.router.url.startswith("https://") and cfg.cluster.uri.startswith("https://")
     assert cfg.cluster.router_registry and all(s.url.startswith("https://") for s in cfg.servers())
+    from kvbridge.serving.check import describe
+
+    assert f"tls: HTTPS with {certs.cert}" in describe(cfg)  # what `kvbridge serve --check` prints
     plain = parse_config(CFG)
-    assert plain.tls is None and plain.router.url.startswith("http://")
+    assert plain.tls is None and plain.router.url.startswith("http://") and "tls:" not in describe(plain)
