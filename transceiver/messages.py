@@ -57,7 +57,9 @@ from ..formatter.mapping import MAPPING_VERSION
 PROTOCOL_VERSION = 5  # bump when a message changes shape or meaning (2: Fetch carries the request's secret;
 #                        3: read-ahead; 4: a read-ahead Fetch may carry its Done: an older peer would ignore it;
 #                        5: a staged Blocks may come before every layer is packed: layers_ready counts the
-#                        layers packed, LayersReady follows each pack; Welcome.staging_kind)
+#                        layers packed, LayersReady follows each pack; Welcome.staging_kind). Not bumped: a
+#                        failed reader's Done(ok=False) may now withdraw a Fetch still waiting for the publish
+#                        (an older context rank answers it as about an unknown request, as before)
 MAX_FRAME_BYTES = 16 << 20  # 2M block ids fit; a larger frame is refused before decoding
 MAX_BLOCK_IDS = 1 << 21
 MAX_BATCH = 256  # wire messages one ZeroMQ message may carry (its parts); a longer one is refused whole

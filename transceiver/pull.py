@@ -88,7 +88,7 @@ class LegState(str, Enum):
 
 LEG_MOVES: dict[LegState, frozenset[LegState]] = {
     LegState.NEW: frozenset({LegState.FETCH_SENT}),
-    LegState.FETCH_SENT: frozenset({LegState.FETCHED, LegState.NEW}),
+    LegState.FETCH_SENT: frozenset({LegState.FETCHED, LegState.NEW, LegState.DONE_SENT}),  # DONE_SENT: withdrawn
     LegState.FETCHED: frozenset({LegState.DONE_SENT}),
     LegState.DONE_SENT: frozenset({LegState.ACKED}),
     LegState.ACKED: frozenset(),
@@ -133,6 +133,7 @@ class Leg:
     ranges: list[range] = field(default_factory=list)  # staged path: the global layers each of `handles` reads
     unpacks: list[Any] = field(default_factory=list)  # staged path: Futures unpacking ranges[i] (worker thread)
     read_ahead: bool = False  # the block ids came from DisaggParams; the context rank sends no Blocks
+    refused: bool = False  # the context rank answered this leg's Fetch with an Error: nothing of ours is kept there
     plans: list[np.ndarray] = field(default_factory=list)  # plan arrays its reads use: reused once settled
 
     def advance(self, to: LegState) -> None:

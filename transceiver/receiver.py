@@ -382,8 +382,12 @@ class Receiver(IOThread):
         flight) keep the pull quarantined, blocks held, until they settle or quarantine_s runs out."""
         settled = not any(leg.pending() for leg in pull.legs.values())
         if settled or now > pull.drain_deadline:
-            for leg in pull.legs.values():  # the context ranks may release their side now
-                if leg.state is LegState.FETCHED and self._peers.get(leg.endpoint) is not None:
+            # The context ranks may release their side now: a leg whose Fetch was answered (FETCHED), or sent and
+            # not answered (FETCH_SENT: the context rank may keep it waiting for the publish; the Done withdraws
+            # it, so the request fails there as soon as it is published instead of after its pickup timeout)
+            for leg in pull.legs.values():
+                if (leg.state is LegState.FETCHED or leg.state is LegState.FETCH_SENT and not leg.refused) and \
+                        self._peers.get(leg.endpoint) is not None:
                     self._peers.send(self._peers.get(leg.endpoint),
                                m.Done(pull.ctx_request_id, self.pool.rank, False, pull.error[:500]).encode())
                     leg.advance(LegState.DONE_SENT)

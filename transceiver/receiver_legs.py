@@ -77,5 +77,6 @@ class LegFrames:
             self._reset(peer)
             return
         etype = m.ERROR_TYPES.get(msg.code, TransceiverError).__name__
+        leg.refused = True
         peer.legs.discard((pull.request_id, leg.ctx_rank))
         self._fail(pull, etype, f"context rank {leg.ctx_rank} ({leg.endpoint}): {msg.message}")

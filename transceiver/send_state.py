@@ -204,11 +204,15 @@ def unknown_answer(tomb: Tomb | None, secret: bytes, rid: int, rank: int, wait_s
 
 class EarlyFetches:
     """Fetches that arrived before their request was published (the executor publishes after its step), each
-    waiting until its deadline; at most `limit` request ids wait at once."""
+    waiting until its deadline; at most `limit` request ids wait at once. A reader that gives up before the
+    publish withdraws its Fetch (`withdraw`: its Done(ok=False) came): it still waits, so that at the publish
+    the reader is admitted and its failure counted at once (the request fails there instead of staying pinned
+    for a reader that is gone until its pickup timeout)."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._by_rid: dict[int, list[tuple[float, bytes, m.Fetch]]] = {}
+        self._withdrawn: dict[tuple[int, bytes], str] = {}  # (rid, ident) -> the reader's error
 
     def __bool__(self) -> bool:
         return bool(self._by_rid)
@@ -221,8 +225,20 @@ class EarlyFetches:
         self._by_rid.setdefault(rid, []).append((deadline, ident, msg))
 
     def take(self, rid: int) -> list[tuple[float, bytes, m.Fetch]]:
-        """Remove and return the Fetches waiting for `rid` (put back with `add` those that must keep waiting)."""
+        """Remove and return the Fetches waiting for `rid` (put back with `add` those that must keep waiting;
+        `withdrawn` then says which of them their readers gave up)."""
         return self._by_rid.pop(rid, [])
+
+    def withdraw(self, rid: int, ident: bytes, error: str) -> bool:
+        """Note that the reader at `ident` gave up its Fetch waiting for `rid`; False if none of its waits."""
+        if not self.waiting(rid, ident):
+            return False
+        self._withdrawn[(rid, ident)] = error or "the reader gave up before the publish"
+        return True
+
+    def withdrawn(self, rid: int, ident: bytes) -> str | None:
+        """The error of a withdrawn Fetch (forgotten once asked), None if it was not withdrawn."""
+        return self._withdrawn.pop((rid, ident), None)
 
     def expired(self, now: float) -> list[tuple[int, bytes, m.Fetch]]:
         """Remove and return (rid, ident, fetch) of every Fetch past its deadline."""
@@ -232,6 +248,7 @@ class EarlyFetches:
             for d, ident, msg in self._by_rid.pop(rid):
                 if d < now:
                     out.append((rid, ident, msg))
+                    self._withdrawn.pop((rid, ident), None)
                 else:
                     keep.append((d, ident, msg))
             if keep:

@@ -209,7 +209,11 @@ class Sender(IOThread):
         self._set_pinned()
         for d, ident, msg in self._early.take(c.rid):
             if hmac.compare_digest(c.secret, msg.secret):
+                gave_up = self._early.withdrawn(c.rid, ident)
                 self._on_fetch(ident, msg)
+                e, s = self._entries.get(c.rid), self._sessions.get(ident)
+                if gave_up is not None and e is not None and s is not None and e.fetched.get(s.gen_rank) == ident:
+                    self._reader_done(ident, e, s.gen_rank, False, gave_up, True, "", ack=False)  # fails now
             else:  # a wrong secret keeps waiting, to the same deadline, exactly as for an unknown id
                 self._early.add(c.rid, d, ident, msg)
 
@@ -392,6 +396,9 @@ class Sender(IOThread):
         if s is None:
             return
         e = self._entries.get(msg.ctx_request_id)
+        if e is None and not msg.ok and self._early.withdraw(msg.ctx_request_id, ident, msg.error):
+            self._send(ident, m.DoneAck(msg.ctx_request_id, False, "withdrawn before the publish").encode())
+            return
         if e is None or e.fetched.get(s.gen_rank) != ident:
             tomb = self._tomb.get(msg.ctx_request_id)
             status = tomb.status if tomb is not None and ident in tomb.readers else "unknown"  # readers only
@@ -405,11 +412,13 @@ class Sender(IOThread):
         self._reader_done(ident, e, s.gen_rank, msg.ok, msg.error, True, "")
 
     def _reader_done(self, ident: bytes, e: Entry, gen_rank: int, ok: bool, error: str, intact: bool,
-                     why: str, counted: bool = True) -> None:
+                     why: str, counted: bool = True, ack: bool = True) -> None:
+        """`ack`: answer the reader (not for a Done it sent before the publish: that one was answered then)."""
         self._readers.ended(1 if counted and gen_rank not in e.done else 0)
         e.done[gen_rank] = ok
         self._jobs.release(e, gen_rank)
-        self._send(ident, m.DoneAck(e.rid, True, why, intact).encode())
+        if ack:
+            self._send(ident, m.DoneAck(e.rid, True, why, intact).encode())
         if not ok:
             log.info("request %d: generation rank %d failed its read: %s", e.rid, gen_rank, error)
         if e.cancel_requested and not e.active_readers:

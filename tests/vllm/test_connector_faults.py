@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from .pd import Cell, Servers, completion, decode, describe_of, digests, early_params, prefill, prompt, skip_reason
-from .pd import tokens, wait_log, wait_no_blocks_held
+from .pd import kv_usage, tokens, wait_log, wait_no_blocks_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(skip_reason() is not None, reason=f"vLLM not available: {skip_reason()}")]
@@ -99,20 +99,29 @@ def test_prefill_killed_between_the_hops_fails_in_bounded_time_and_decode_stays_
 def test_clients_that_give_up_leave_no_block_held_and_the_engines_exact(servers):
     """Two clients disconnect mid-request, which vLLM turns into aborts: (A) an early decode waiting for its
     prefill, whose prefill then runs and publishes for a reader that is gone; (B) a sequential decode while it
-    pulls. The decode engine frees its blocks at once, the prefill engine the orphaned publish's when its
-    pickup lease runs out (30 s here), and both still answer exactly."""
+    pulls (or before: 10 ms). The decode engine frees its blocks at once; the prefill engine frees (A)'s
+    orphaned publish as it publishes (the cancelled pull's Done withdrew its waiting Fetch; before, the Fetch
+    was admitted at the publish and the blocks held until the gone reader's lease, 10 s, ran out), and (B)'s
+    once the pull's Done comes (a decode aborted before its Fetch went out tells the prefill nothing: the
+    pickup lease, 30 s here); and both still answer exactly."""
     P, D = servers.use("p1", "d1")
     describe = describe_of(prefill(P.url, prompt(40, 710)))
     p = prompt(700, 11)
     decode_params, prefill_params = early_params(describe)
     assert gave_up(lambda: completion(D.url, p, 8, kv_transfer_params=decode_params, timeout=0.3))
     time.sleep(0.5)  # vLLM has taken the disconnect
+    held = kv_usage(P.url)  # the describe's prefill above: pinned for a reader until its pickup lease (30 s)
     completion(P.url, p, 1, kv_transfer_params=prefill_params).raise_for_status()
+    deadline = time.monotonic() + 5  # (A)'s blocks go at its publish, not once the gone reader's lease (10 s) ends
+    while kv_usage(P.url) > held and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kv_usage(P.url) <= held, (kv_usage(P.url), held)
     q = prompt(700, 12)
     params = prefill(P.url, q)
     assert gave_up(lambda: completion(D.url, q, 8, kv_transfer_params=params, timeout=0.01))
     assert wait_no_blocks_held(D.url) == 0
-    assert wait_no_blocks_held(P.url, timeout=60) == 0
+    assert wait_no_blocks_held(P.url, timeout=60) == 0  # the describe's, (B)'s: a decode aborted before its
+    #                                                     Fetch went out tells the prefill nothing (the lease)
     r = prompt(300, 13)
     assert tokens(decode(D.url, r, prefill(P.url, r))) == tokens(completion(D.url, r, 8))
 
