@@ -384,7 +384,7 @@ class Receiver(IOThread):
         if settled or now > pull.drain_deadline:
             # The context ranks may release their side now: a leg whose Fetch was answered (FETCHED), or sent and
             # not answered (FETCH_SENT: the context rank may keep it waiting for the publish; the Done withdraws
-            # it, so the request fails there as soon as it is published instead of after its pickup timeout)
+            # it, so the request fails there as it is published instead of once our lapsed lease runs out)
             for leg in pull.legs.values():
                 if (leg.state is LegState.FETCHED or leg.state is LegState.FETCH_SENT and not leg.refused) and \
                         self._peers.get(leg.endpoint) is not None:

@@ -207,7 +207,7 @@ class EarlyFetches:
     waiting until its deadline; at most `limit` request ids wait at once. A reader that gives up before the
     publish withdraws its Fetch (`withdraw`: its Done(ok=False) came): it still waits, so that at the publish
     the reader is admitted and its failure counted at once (the request fails there instead of staying pinned
-    for a reader that is gone until its pickup timeout)."""
+    for a reader that is gone until its lease runs out)."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
