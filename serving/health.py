@@ -59,11 +59,14 @@ async def probe(client: httpx.AsyncClient, w: WorkerRef, timeout: httpx.Timeout,
     """GET the worker's /health once, bounded by `timeout`, and apply `rule` to the outcome; returns the
     answer's JSON object when it answered 200 (None otherwise)."""
     from .relay import json_or_none
+    from .tls import certificate_error
 
     try:
         r = await client.get(w.url + "/health", timeout=timeout)
-    except httpx.ConnectError as e:  # refused (or unroutable): nothing is listening
-        rule.saw(w, False, f"/health: {type(e).__name__}", refused=True)
+    except httpx.ConnectError as e:  # refused (or unroutable): nothing is listening; or its certificate failed
+        bad_cert = certificate_error(e)
+        rule.saw(w, False, f"/health: {type(e).__name__}" + (f": its certificate: {bad_cert}" if bad_cert else ""),
+                 refused=True)
         return None
     except httpx.HTTPError as e:
         rule.saw(w, False, f"/health: {type(e).__name__}")

@@ -29,7 +29,7 @@ import httpx
 from .registry import Conflict, Store, StoreUnavailable
 from .registry.records import WorkerRecord, decode, encode, worker_key
 
-__all__ = ["Registrar", "DuplicateWorker"]
+__all__ = ["Registrar", "DuplicateWorker", "BadCertificate"]
 
 log = logging.getLogger("kvbridge.serving.registration")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
@@ -37,6 +37,10 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
 
 class DuplicateWorker(Exception):
     """Another live worker is registered under this worker's id."""
+
+
+class BadCertificate(Exception):
+    """This worker's certificate does not verify at its own URL (tls): no router could reach it."""
 
 
 @dataclass
@@ -60,7 +64,8 @@ class Registrar:
         return worker_key(self.record.cluster, self.record.worker_id)
 
     async def run(self) -> None:
-        """Steps 1-3 until cancelled; raises DuplicateWorker (fatal) or TimeoutError (never served)."""
+        """Steps 1-3 until cancelled; raises DuplicateWorker or BadCertificate (fatal) or TimeoutError (never
+        served)."""
         async with httpx.AsyncClient(headers=self.headers, timeout=2.0, verify=self.verify) as http:
             await self._wait_serving(http)
             await self._register_until_done(http)
@@ -107,13 +112,21 @@ class Registrar:
                         _why(e), self.ttl_s)
 
     async def _wait_serving(self, http: httpx.AsyncClient) -> None:
+        """Until this worker's own /health answers 200 at its record's URL (bounded); a certificate that does not
+        verify there (tls: not the CA's, or not naming the URL's host) is BadCertificate at once."""
+        from .tls import certificate_error
+
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             try:
                 if (await http.get(self.record.url + "/health")).status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
+            except httpx.HTTPError as e:
+                why = certificate_error(e)
+                if why:
+                    raise BadCertificate(f"{self.record.url}: this worker's own certificate does not verify there "
+                                         f"against tls.ca (its subjectAltName must name the url's host, and the CA "
+                                         f"must have signed it), so the router could not reach it: {why}") from None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.record.url}/health did not answer 200 within {self.ready_timeout_s:g}s")
             await asyncio.sleep(0.1)

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ServeConfigError
 
-__all__ = ["TlsSpec", "parse_tls", "client_verify"]
+__all__ = ["TlsSpec", "parse_tls", "client_verify", "certificate_error"]
 
 _KEYS = ("cert", "key", "ca")
 
@@ -61,6 +61,18 @@ def _client_context(ca: str) -> ssl.SSLContext:
 def client_verify(tls: TlsSpec | None) -> ssl.SSLContext | bool:
     """httpx's `verify` for calls inside the deployment: the CA's context with TLS, else the default (True)."""
     return tls.client_context() if tls is not None else True
+
+
+def certificate_error(e: BaseException) -> str:
+    """The certificate check that failed under an httpx error ("" if none did): a peer whose certificate does
+    not chain to the CA or does not name the host it was reached at is a deployment's mistake, not an outage."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
+            return str(e)
+        e = e.__cause__ or e.__context__
+    return ""
 
 
 def scheme(tls: TlsSpec | None) -> str:

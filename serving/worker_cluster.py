@@ -18,7 +18,7 @@ import time
 
 import uvicorn
 
-from .registration import DuplicateWorker, Registrar
+from .registration import BadCertificate, DuplicateWorker, Registrar
 
 __all__ = ["ClusterServer", "registrar_for", "cluster_registrar", "wait_quiet"]
 
@@ -86,7 +86,7 @@ class ClusterServer(uvicorn.Server):
     async def _membership(self) -> None:
         try:
             await self.registrar.run()
-        except DuplicateWorker as e:
+        except (DuplicateWorker, BadCertificate) as e:
             self.fatal = str(e)
             log.error("%s", e)
             self.should_exit = True

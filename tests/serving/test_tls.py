@@ -115,3 +115,21 @@ def test_tls_turns_every_url_into_https_and_keeps_absolute_paths(certs, tmp_path
     assert f"tls: HTTPS with {certs.cert}" in describe(cfg)  # what `kvbridge serve --check` prints
     plain = parse_config(CFG)
     assert plain.tls is None and plain.router.url.startswith("http://") and "tls:" not in describe(plain)
+
+
+def test_a_worker_whose_certificate_does_not_name_its_host_stops_at_once_saying_why(tmp_path):
+    """A cluster member checks its own URL through TLS before it registers: a certificate that does not name
+    the url's host (here: made for 10.9.9.9, the worker at 127.0.0.1) is a deployment's mistake, so the worker
+    exits 2 naming it instead of waiting out its start-up timeout (and the router never lists it)."""
+    from .members import Deployment, cluster_config
+
+    if openssl_missing():
+        pytest.skip(openssl_missing())
+    wrong = make_certs(str(tmp_path / "certs"), ("10.9.9.9",))
+    dep = Deployment(tmp_path, {**cluster_config(None), "tls": wrong.tls()}, verify=wrong.trust())
+    try:
+        p = dep.start_worker("context", "ctx-a")
+        assert p.wait(120) == 2, dep.tail("ctx-a")
+        assert "this worker's own certificate does not verify there" in dep.tail("ctx-a"), dep.tail("ctx-a")
+    finally:
+        dep.stop()
