@@ -4,6 +4,7 @@
     python examples/client.py --stream "Write a haiku about the sea."     # chat, printed as it arrives
     python examples/client.py --completion --max-tokens 16 "Once upon a time"
     python examples/client.py --url http://router-host:8000/v1 ...
+    python examples/client.py --url https://router-host:8000/v1 --cacert ca.crt ...   # a router with tls:
 
 Prints the answer, then what kvbridge adds to each response (the `kvbridge` field): which workers served it
 and the KV transfer's bytes, fragments and milliseconds. Errors arrive as OpenAI error objects and are
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 import sys
 
 import httpx
@@ -29,13 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer (default 300)")
+    ap.add_argument("--cacert", default=None,
+                    help="the CA bundle an https:// router's certificate must chain to (the deployment's tls.ca)")
     a = ap.parse_args(argv)
     if a.completion:
         path, body = "/completions", {"prompt": a.prompt}
     else:
         path, body = "/chat/completions", {"messages": [{"role": "user", "content": a.prompt}]}
     body.update(max_tokens=a.max_tokens, temperature=a.temperature, stream=a.stream)
-    with httpx.Client(base_url=a.url, timeout=a.timeout) as client:
+    verify = ssl.create_default_context(cafile=a.cacert) if a.cacert else True
+    with httpx.Client(base_url=a.url, timeout=a.timeout, verify=verify) as client:
         try:
             return _stream(client, path, body) if a.stream else _whole(client, path, body)
         except httpx.HTTPError as e:

@@ -133,3 +133,19 @@ def test_a_worker_whose_certificate_does_not_name_its_host_stops_at_once_saying_
         assert "this worker's own certificate does not verify there" in dep.tail("ctx-a"), dep.tail("ctx-a")
     finally:
         dep.stop()
+
+
+def test_the_example_client_talks_to_an_https_router_with_the_ca(cluster, certs):
+    """examples/client.py --cacert: what a newcomer runs against a router with tls (and without the CA: an
+    error that names the certificate)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, os.path.join(root, "examples", "client.py"), "--url", cluster.router_url + "/v1",
+           "--completion", "--max-tokens", "4", "hello"]
+    ok = subprocess.run([*cmd, "--cacert", certs.ca], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "ctx0 -> gen0" in ok.stdout + ok.stderr, ok.stdout + ok.stderr
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in bad.stdout + bad.stderr
