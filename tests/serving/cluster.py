@@ -34,6 +34,21 @@ HEADERS = {TOKEN_HEADER: TOKEN}
 PATIENT = {"transfer_timeout_s": 60, "peer_timeout_s": 300, "lease_s": 30, "heartbeat_s": 1}
 
 
+def exact_config() -> dict:
+    """A small deployment (tcp agent, positional KV digests on) whose generation side pulls every prompt whole,
+    so its KV must equal the context side's byte for byte (kvcheck.py: a prefix it reused could come from an
+    earlier prefill that rounded differently)."""
+    return {
+        "model": MODEL,
+        "executor": {"num_blocks": 64, "tokens_per_block": 8, "threads_per_rank": 1, "timeout_s": 120,
+                     "kv_digests": True},
+        "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
+        "router": {"port": 0, "request_timeout_s": 120},
+        "context_servers": {"tp": 1},
+        "generation_servers": {"tp": 1, "executor": {"enable_block_reuse": False}},
+    }
+
+
 def config(tmp_path, name: str, d: dict) -> str:
     path = os.path.join(str(tmp_path), f"{name}.yaml")
     with open(path, "w") as f:

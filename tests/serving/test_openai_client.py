@@ -12,21 +12,11 @@ import pytest
 
 from kvbridge.serving.text import TextCodec
 
-from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, launch
+from .cluster import HEADERS, MODEL, PROMPTS, exact_config, launch
 from .conftest import CHAT, MAX_TOKENS
 from .kvcheck import assert_kv_positional, handles_of, kv_digest
 
-CFG = {
-    "model": MODEL,
-    "executor": {"num_blocks": 64, "tokens_per_block": 8, "threads_per_rank": 1, "timeout_s": 120,
-                 "kv_digests": True},
-    "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
-    "router": {"port": 0, "request_timeout_s": 120},
-    "context_servers": {"tp": 1},
-    # the generation side pulls every prompt whole, so its KV must equal the context side's byte for byte
-    # (kvcheck.py: a prefix it reused could come from an earlier prefill that rounded differently)
-    "generation_servers": {"tp": 1, "executor": {"enable_block_reuse": False}},
-}
+CFG = exact_config()
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,12 @@ import pytest
 from kvbridge.errors import ServeConfigError
 from kvbridge.serving.config import parse_config
 
-from .cluster import HEADERS, MODEL, PATIENT, PROMPTS, launch
+from .cluster import HEADERS, MODEL, PROMPTS, exact_config, launch
 from .conftest import MAX_TOKENS
 from .kvcheck import assert_kv_positional
 from .tls_certs import make_certs, openssl_missing
 
-CFG = {
-    "model": MODEL,
-    "executor": {"num_blocks": 64, "tokens_per_block": 8, "threads_per_rank": 1, "timeout_s": 120,
-                 "kv_digests": True},
-    "transceiver": {"agent": "tcp", "handshake_timeout_s": 3, **PATIENT},
-    "router": {"port": 0, "request_timeout_s": 120},
-    "context_servers": {"tp": 1},
-    "generation_servers": {"tp": 1, "executor": {"enable_block_reuse": False}},
-}
+CFG = exact_config()
 
 
 @pytest.fixture(scope="module")

@@ -256,3 +256,18 @@ class Cluster:
     def close(self) -> None:
         for p in self.procs:
             p.close()
+
+
+def raw_session(endpoint: str, layout, name: str = "raw-gen"):
+    """A raw generation-side DEALER that completed the handshake (Hello answered by Welcome), as any peer
+    allowed on the control plane can: for tests that speak the wire protocol frame by frame."""
+    import zmq
+
+    from kvbridge.transceiver import messages as m
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    s.send(m.Hello(name, 0, layout.to_wire(), ["nixl"]).encode())
+    assert s.poll(10000) and isinstance(m.decode(s.recv()), m.Welcome)
+    return s

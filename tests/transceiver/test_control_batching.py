@@ -22,6 +22,7 @@ from kvbridge.formatter.verify import pool_image
 from kvbridge.transceiver import CacheTransceiver, DisaggParams, TransceiverConfig
 from kvbridge.transceiver import messages as m
 
+from .ranks import raw_session
 from .test_read_ahead import _Relay
 
 LAY = KVLayout(KVShape(2, 2, 8, "float32", 16))
@@ -36,12 +37,7 @@ class _Req:
 
 def _session(endpoint: str) -> zmq.Socket:
     """A raw generation-side DEALER with a session (Hello answered by Welcome)."""
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    s.send(m.Hello("raw-gen", 0, LAY.to_wire(), ["nixl"]).encode())
-    assert s.poll(10000) and isinstance(m.decode(s.recv()), m.Welcome)
-    return s
+    return raw_session(endpoint, LAY)
 
 
 def _answers(s: zmq.Socket, count: int) -> list[m.Message]:

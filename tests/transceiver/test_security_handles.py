@@ -15,7 +15,7 @@ from kvbridge.transceiver import DisaggParams
 from kvbridge.transceiver import messages as m
 from kvbridge.transceiver.handles import RequestKey
 
-from .ranks import Cluster
+from .ranks import Cluster, raw_session
 
 LAYOUT = KVLayout(KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=16))
 CFG = {"agents": ["nixl"], "lease_s": 2.0, "heartbeat_s": 0.25, "pickup_timeout_s": 20.0,
@@ -32,12 +32,7 @@ def cluster():
 
 
 def _peer(endpoint: str) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    s.send(m.Hello("mallory", 0, LAYOUT.to_wire(), ["nixl"]).encode())
-    assert s.poll(10000) and isinstance(m.decode(s.recv()), m.Welcome)
-    return s
+    return raw_session(endpoint, LAYOUT, "mallory")
 
 
 def _answers(endpoint: str, fetches: dict[str, m.Fetch]) -> dict[str, tuple]:

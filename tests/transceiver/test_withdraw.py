@@ -12,12 +12,11 @@ from __future__ import annotations
 import time
 
 import pytest
-import zmq
 
 from kvbridge.formatter.layout import KVLayout, KVShape, ParallelSplit
 from kvbridge.transceiver import messages as m
 
-from .ranks import Cluster
+from .ranks import Cluster, raw_session
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=16)
 CFG = {"agents": ["nixl"], "lease_s": 30.0, "heartbeat_s": 0.25, "pickup_timeout_s": 60.0,
@@ -61,20 +60,11 @@ def test_a_pull_cancelled_before_the_publish_frees_the_context_blocks_at_the_pub
         c.close()
 
 
-def _peer(endpoint: str, layout: KVLayout) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    s.send(m.Hello("early-reader", 0, layout.to_wire(), ["nixl"]).encode())
-    assert s.poll(10000) and isinstance(m.decode(s.recv()), m.Welcome)
-    return s
-
-
 def test_only_a_waiting_fetch_is_withdrawn_and_a_fetch_left_waiting_still_pins_the_request():
     c = Cluster(2)
     try:
         c.setup(KVLayout(SHAPE), KVLayout(SHAPE), 16, 16, CFG)
-        s = _peer(c.endpoints[0], c.gen_layout)
+        s = raw_session(c.endpoints[0], c.gen_layout, "early-reader")
         s.send(m.Done(80, 0, False, "nothing waits for 80").encode())  # no Fetch of ours waits: unknown, as before
         assert s.poll(10000)
         a = m.decode(s.recv())
