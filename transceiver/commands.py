@@ -53,6 +53,7 @@ class Submit:
     num_tokens: int
     timeout_s: float
     from_token: int
+    withdraw: bool = False  # Receiver.withdraw: Fetch, then Done(ok=False); nothing read, nothing reported
 
 
 @dataclass(frozen=True)

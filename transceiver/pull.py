@@ -216,6 +216,7 @@ class Pull:
     secret: bytes = field(default=b"", repr=False)  # the context request's secret, sent in every Fetch
     ctx_blocks: np.ndarray | None = None  # read-ahead: the context block ids from DisaggParams
     scratch: PlanScratch | None = field(default=None, repr=False)  # plan arrays (None: the thread's own)
+    withdraw: bool = False  # Receiver.withdraw: its Fetches go out, then it fails (Done(ok=False)); no reads
 
     def advance(self, to: PullState) -> None:
         """The one place a pull's state changes; IllegalTransition for a move PULL_MOVES does not list."""

@@ -67,6 +67,7 @@ class Receiver(IOThread):
         self.instance = instance or uuid.uuid4().hex
         self._pulls: dict[int, Pull] = {}
         self._by_ctx: dict[int, set[int]] = {}  # context request id -> our pulls of it (frames name the former)
+        self._withdrawals = 0  # the last withdrawal's id (they count down from -1)
         self._touched: set[int] = set()  # pulls an event reached this tick: advanced now (the rest every _SWEEP_S)
         self._sweep_at = 0.0  # when every pull is advanced next (deadlines, handshakes, silence)
         self._last_beat = 0.0
@@ -110,6 +111,14 @@ class Receiver(IOThread):
             return
         self._command(cmd, wake=False)
         self._inline()
+
+    def withdraw(self, params: DisaggParams, num_tokens: int, timeout_s: float | None = None) -> None:
+        """Tell the context ranks this rank would have read `params`' request from that it never will (its
+        decode was aborted before its pull began): a Fetch (the secret proves the right to), then Done(ok=False),
+        so they free the request now, or as it is published, not after its pickup timeout. Reports nothing."""
+        self._withdrawals -= 1  # negative ids: never an owner's request id
+        self._command(Submit(self._withdrawals, params, np.zeros(0, np.int64), max(1, int(num_tokens)),
+                             float(timeout_s or self.config.transfer_timeout_s), 0, withdraw=True))
 
     def cancel(self, request_id: int) -> None:
         """Abort a pull; it still reports a (failed) result once its reads have settled."""
@@ -203,10 +212,10 @@ class Receiver(IOThread):
             self._report_now(c.request_id, "TransceiverError", f"request {c.request_id} is already being pulled")
             return
         legs = {p.ctx_rank: Leg(p.ctx_rank, c.params.endpoints[p.ctx_rank], p) for p in mapping.pieces(self.pool.rank)}
-        ahead = c.params.ctx_block_ids if self.config.read_ahead else None
+        ahead = c.params.ctx_block_ids if self.config.read_ahead and not c.withdraw else None
         self._pulls[c.request_id] = Pull(c.request_id, c.params.ctx_request_id, c.params.ctx_instance, c.blocks,
                                          c.num_tokens, now + c.timeout_s, legs, from_token=c.from_token,
-                                         secret=c.params.secret, scratch=self._plans,
+                                         secret=c.params.secret, scratch=self._plans, withdraw=c.withdraw,
                                          ctx_blocks=None if ahead is None else np.asarray(ahead, dtype=np.int64))
         self._by_ctx.setdefault(c.params.ctx_request_id, set()).add(c.request_id)
         self._touched.add(c.request_id)
@@ -415,6 +424,8 @@ class Receiver(IOThread):
             peer = self._peers.get(leg.endpoint)
             if peer is not None:
                 peer.legs.discard((pull.request_id, leg.ctx_rank))
+        if pull.withdraw:  # nobody waits for its result
+            return
         agents = tuple(sorted({leg.agent_kind for leg in pull.legs.values() if leg.agent_kind}))
         result = pull.result(agents)
         self._report(result)  # the owner first, the metrics after

@@ -54,9 +54,12 @@ class Handshake:
                 return True
             if peer.state is PeerState.READY and leg.state is LegState.NEW and self._send_fetch(pull, leg, peer, now):
                 return True
-            if leg.fetched and not leg.handles:  # start this leg's reads now; others may still be fetching
+            if leg.fetched and not leg.handles and not pull.withdraw:  # reads now; others may still be fetching
                 pull.mark("fetched")
                 pull.post_ready_layers(leg, self.pool.rank_pool, self.pool.agents[leg.agent_kind])
+        if pull.withdraw and all(leg.state in (LegState.FETCH_SENT, LegState.FETCHED) for leg in pull.legs.values()):
+            self._fail(pull, "RequestCancelled", "withdrawn: the request was aborted before its pull")
+            return True  # every context rank has our Fetch: the drain sends each its Done(ok=False)
         if all(leg.fetched for leg in pull.legs.values()):
             pull.advance(PullState.READ)
         return False
@@ -68,7 +71,7 @@ class Handshake:
                        f"{peer.welcome.ctx_instance}, request issued by {pull.ctx_instance})")
             return True
         leg.remote, leg.agent_kind, leg.peer_name = peer.remote, peer.agent_kind, peer.peer_name
-        staged = self._staging.want_staged(pull, leg, peer)
+        staged = not pull.withdraw and self._staging.want_staged(pull, leg, peer)
         ahead = pull.ctx_blocks is not None and not staged
         leg.advance(LegState.FETCH_SENT)
         done = False

@@ -11,6 +11,8 @@ unguessable and a restarted prefill engine's old handles name nothing.
              (layers marked ready by the forward) -> request_finished -> Finished (its sends may be reported)
     decode:  matched_tokens -> after_alloc -> Pull (or Refuse: bad params fail the load, nothing is pulled)
              request_finished while pulling -> cancel; scheduled again after its pull (preempted): local prefill
+             request_finished before its pull began (aborted while it waited, or its prompt all cached here)
+             -> Withdraw: the workers tell the prefill they will not read, so it frees the KV now
 """
 
 from __future__ import annotations
@@ -170,6 +172,10 @@ class SchedulerSide:
         """vLLM's request_finished: (keep the blocks for a decode instance, kv_transfer_params to answer)."""
         if req_id in self._pulling:  # aborted while its KV arrives: the workers cancel, vLLM frees on finish
             self._work.cancels.append(req_id)
+        elif req_id not in self._loaded and req_id not in self._early:  # its pull never began: withdraw it
+            remote = (self._seen.get(req_id) or self._parse(params, prompt))[0]
+            if remote is not None and remote.num_tokens > 0:
+                self._work.withdraws.append((remote.disagg.to_dict(), remote.num_tokens))
         self._seen.pop(req_id, None)
         self._local.pop(req_id, None)
         self._loaded.discard(req_id)

@@ -54,11 +54,13 @@ class StepWork:
     cancels: list[str] = field(default_factory=list)  # decode requests aborted while their pull runs
     finished: list[str] = field(default_factory=list)  # streamed prefill requests vLLM has finished
     send_cancels: list[str] = field(default_factory=list)  # streamed prefill requests aborted: unpublish
+    withdraws: list[tuple[dict, int]] = field(default_factory=list)  # (disagg params, tokens) of decode requests
+    #                                  finished before their pull began: the prefill frees their KV now
     idle: bool = False  # vLLM runs no forward this step: a worker whose pulls are in flight may wait for them
 
     def __bool__(self) -> bool:
         return bool(self.publishes or self.pulls or self.refusals or self.cancels or self.finished or
-                    self.send_cancels)
+                    self.send_cancels or self.withdraws)
 
 
 # A step with no forward (the engine only waits, e.g. for remote KV) blocks a worker up to this long for one of

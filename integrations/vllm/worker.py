@@ -133,6 +133,12 @@ class WorkerSide:
             self._fail(r.req_id, r.reason)
         for p in work.pulls:
             self._start_pull(p)
+        for params, n in work.withdraws:  # decode requests that finished before their pull began
+            if self.receiver is not None:
+                try:
+                    self.receiver.withdraw(DisaggParams.from_dict(params), n)
+                except Exception as e:  # noqa: BLE001 - the prefill then frees it at its pickup timeout
+                    log.warning("kvbridge: withdrawing a pull that never began failed: %s", e)
         for req_id in work.cancels:
             rid = self._pull_of.get(req_id)
             if rid is not None and self.receiver is not None:

@@ -89,6 +89,11 @@ def _serve(conn) -> None:
             elif cmd == "cancel":
                 state["tr"].cancel_request(arg)
                 conn.send(True)
+            elif cmd == "withdraw":  # (params dict, num_tokens): Receiver.withdraw
+                from kvbridge.transceiver import DisaggParams
+
+                state["tr"].receiver.withdraw(DisaggParams.from_dict(arg[0]), arg[1])
+                conn.send(True)
             elif cmd == "gen_status":  # pulls this generation rank still has in flight
                 conn.send({"in_flight": state["tr"].receiver.in_flight})
             elif cmd == "arrived_layers":  # (blocks, n, salt) of a pull in flight: its local layers whose

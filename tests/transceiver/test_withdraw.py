@@ -1,7 +1,9 @@
 """A reader that gives up before the publish withdraws its waiting Fetch: its Done(ok=False) comes while the
 Fetch waits for the request to be published (an early decode whose client went away), so the context rank
 fails the request the moment it is published and its blocks are freed then, not after the pickup timeout or
-a lease (60 s and 30 s here: far longer than any wait below).
+a lease (60 s and 30 s here: far longer than any wait below). A decode aborted before its pull even began
+withdraws the same way (`Receiver.withdraw`: a Fetch, then Done(ok=False), nothing read, nothing reported),
+before or after the publish.
 
 Real rank processes, real ZeroMQ; the readers are real generation ranks (TP1 and TP2: every expected reader
 must withdraw) and, for the wire rules, a raw DEALER that completed the handshake.
@@ -88,5 +90,30 @@ def test_only_a_waiting_fetch_is_withdrawn_and_a_fetch_left_waiting_still_pins_t
         s.send(m.Done(82, 0, False, "gave up after reading").encode())  # a published request: fails as before
         assert _finished(c, 82, 5.0)[0][1] == "failed"
         s.close()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("gen_tp", [1, 2])
+@pytest.mark.parametrize("when", ["published", "before_publish"])
+def test_a_decode_aborted_before_its_pull_withdraws_and_the_context_frees_at_once(gen_tp, when):
+    c = Cluster(1 + gen_tp)
+    try:
+        c.setup(KVLayout(SHAPE), KVLayout(SHAPE, ParallelSplit(gen_tp, 1)), 16, 16, CFG)
+        rid = 91
+        if when == "published":
+            c.publish([(rid, [7, 8], 20, rid)])
+        for p in c.gen:
+            assert p.call("withdraw", (c.params(rid), 20)) is True
+        if when == "before_publish":
+            time.sleep(0.5)  # the Fetches and Dones crossed: nothing published yet
+            c.publish([(rid, [7, 8], 20, rid)])
+        got = _finished(c, rid, 5.0)
+        assert [f[1] for f in got] == ["failed"], got
+        assert c.wait_ctx_released(2.0)[0]["pinned"] == 0
+        for p in c.gen:  # nothing was read into the pool, nothing is reported or left in flight
+            assert p.call("gen_status") == {"in_flight": 0}
+            ans = p.call("collect", {"timeout": 0.2})
+            assert ans["results"] == [] and ans["mismatched_bytes"] == 0, ans
     finally:
         c.close()

@@ -99,11 +99,11 @@ def test_prefill_killed_between_the_hops_fails_in_bounded_time_and_decode_stays_
 def test_clients_that_give_up_leave_no_block_held_and_the_engines_exact(servers):
     """Two clients disconnect mid-request, which vLLM turns into aborts: (A) an early decode waiting for its
     prefill, whose prefill then runs and publishes for a reader that is gone; (B) a sequential decode while it
-    pulls (or before: 10 ms). The decode engine frees its blocks at once; the prefill engine frees (A)'s
-    orphaned publish as it publishes (the cancelled pull's Done withdrew its waiting Fetch; before, the Fetch
-    was admitted at the publish and the blocks held until the gone reader's lease, 10 s, ran out), and (B)'s
-    once the pull's Done comes (a decode aborted before its Fetch went out tells the prefill nothing: the
-    pickup lease, 30 s here); and both still answer exactly."""
+    pulls (or before it began: 10 ms). The decode engine frees its blocks at once, and so does the prefill
+    engine: (A)'s orphaned publish as it publishes (the cancelled pull's Done withdrew its waiting Fetch;
+    before, the Fetch was admitted at the publish and the blocks held until the gone reader's lease, 10 s, ran
+    out), (B)'s as the decode's cancelled pull reports, or its withdrawal if the pull never began (before, its
+    pickup lease: 30 s here); both still answer exactly."""
     P, D = servers.use("p1", "d1")
     describe = describe_of(prefill(P.url, prompt(40, 710)))
     p = prompt(700, 11)
@@ -112,18 +112,32 @@ def test_clients_that_give_up_leave_no_block_held_and_the_engines_exact(servers)
     time.sleep(0.5)  # vLLM has taken the disconnect
     held = kv_usage(P.url)  # the describe's prefill above: pinned for a reader until its pickup lease (30 s)
     completion(P.url, p, 1, kv_transfer_params=prefill_params).raise_for_status()
-    deadline = time.monotonic() + 5  # (A)'s blocks go at its publish, not once the gone reader's lease (10 s) ends
-    while kv_usage(P.url) > held and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert kv_usage(P.url) <= held, (kv_usage(P.url), held)
+    _back_to(P.url, held)  # (A)'s blocks go at its publish, not once the gone reader's lease (10 s) ends
     q = prompt(700, 12)
     params = prefill(P.url, q)
     assert gave_up(lambda: completion(D.url, q, 8, kv_transfer_params=params, timeout=0.01))
     assert wait_no_blocks_held(D.url) == 0
-    assert wait_no_blocks_held(P.url, timeout=60) == 0  # the describe's, (B)'s: a decode aborted before its
-    #                                                     Fetch went out tells the prefill nothing (the lease)
+    _back_to(P.url, held)  # (B)'s at once too: its pull cancelled, or withdrawn if it never began (not 30 s)
+    c = prompt(300, 14)  # (C) a decode waiting in the decode engine's queue (its 4 sequences taken) when its
+    cparams = prefill(P.url, c)  # client goes: its pull never began, so the engine withdraws it (not 30 s)
+    with ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(completion, D.url, prompt(20, 40 + i), 900) for i in range(4)]
+        time.sleep(1.0)
+        assert gave_up(lambda: completion(D.url, c, 8, kv_transfer_params=cparams, timeout=0.5))
+        assert not any(f.done() for f in busy), "the decode engine's sequences ended before (C) was aborted"
+        _back_to(P.url, held)
+        assert all(f.result().status_code == 200 for f in busy)
+    assert wait_no_blocks_held(P.url, timeout=60) == 0  # the describe's, at its pickup lease
     r = prompt(300, 13)
     assert tokens(decode(D.url, r, prefill(P.url, r))) == tokens(completion(D.url, r, 8))
+
+
+def _back_to(url: str, held: float, within: float = 5.0) -> None:
+    """The engine's KV use falls back to `held` within `within` seconds (well inside any lease here)."""
+    deadline = time.monotonic() + within
+    while kv_usage(url) > held and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kv_usage(url) <= held, (kv_usage(url), held)
 
 
 def gave_up(call) -> bool:

@@ -53,3 +53,25 @@ def test_a_pull_aborted_before_its_report_leaves_nothing_behind():
     assert s.take_work().cancels == ["r"]
     s.worker_reports({}, {"r"})  # the cancelled pull reports afterwards
     assert not (s._loaded or s._seen or s._pulling or s._local)
+
+
+def test_a_decode_finished_before_its_pull_began_is_withdrawn_once_and_only_then():
+    """Aborted while it waited (never scheduled, or scheduled but not yet allocated), or never needing the pull:
+    the workers withdraw it (Receiver.withdraw), so the prefill engine frees its KV now, not at its pickup
+    timeout. A request that pulled, is pulling, or names no remote prefill withdraws nothing."""
+    s, params = SchedulerSide("vllm-d", LAYOUT), remote_prefill()
+    s.request_finished("never-scheduled", params, PROMPT, 0, False, [])
+    assert s.matched_tokens("waiting", params, PROMPT, 0) == (70, True)  # asked, then aborted before its blocks
+    s.request_finished("waiting", params, PROMPT, 0, False, [])
+    w = s.take_work()
+    assert [(DisaggParams.from_dict(d).ctx_request_id, n) for d, n in w.withdraws] == [(9, 70), (9, 70)]
+    assert not w.cancels
+    pulled(s, "pulling", params)
+    s.request_finished("pulling", params, PROMPT, 0, False, [1, 2, 3])  # cancelled, not withdrawn
+    w = s.take_work()
+    assert w.cancels == ["pulling"] and not w.withdraws
+    pulled(s, "done", params)
+    s.worker_reports({}, {"done"})
+    s.request_finished("done", params, PROMPT, 78, True, [1, 2, 3])
+    s.request_finished("local", {}, PROMPT, 70, True, [1, 2, 3])  # no remote prefill at all
+    assert not s.take_work().withdraws
