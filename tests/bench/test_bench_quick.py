@@ -140,6 +140,24 @@ def test_control_floor_quick(tmp_path):
     assert bad.returncode == 2 and "--idle-us must be between" in bad.stderr, bad.stderr[-2000:]
 
 
+def test_tls_cost_quick(tmp_path):
+    """docs/security.md's `python -m kvbridge.bench.tls_cost`: plain and HTTPS deployments answer, every row
+    written, JSON + PNG (skips without the openssl command line, which makes its certificates)."""
+    import shutil
+
+    if not shutil.which("openssl"):
+        pytest.skip("needs the openssl command line to make test certificates")
+    out = tmp_path / "tls.json"
+    p = subprocess.run([sys.executable, "-m", "kvbridge.bench.tls_cost", "--requests", "4", "--json", str(out)],
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    assert [(r["mode"], r["connection"]) for r in rows] == [
+        ("http", "kept alive"), ("http", "new each request"), ("https", "kept alive"), ("https", "new each request")]
+    assert all(r["p50_ms"] > 0 for r in rows) and out.with_suffix(".png").exists()
+
+
 def test_read_ab_quick(tmp_path):
     """`python -m kvbridge.bench.read_ab` (docs/pipelined-parts.md): one size, one READ per mode, on two GPUs."""
     import torch
@@ -170,6 +188,7 @@ QUICK_TESTS = {  # bench name -> the test that runs it in a quick form (file rel
                    "test_bench_route_quick_writes_every_row_with_answers_equal_to_aggregated",
     "read_ab": "tests/bench/test_bench_quick.py::test_read_ab_quick",  # two GPUs: skips here, runs on the GPU host
     "control_floor": "tests/bench/test_bench_quick.py::test_control_floor_quick",
+    "tls_cost": "tests/bench/test_bench_quick.py::test_tls_cost_quick",
     "nixl_post": "tests/bench/test_nixl_post.py::test_nixl_post_quick",
 }
 

@@ -3,10 +3,8 @@ a CA, and a server certificate it signed for the given IP addresses (and `localh
 
 from __future__ import annotations
 
-import os
 import shutil
 import ssl
-import subprocess
 from dataclasses import dataclass
 
 
@@ -30,28 +28,9 @@ def openssl_missing() -> str:
     return "" if shutil.which("openssl") else "needs the openssl command line to make test certificates"
 
 
-def _run(*args: str, cwd: str) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _ca(d: str, name: str) -> None:
-    _run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN=kvbridge test {name}",
-         "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-
-
 def make_certs(d: str, ips: tuple[str, ...] = ("127.0.0.1",)) -> Certs:
-    """A CA and a server certificate for `ips` and localhost, in folder `d` (created)."""
-    os.makedirs(d, exist_ok=True)
-    _ca(d, "ca")
-    _ca(d, "other-ca")
-    _run("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", "host.key", "-out", "host.csr", "-subj", "/CN=kvbridge test host", cwd=d)
-    san = ",".join([f"IP:{ip}" for ip in ips] + ["DNS:localhost"])
-    with open(os.path.join(d, "host.ext"), "w") as f:
-        f.write(f"subjectAltName={san}\nbasicConstraints=critical,CA:FALSE\n"
-                "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n"
-                "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
-    _run("x509", "-req", "-in", "host.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-         "-out", "host.crt", "-days", "2", "-extfile", "host.ext", cwd=d)
-    return Certs(*(os.path.join(d, n) for n in ("ca.crt", "host.crt", "host.key", "other-ca.crt")))
+    """A CA and a server certificate for `ips` and localhost, in folder `d` (created; bench/tls_cost.py makes them)."""
+    from kvbridge.bench.tls_cost import make_certs as make
+
+    p = make(d, ips)
+    return Certs(p["ca"], p["cert"], p["key"], p["other_ca"])
