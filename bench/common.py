@@ -37,6 +37,20 @@ def write_json(path: str | None, rows: list[dict[str, Any]]) -> None:
     print(f"wrote {path}")
 
 
+def output_args(ap) -> None:
+    """--json PATH and --png PATH (default: the JSON's path with .png) on a bench's argument parser."""
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None, help="default: the --json path with .png")
+
+
+def finish(rows: list[dict[str, Any]], a, png) -> None:
+    """Print the rows as one table; with --json, write them there and draw png(path, rows) beside them."""
+    print(table(rows, list(rows[0])))
+    if a.json:
+        write_json(a.json, rows)
+        png(a.png or os.path.splitext(a.json)[0] + ".png", rows)
+
+
 def machine() -> str:
     return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}"
 

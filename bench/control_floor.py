@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 
-from .common import machine, table, write_json
-from .plot import save_plot
+from .common import finish, machine, output_args, table
+from .plot import p50_p90_bars
 
 PAYLOAD = b"x" * 64
 
@@ -150,33 +150,22 @@ def run(rounds: int, idle_us: float = 0.0) -> list[dict]:
 
 
 def _png(path: str, rows: list[dict]) -> None:
-    def draw(fig):
-        ax = fig.add_subplot(1, 1, 1)
-        names = [f"{r['hop']}\n{r['wait']}" for r in rows]
-        ax.bar(names, [r["rtt_p50_us"] for r in rows], label="p50")
-        ax.scatter(names, [r["rtt_p90_us"] for r in rows], color="k", marker="_", s=200, label="p90", zorder=3)
-        ax.set_ylabel("round trip, us")
-        ax.legend()
-
-    save_plot(path, draw, f"control_floor: bare round trips between two processes ({machine()[:50]})")
+    p50_p90_bars(path, [f"{r['hop']}\n{r['wait']}" for r in rows], [r["rtt_p50_us"] for r in rows],
+                 [r["rtt_p90_us"] for r in rows], "round trip, us",
+                 f"control_floor: bare round trips between two processes ({machine()[:50]})")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge.bench.control_floor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3000, help="round trips per row (after a fifth as warm-up)")
     ap.add_argument("--idle-us", type=float, default=0.0, help="pause before each round (both sides idle)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--png", default=None, help="default: the --json path with .png")
+    output_args(ap)
     a = ap.parse_args(argv)
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
     if not 0 <= a.idle_us <= 1e6:
         ap.error("--idle-us must be between 0 and 1000000")
-    rows = run(a.rounds, a.idle_us)
-    print(table(rows, list(rows[0])))
-    if a.json:
-        write_json(a.json, rows)
-        _png(a.png or os.path.splitext(a.json)[0] + ".png", rows)
+    finish(run(a.rounds, a.idle_us), a, _png)
     return 0
 
 

@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from .common import machine, table, write_json
-from .plot import save_plot
+from .common import finish, machine, output_args, table
+from .plot import p50_p90_bars
 
 PROMPT = list(range(40, 72))
 
@@ -110,23 +110,16 @@ def run(requests: int, log_dir: str) -> list[dict]:
 
 
 def _png(path: str, rows: list[dict]) -> None:
-    def draw(fig):
-        ax = fig.add_subplot(1, 1, 1)
-        names = [f"{r['mode']}\n{r['connection']}" for r in rows]
-        ax.bar(names, [r["p50_ms"] for r in rows], label="p50")
-        ax.scatter(names, [r["p90_ms"] for r in rows], color="k", marker="_", s=200, label="p90", zorder=3)
-        ax.set_ylabel("completion (2 tokens), ms")
-        ax.legend()
-
-    save_plot(path, draw, f"tls_cost: plain HTTP vs HTTPS through the router ({machine()[:50]})")
+    p50_p90_bars(path, [f"{r['mode']}\n{r['connection']}" for r in rows], [r["p50_ms"] for r in rows],
+                 [r["p90_ms"] for r in rows], "completion (2 tokens), ms",
+                 f"tls_cost: plain HTTP vs HTTPS through the router ({machine()[:50]})")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge.bench.tls_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per mode on a kept-alive connection "
                                                               "(a quarter as many on new connections)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--png", default=None, help="default: the --json path with .png")
+    output_args(ap)
     a = ap.parse_args(argv)
     if a.requests < 1:
         ap.error("--requests must be at least 1")
@@ -134,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tls_cost: needs the openssl command line to make its test certificates", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="kvb-tls-logs-") as logs:
-        rows = run(a.requests, logs)
-    print(table(rows, list(rows[0])))
-    if a.json:
-        write_json(a.json, rows)
-        _png(a.png or os.path.splitext(a.json)[0] + ".png", rows)
+        finish(run(a.requests, logs), a, _png)
     return 0
 
 
