@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     from ..gcheap import freeze_startup_heap
     from .auth import api_keys, check_router_bind
     from .config import load_config
+    from .tls import server_kwargs
 
     try:
         cfg = load_config(a.config).with_api_keys(tuple(a.api_key))
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     url = f"{cfg.router.scheme}://{cfg.router.host}:{port}"
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.bind_host, port=port, log_level=a.log_level,
                                            timeout_graceful_shutdown=5,
-                                           **(cfg.tls.server_kwargs() if cfg.tls else {})))
+                                           **server_kwargs(cfg.tls)))
     where = cfg.cluster and (url if cfg.cluster.router_registry else cfg.cluster.uri)
     members = (f"workers join through {where} (cluster {cfg.cluster.name})" if cfg.cluster else
                f"context {[s.url for s in cfg.context]}, generation {[s.url for s in cfg.generation]}")

@@ -12,7 +12,8 @@ hosts need no `insecure: true` (which plain HTTP to a non-loopback host still ne
 
 Owns parsing (every error names its key and the file) and the SSL contexts; never opens a socket. The
 certificates are loaded when the config is parsed, so a bad file fails `kvbridge check` and start-up, not the
-first request. Clients from outside (an OpenAI SDK) trust the same CA (`httpx.Client(verify=ca)`).
+first request. Clients from outside (an OpenAI SDK) trust the same CA
+(`httpx.Client(verify=ssl.create_default_context(cafile=ca))`).
 vLLM servers (`engine: vllm`, which then needs `disagg_cluster`): each runs under a `kvbridge worker` whose
 guard (vllm_guard.py) serves HTTPS with these files in front of it, the server itself on loopback in plain
 HTTP. Not covered: etcd's own TLS, and the bytes the `tcp` agent moves (docs/limits.md).
@@ -28,7 +29,7 @@ from typing import Any
 
 from ..errors import ServeConfigError
 
-__all__ = ["TlsSpec", "parse_tls", "client_verify", "certificate_error"]
+__all__ = ["TlsSpec", "parse_tls", "client_verify", "server_kwargs", "certificate_error"]
 
 _KEYS = ("cert", "key", "ca")
 
@@ -40,10 +41,6 @@ class TlsSpec:
     cert: str
     key: str
     ca: str
-
-    def server_kwargs(self) -> dict[str, str]:
-        """uvicorn.Config's TLS arguments (its server then answers only TLS)."""
-        return {"ssl_certfile": self.cert, "ssl_keyfile": self.key}
 
     def client_context(self) -> ssl.SSLContext:
         """The context every kvbridge HTTP client of this deployment uses: TLS 1.2 or later, the peer's
@@ -75,8 +72,9 @@ def certificate_error(e: BaseException) -> str:
     return ""
 
 
-def scheme(tls: TlsSpec | None) -> str:
-    return "https" if tls is not None else "http"
+def server_kwargs(tls: TlsSpec | None) -> dict[str, str]:
+    """uvicorn.Config's TLS arguments: with TLS its server answers only TLS; none without."""
+    return {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key} if tls is not None else {}
 
 
 def parse_tls(d: Any) -> TlsSpec | None:

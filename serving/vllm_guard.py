@@ -27,6 +27,7 @@ import httpx
 import uvicorn
 
 from .auth import TOKEN_HEADER, InternalAuth, authenticated
+from .tls import server_kwargs
 
 __all__ = ["VllmGuard", "GuardServer", "guard_app", "guard_server"]
 
@@ -150,7 +151,7 @@ def guard_server(upstream: str, token: str, tls=None) -> "GuardServer":
     `tls` (the config's tls.TlsSpec: vLLM itself then stays plain HTTP on loopback behind it)."""
     return GuardServer(uvicorn.Config(guard_app(upstream, token), log_level="warning", lifespan="on",
                                       access_log=False, timeout_graceful_shutdown=5,
-                                      **(tls.server_kwargs() if tls is not None else {})))
+                                      **server_kwargs(tls)))
 
 
 def guard_app(upstream: str, token: str):

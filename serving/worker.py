@@ -135,6 +135,7 @@ def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
     from .backend import Backend
     from .kv_worker import advertised, kv_events_settings
     from .text import TextCodec
+    from .tls import server_kwargs
     from .worker_app import WorkerState, build_app
 
     instance = f"{spec.name}-{uuid.uuid4().hex[:12]}"  # changes whenever the worker restarts
@@ -153,7 +154,7 @@ def _serve(cfg, spec, run_dir: str, log_level: str, sock) -> int:
         app = build_app(st, on_fatal=lambda: setattr(server, "should_exit", True))
         ucfg = uvicorn.Config(app, host=spec.bind_host, port=spec.port, log_level=log_level,
                               timeout_graceful_shutdown=5, lifespan="on",
-                              **(cfg.tls.server_kwargs() if cfg.tls else {}))  # HTTPS with tls (tls.py)
+                              **server_kwargs(cfg.tls))  # HTTPS with tls (tls.py)
         if cfg.cluster is None:
             server = uvicorn.Server(ucfg)
         else:  # registers once it serves, heartbeats, drains on SIGTERM (worker_cluster.py)

@@ -43,11 +43,11 @@ def cluster_registrar(cfg, rec) -> Registrar:
     from .registry import open_store, registry_key
     from .tls import client_verify
 
-    cl = cfg.cluster
+    cl, verify = cfg.cluster, client_verify(cfg.tls)
     key = registry_key(internal_token(cfg) or "", cl.name)
-    store = open_store(cl.uri, key, cl.call_timeout_s, cl.etcd_password(), client_verify(cfg.tls))
+    store = open_store(cl.uri, key, cl.call_timeout_s, cl.etcd_password(), verify)
     return Registrar(store, key, rec, cl.heartbeat_s, cl.ttl_s, internal_headers(cfg),
-                     ready_timeout_s=cfg.startup_timeout_s, verify=client_verify(cfg.tls))
+                     ready_timeout_s=cfg.startup_timeout_s, verify=verify)
 
 
 async def wait_quiet(busy, t0: float, bound_s: float):
